@@ -1,0 +1,83 @@
+"""Named results a notebook records, for the tests and the course summary to read back.
+
+A notebook makes ``results = Results("01_mixed_precision")`` and calls
+``results.record("bf16_speedup", 1.7)``, ``results.claim(...)`` and ``results.figure(fig,
+"speed")``. Values go to ``<run dir>/results/<notebook>.json`` and figures to
+``<run dir>/figures/``; the run dir is ``$COURSE_RUN_DIR``, or ``runs/`` where the course
+is run from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+def run_dir() -> Path:
+    """Where executed notebooks, results and figures go (created on first use)."""
+    d = Path(os.environ.get("COURSE_RUN_DIR", "runs")).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _plain(value):
+    """JSON-safe: tensors and numpy scalars become floats, NaN stays as None."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class Results:
+    """The results file of one notebook."""
+
+    def __init__(self, notebook: str):
+        self.notebook = notebook
+        self.path = run_dir() / "results" / f"{notebook}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = {"notebook": notebook, "values": {}, "claims": [], "figures": []}
+        self._save()
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+    def record(self, name: str, value, unit: str = "") -> object:
+        """Store a measured value under ``name``; returns the value."""
+        self.data["values"][name] = {"value": _plain(value), "unit": unit}
+        self._save()
+        return value
+
+    def claim(self, claim: str, measured: str, held: bool, source: str = "") -> bool:
+        """A claim from the seeds checked against this run's measurement."""
+        self.data["claims"].append({"claim": claim, "measured": measured, "held": bool(held), "source": source})
+        self._save()
+        return bool(held)
+
+    def figure(self, fig, name: str) -> Path:
+        """Save a matplotlib figure as a PNG beside the results."""
+        path = run_dir() / "figures" / f"{self.notebook}_{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        self.data["figures"].append(str(path.relative_to(run_dir())))
+        self._save()
+        return path
+
+
+def load(notebook: str, directory: Path | str | None = None) -> dict:
+    """The results a notebook recorded, as saved by ``Results``."""
+    base = Path(directory) if directory else run_dir()
+    return json.loads((base / "results" / f"{notebook}.json").read_text())
+
+
+def value(notebook: str, name: str, directory: Path | str | None = None):
+    """One recorded value."""
+    return load(notebook, directory)["values"][name]["value"]

@@ -1,0 +1,117 @@
+"""The course's main job: execute every notebook with papermill and write one summary.
+
+    python -m course_lib.run_all                 # every notebook, tier picked from the hardware
+    python -m course_lib.run_all --tier cpu 00 02 # some notebooks, a given tier
+
+Executed notebooks go to ``runs/executed/``, each notebook's recorded values and figures
+to ``runs/results/`` and ``runs/figures/``, and ``runs/summary.md`` gathers them: a table
+of what each notebook measured, each seed claim and whether it held here, and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def notebooks(source: str = "solutions") -> list[Path]:
+    """The course notebooks in order: ``solutions/NN_x/NN_x.ipynb`` or ``notebooks/NN_x.ipynb``."""
+    base = ROOT / source
+    pattern = "[0-9][0-9]_*/[0-9][0-9]_*.ipynb" if source == "solutions" else "[0-9][0-9]_*.ipynb"
+    return sorted(p for p in base.glob(pattern) if ".ipynb_checkpoints" not in p.parts)
+
+
+def execute(notebook: Path, run_dir: Path, parameters: dict | None = None, progress: bool = False,
+            timeout: int | None = None) -> float:
+    """Execute one notebook with papermill into ``run_dir/executed``; returns its wall time in seconds.
+
+    The notebook records its results under ``run_dir`` (``COURSE_RUN_DIR`` is set for its
+    kernel). A failing cell raises ``papermill.PapermillExecutionError`` naming the cell.
+    """
+    import papermill as pm
+
+    run_dir = Path(run_dir).resolve()
+    (run_dir / "executed").mkdir(parents=True, exist_ok=True)
+    os.environ["COURSE_RUN_DIR"] = str(run_dir)  # inherited by the kernel papermill starts
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    start = time.perf_counter()
+    pm.execute_notebook(str(notebook), str(run_dir / "executed" / notebook.name), parameters=parameters or {},
+                        kernel_name="python3", progress_bar=progress, cwd=str(notebook.parent),
+                        execution_timeout=timeout)
+    return time.perf_counter() - start
+
+
+def write_summary(run_dir: Path, timings: dict[str, float], tier: str) -> Path:
+    """``run_dir/summary.md``: per notebook, its time, values, claims and figures."""
+    from course_lib import results
+    from course_lib.device import system_report
+
+    lines = ["# Course run summary", "", f"Tier: **{tier}**", "", "| system | |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in system_report().items()]
+    for name, seconds in timings.items():
+        lines += ["", f"## {name}", "", f"Executed in {seconds:.1f} s." if seconds == seconds else "Failed."]
+        try:
+            data = results.load(name, run_dir)
+        except FileNotFoundError:
+            lines += ["", "(no results recorded)"]
+            continue
+        if data["values"]:
+            lines += ["", "| measured | value | unit |", "| --- | --- | --- |"]
+            for key, v in data["values"].items():
+                val = v["value"]
+                shown = f"{val:.4g}" if isinstance(val, float) else str(val)
+                lines.append(f"| {key} | {shown} | {v['unit']} |")
+        if data["claims"]:
+            lines += ["", "| claim | source | measured here | held? |", "| --- | --- | --- | --- |"]
+            for c in data["claims"]:
+                lines.append(f"| {c['claim']} | {c['source']} | {c['measured']} | {'yes' if c['held'] else 'no'} |")
+        for fig in data["figures"]:
+            lines += ["", f"![{Path(fig).stem}]({fig})"]
+    path = run_dir / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("only", nargs="*", help="notebook numbers to run (default: all), e.g. 00 03")
+    parser.add_argument("--tier", default="auto", help="auto (default), cpu, gpu or node")
+    parser.add_argument("--out", default=str(ROOT / "runs"), help="run folder (default: runs/)")
+    parser.add_argument("--source", default="solutions", choices=["solutions", "notebooks"],
+                        help="execute the complete solutions (default) or the student release")
+    args = parser.parse_args(argv)
+
+    from tqdm.auto import tqdm
+
+    from course_lib.device import pick_tier
+
+    tier = pick_tier(args.tier)
+    chosen = [p for p in notebooks(args.source) if not args.only or p.name[:2] in args.only]
+    if not chosen:
+        parser.error(f"no notebook matches {args.only}; available: {[p.name[:2] for p in notebooks(args.source)]}")
+    run_dir = Path(args.out).resolve()
+    timings, failed = {}, []
+    bar = tqdm(chosen, desc="course", unit="notebook")
+    for nb in bar:
+        bar.set_postfix_str(nb.stem)
+        try:
+            timings[nb.stem] = execute(nb, run_dir, {"tier": tier}, progress=True)
+        except Exception as err:  # keep going: the summary says which notebook failed and why
+            timings[nb.stem] = float("nan")
+            failed.append((nb.stem, err))
+        tqdm.write(f"{nb.stem}: {timings[nb.stem]:.1f} s")
+    summary = write_summary(run_dir, timings, tier)
+    print(f"\nexecuted notebooks: {run_dir / 'executed'}\nsummary: {summary}")
+    for name, err in failed:
+        print(f"FAILED {name}: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

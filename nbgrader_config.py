@@ -1,0 +1,31 @@
+"""nbgrader configuration of the course: run nbgrader's commands from the project root.
+
+solutions/<assignment>/<assignment>.ipynb is the source (one notebook per assignment);
+``nbgrader generate_assignment`` writes release/, and ``python -m course_lib.release``
+copies that into notebooks/ (committed, so a clone opens and runs with no instructor step).
+Collected work goes to submitted/<student>/<assignment>/; ``nbgrader autograde``,
+``generate_feedback`` and ``export`` do the rest (see README, "Grading").
+"""
+
+import os
+
+c = get_config()  # noqa: F821 (nbgrader provides it)
+
+c.CourseDirectory.course_id = "scaling-pytorch-training"
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "release"
+c.CourseDirectory.submitted_directory = "submitted"
+c.CourseDirectory.autograded_directory = "autograded"
+c.CourseDirectory.feedback_directory = "feedback"
+c.CourseDirectory.db_url = "sqlite:///" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "gradebook.db")
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "runs"]
+
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+# A cell that runs longer than this is interrupted and the notebook goes on: a submission that
+# loops forever loses that exercise's points, not the whole notebook. Under nbgrader the
+# notebooks pick the 'smoke' tier (tiny sizes), so no honest cell comes near it.
+c.Execute.timeout = int(os.environ.get("COURSE_CELL_TIMEOUT", "60"))
+c.Execute.interrupt_on_timeout = True
+c.Execute.allow_errors = True

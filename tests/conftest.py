@@ -1,0 +1,51 @@
+"""Shared fixtures: execute a solutions notebook once per test session, read what it recorded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def course_run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("course_run")
+
+
+@pytest.fixture(scope="session")
+def executed(course_run_dir):
+    """``executed("02_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
+
+    Each notebook runs once per session (papermill, real kernel); a failing cell fails the test
+    with papermill's error naming the cell.
+    """
+    from course_lib import results
+    from course_lib.run_all import execute
+
+    cache: dict[str, dict] = {}
+
+    def run(name: str, tier: str = "cpu") -> dict:
+        if name not in cache:
+            nb = ROOT / "solutions" / name / f"{name}.ipynb"
+            TIMES[name] = execute(nb, course_run_dir, {"tier": tier}, timeout=600)
+            cache[name] = results.load(name, course_run_dir)
+            cache[name]["seconds"] = TIMES[name]
+        return cache[name]
+
+    return run
+
+
+def value(res: dict, name: str):
+    """A recorded value from a results dict."""
+    return res["values"][name]["value"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMES:
+        terminalreporter.section("notebook execution times (CPU tier, papermill)")
+        for name, seconds in TIMES.items():
+            terminalreporter.write_line(f"{name}: {seconds:.1f} s")

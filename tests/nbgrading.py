@@ -1,0 +1,103 @@
+"""Build student submissions from the solutions and grade them with nbgrader's real autograde.
+
+A scratch course holds the config, solutions/ and the generated release. A submission is the
+released notebook with its solution cells filled in: from the reference solution, or from a
+known-wrong replacement (tests/submissions/<assignment>.py), or left blank. nbgrader's
+autograde runs them all in one call, and the gradebook gives each test cell's score.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+from course_lib.release import make_course, nbgrader
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOP = "while True:  # a submission that never finishes\n    pass\n"
+
+
+def cases(assignment: str) -> dict:
+    """The module of known submissions for an assignment (CASES, LOOP_CELL)."""
+    path = ROOT / "tests" / "submissions" / f"{assignment}.py"
+    spec = importlib.util.spec_from_file_location(f"submissions_{assignment}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def strip_markers(source: str) -> str:
+    return "\n".join(l for l in source.splitlines() if l.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+
+
+def cell_source(cell) -> str:
+    return cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+
+
+def grade_cells(nb: dict) -> dict[str, int]:
+    """grade_id → points of every autograded test cell."""
+    return {c["metadata"]["nbgrader"]["grade_id"]: c["metadata"]["nbgrader"]["points"]
+            for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade")}
+
+
+def solution_cells(nb: dict) -> dict[str, str]:
+    """grade_id → source of every solution cell."""
+    return {c["metadata"]["nbgrader"]["grade_id"]: cell_source(c)
+            for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("solution")}
+
+
+def tests_of(nb: dict, solution_id: str) -> list[str]:
+    """The test cells that follow a solution cell, up to the next solution cell."""
+    out, inside = [], False
+    for c in nb["cells"]:
+        md = c["metadata"].get("nbgrader", {})
+        if md.get("solution"):
+            inside = md["grade_id"] == solution_id
+        elif inside and md.get("grade"):
+            out.append(md["grade_id"])
+    return out
+
+
+def submission(release: dict, solution: dict, replace: dict[str, str] | None = None, blank: bool = False,
+               tamper: dict[str, str] | None = None) -> dict:
+    """A student's notebook: the release with solution cells filled in (and test cells edited, for tamper)."""
+    nb = copy.deepcopy(release)
+    answers = {k: strip_markers(v) for k, v in solution_cells(solution).items()}
+    for c in nb["cells"]:
+        md = c["metadata"].get("nbgrader", {})
+        gid = md.get("grade_id")
+        if md.get("solution") and not blank:
+            c["source"] = (replace or {}).get(gid, answers[gid])
+        if md.get("grade") and tamper and gid in tamper:
+            c["source"] = tamper[gid]
+    return nb
+
+
+def submit(course: Path, assignment: str, student: str, nb: dict) -> Path:
+    path = course / "submitted" / student / assignment / f"{assignment}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb, indent=1))
+    return path
+
+
+def autograde(course: Path, assignment: str, cell_timeout: int = 20) -> None:
+    nbgrader(course, "autograde", assignment, "--force", env={"COURSE_CELL_TIMEOUT": str(cell_timeout)}, timeout=1800)
+
+
+def scores(course: Path, assignment: str) -> dict[str, dict[str, float]]:
+    """student → grade_id → score, read from the gradebook."""
+    from nbgrader.api import Gradebook
+
+    out = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        for sub in gb.assignment_submissions(assignment):
+            nb = sub.notebooks[0]
+            out[sub.student_id] = {g.name: g.score for g in nb.grades}
+    return out
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,67 @@
+"""nbgrader's real autograde on known submissions of every notebook.
+
+Per assignment, one autograde run grades: the reference solution (full marks), the untouched
+release (zero on every test cell), each known-wrong submission of tests/submissions/ (its
+expected partial scores), a submission whose test cell was edited to pass (restored, so it
+scores as the wrong code deserves), and one that loops forever in one exercise (loses only
+that exercise's cells, within the cell timeout). Grading never changes a submitted file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import nbgrading as g
+from course_lib.release import assignments, make_course
+
+CELL_TIMEOUT = 20
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    return make_course(tmp_path_factory.mktemp("grading") / "course")
+
+
+@pytest.mark.parametrize("assignment", assignments())
+def test_autograde_known_submissions(course, assignment):
+    solution = json.loads((course / "solutions" / assignment / f"{assignment}.ipynb").read_text())
+    release = json.loads((course / "release" / assignment / f"{assignment}.ipynb").read_text())
+    points = g.grade_cells(solution)
+    known = g.cases(assignment)
+    assert len(known.CASES) >= 2, "each notebook needs at least two known-wrong submissions"
+
+    expected = {"solution": points, "release": {k: 0 for k in points}}
+    subs = {"solution": g.submission(release, solution), "release": g.submission(release, solution, blank=True)}
+    for name, case in known.CASES.items():
+        assert set(case["scores"]) == set(points), f"{name}: scores must list every test cell {sorted(points)}"
+        subs[name] = g.submission(release, solution, replace=case["cells"])
+        expected[name] = case["scores"]
+
+    # Tamper: take a wrong submission and replace a test cell it fails with one that always passes.
+    name, case = next((n, c) for n, c in known.CASES.items() if 0 in c["scores"].values())
+    failed = next(k for k, v in case["scores"].items() if v == 0)
+    subs["tampered"] = g.submission(release, solution, replace=case["cells"],
+                                    tamper={failed: "print('all tests passed')\n"})
+    expected["tampered"] = case["scores"]
+
+    # Loop: one exercise never finishes; only its own test cells lose points.
+    loses = g.tests_of(solution, known.LOOP_CELL)
+    assert loses, f"LOOP_CELL {known.LOOP_CELL!r} has no test cells after it"
+    subs["loops"] = g.submission(release, solution, replace={known.LOOP_CELL: g.LOOP})
+    expected["loops"] = {k: (0 if k in loses else v) for k, v in points.items()}
+
+    paths = {student: g.submit(course, assignment, student, nb) for student, nb in subs.items()}
+    before = {student: g.digest(p) for student, p in paths.items()}
+    start = time.perf_counter()
+    g.autograde(course, assignment, CELL_TIMEOUT)
+    seconds = time.perf_counter() - start
+    got = g.scores(course, assignment)
+
+    for student in subs:
+        assert got[student] == pytest.approx(expected[student]), f"{assignment} / {student}"
+    assert {s: g.digest(p) for s, p in paths.items()} == before, "autograde changed a submitted notebook"
+    # the loop costs one cell timeout, not the whole run
+    print(f"{assignment}: {len(subs)} submissions autograded in {seconds:.0f} s")

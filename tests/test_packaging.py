@@ -1,0 +1,53 @@
+"""The package's set-up files agree with each other and with the README."""
+
+import re
+import tomllib
+
+import yaml
+from packaging.requirements import Requirement
+
+from course_lib.release import ROOT
+
+CONDA_TO_PIP = {"pytorch": "torch"}
+
+
+def pyproject_requirements() -> dict[str, str]:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in meta["dependencies"] + meta["optional-dependencies"]["test"]]
+    return {r.name.lower(): str(r.specifier) for r in reqs}
+
+
+def conda_requirements() -> dict[str, str]:
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    out = {}
+    for dep in env["dependencies"]:
+        if isinstance(dep, dict) or dep == "pip" or dep.startswith("python="):
+            continue  # the interpreter, pip itself, and the pip section (the course, editable)
+        name = re.match(r"[A-Za-z0-9_.\-]+", dep).group(0)
+        req = Requirement(CONDA_TO_PIP.get(name, name) + dep[len(name):])
+        out[req.name.lower()] = str(req.specifier)
+    return out
+
+
+def test_environment_yml_matches_pyproject():
+    assert conda_requirements() == pyproject_requirements()
+
+
+def test_environment_yml_installs_the_course_itself():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert "-e ." in pip_section
+
+
+def test_torch_is_a_loose_range_never_a_pin():
+    spec = pyproject_requirements()["torch"]
+    assert spec.startswith(">=") and "==" not in spec, "a pin would replace a user's ROCm or CUDA build"
+
+
+def test_readme_commands_exist_and_ci_runs_the_test_command():
+    readme = (ROOT / "README.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("course", "test"):
+        assert f"make {target}" in readme, f"README must give `make {target}`"
+        assert re.search(rf"^{target}:", makefile, re.M), f"Makefile lacks the {target} target"
+    assert re.search(r"^make test$", (ROOT / ".ci" / "run").read_text(), re.M)

@@ -1,0 +1,38 @@
+"""The committed student notebooks are exactly what nbgrader generates from solutions/."""
+
+import json
+from pathlib import Path
+
+from course_lib.release import ROOT, assignments, make_course, released
+
+
+def test_release_in_sync_with_solutions(tmp_path):
+    fresh = released(make_course(tmp_path / "course"))
+    committed = {p.stem: json.loads(p.read_text()) for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert set(committed) == set(fresh), "notebooks/ and solutions/ hold different notebooks"
+    for aid, nb in fresh.items():
+        assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_lib.release"
+
+
+def test_release_hides_solutions_and_hidden_tests():
+    for aid in assignments():
+        text = (ROOT / "notebooks" / f"{aid}.ipynb").read_text()
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, aid
+        assert "raise NotImplementedError()" in text, aid
+
+
+def test_notebooks_stored_without_outputs():
+    for path in list((ROOT / "notebooks").glob("*.ipynb")) + list((ROOT / "solutions").glob("*/*.ipynb")):
+        nb = json.loads(path.read_text())
+        assert not any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), path
+
+
+def test_every_notebook_has_a_parameters_cell_and_two_exercises():
+    for aid in assignments():
+        nb = json.loads((ROOT / "solutions" / aid / f"{aid}.ipynb").read_text())
+        tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
+        assert any("parameters" in t for t in tags), f"{aid}: no papermill parameters cell"
+        src = "".join(next(c["source"] for c, t in zip(nb["cells"], tags) if "parameters" in t))
+        assert 'tier = "auto"' in src, f"{aid}: the parameters cell must default to tier = \"auto\""
+        solutions = [c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("solution")]
+        assert len(solutions) >= 2, f"{aid}: at least two graded exercises"
