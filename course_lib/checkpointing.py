@@ -8,7 +8,7 @@ not require grad (the old reentrant one silently does not; notebook 03 shows it)
 Policies, from most memory to least:
 - none: every activation kept;
 - selective (``part="mlp"``): only the MLP of each block is recomputed; the MLP is where a
-  Llama keeps most activations per token (3 × the wide intermediate size), so this saves
+  Llama keeps most activations per token (4 × the wide intermediate size), so this saves
   much of the memory for a fraction of the recompute;
 - every k-th block (``every=k``): whole blocks, every k-th one;
 - full (``every=1``): whole blocks, all of them.
@@ -108,6 +108,7 @@ def saved_bytes_by_part(model: nn.Module, forward: Callable[[], object],
     parts = list(parts)
     running = ["other"]
     hooks = []
+
     def enter(label: str):
         def hook(module, args) -> None:
             running.append(label)

@@ -19,6 +19,8 @@ weights, gradients and optimizer states.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -70,11 +72,20 @@ class SavedTensorMeter:
     def __init__(self, exclude: nn.Module | None = None):
         self.exclude = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
         self.storages: dict[int, int] = {}
+        self._extent: dict[int, tuple[int, int]] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
-        if s.data_ptr() not in self.exclude and s.device.type != "meta":
-            self.storages[s.data_ptr()] = s.nbytes()
+        ptr = s.data_ptr()
+        if ptr in self.exclude or s.device.type == "meta":
+            return t
+        # The bytes this view spans. A saved slice of a big tensor (a batch cut from a whole
+        # data set) keeps the storage alive, but only its span is this step's activation.
+        start = t.storage_offset() * t.element_size()
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        lo, hi = self._extent.get(ptr, (start, start))
+        self._extent[ptr] = (min(lo, start), max(hi, start + span * t.element_size()))
+        self.storages[ptr] = min(self._extent[ptr][1] - self._extent[ptr][0], s.nbytes())
         return t
 
     def __enter__(self) -> "SavedTensorMeter":
@@ -178,7 +189,6 @@ def format_bytes(n: float | None, unit: str | None = None) -> str:
     return f"{n:.2f} {units[i]}"
 
 
-
 class SavedTensorBreakdown(SavedTensorMeter):
     """A ``SavedTensorMeter`` that also sorts the saved bytes by dtype (``meter.by_dtype``).
 
@@ -205,7 +215,8 @@ class SavedTensorBreakdown(SavedTensorMeter):
 
 
 def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-                          amp_dtype: str | torch.dtype = torch.float32, loss_fn=None) -> dict:
+                          amp_dtype: str | torch.dtype = torch.float32,
+                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
     """One forward, backward and optimizer step, with the memory of each part measured.
 
     Returns bytes of ``weights``, ``gradients`` and ``optimizer states`` (the tensors

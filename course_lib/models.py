@@ -74,6 +74,8 @@ def build_llama(config_or_preset="tiny", *, dtype: torch.dtype = torch.float32, 
 
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     config._attn_implementation = attn_implementation
+    # Training needs no KV cache: it is only waste, and checkpointing's recompute would append to it twice.
+    config.use_cache = overrides.get("use_cache", False)
     device = torch.device(device)
     need = llama_num_parameters(config) * torch.empty((), dtype=dtype).element_size()
     have = device_memory_bytes(device)

@@ -55,6 +55,12 @@ def test_llama_parameter_formula_matches_a_built_model(overrides):
     assert models.llama_num_parameters(model.config) == models.count_parameters(model)
 
 
+def test_built_llama_trains_without_a_kv_cache():
+    model = models.build_llama("tiny")
+    ids = data.random_tokens(1, 8, 512)
+    assert model(input_ids=ids).past_key_values is None
+
+
 def test_seed003_bert_table_reproduced_exactly():
     fp32, fp16 = memory.seed003_table(models.bert_base_cased_config())
     mib = 2**20
@@ -82,6 +88,13 @@ def test_saved_tensor_meter_sees_activations_not_parameters():
     saved = memory.activation_bytes(lin, lambda: torch.relu(lin(x)).sum())
     # relu saves its output (64x256 fp32); the matmul saves x; the weight is a parameter: excluded
     assert saved == 2 * 64 * 256 * 4
+
+
+def test_saved_slice_counts_its_span_not_the_whole_data_set():
+    lin = torch.nn.Linear(16, 16)
+    dataset = torch.randn(10_000, 16)
+    saved = memory.activation_bytes(lin, lambda: lin(dataset[:32]).sum())
+    assert saved == 32 * 16 * 4
 
 
 # --- the training step ---------------------------------------------------------------------------
