@@ -9,13 +9,14 @@ that exercise's cells, within the cell timeout). Grading never changes a submitt
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 
 import pytest
 
 import nbgrading as g
-from course_lib.release import assignments, make_course
+from course_lib.release import assignments, make_course, nbgrader
 
 CELL_TIMEOUT = 20
 
@@ -63,5 +64,10 @@ def test_autograde_known_submissions(course, assignment):
     for student in subs:
         assert got[student] == pytest.approx(expected[student]), f"{assignment} / {student}"
     assert {s: g.digest(p) for s, p in paths.items()} == before, "autograde changed a submitted notebook"
-    # the loop costs one cell timeout, not the whole run
     print(f"{assignment}: {len(subs)} submissions autograded in {seconds:.0f} s")
+
+    # export: the grades file has each student's total of its test cells for this assignment
+    nbgrader(course, "export", "--to", str(course / f"grades_{assignment}.csv"))
+    with open(course / f"grades_{assignment}.csv") as f:
+        rows = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f) if r["assignment"] == assignment}
+    assert {s: rows[s] for s in expected} == pytest.approx({s: sum(v.values()) for s, v in expected.items()})
