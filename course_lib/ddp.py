@@ -1,0 +1,100 @@
+"""Data parallelism, written out: shard the data, all-reduce the gradients, step in lockstep.
+
+Every rank holds a full copy of the model and trains on its own shard of each global batch
+(``DistributedSampler``). After backward, the gradients are averaged over ranks with an
+all-reduce, so every rank takes the same optimizer step and the copies stay identical.
+``all_reduce_gradients`` is that average by hand; ``DistributedDataParallel`` does the same
+bucket by bucket, overlapped with the backward pass. ``train`` runs either and returns the
+losses, so the two (and a single process on the whole batch) can be compared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from course_lib.data import synthetic_images
+from course_lib.models import SmallCNN
+from course_lib.train import train_step
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """Average every parameter's gradient over all ranks, in place (sum, then divide by world size)."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world
+
+
+def sharded_loader(dataset, global_batch: int, seed: int = 0) -> tuple[DataLoader, DistributedSampler]:
+    """A DataLoader over this rank's shard: each step, the ranks' micro-batches make one global batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
+                         f"use a multiple of {world}")
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True), sampler
+
+
+def param_digest(model: nn.Module) -> float:
+    """A number that changes when any weight does: the sum of |w| over all parameters."""
+    return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+
+
+def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,
+          accum_steps: int = 1, seed: int = 0, n_samples: int = 512) -> dict:
+    """Train SmallCNN with data parallelism on this process group; one worker entry point of the course.
+
+    ``mode``: ``"ddp"`` (DistributedDataParallel), ``"manual"`` (plain model and
+    ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
+    Returns this rank's per-step global-batch losses and a digest of the final weights.
+    """
+    torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = SmallCNN(width=width)
+    if mode == "ddp":
+        model = DDP(model)
+    elif mode != "manual":
+        raise ValueError(f"mode={mode!r}: use 'ddp' or 'manual'")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader, sampler = sharded_loader(synthetic_images(n_samples, seed=seed), global_batch, seed)
+    losses, step, epoch = [], 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for x, y in loader:
+            if mode == "manual":
+                out = _manual_step(model, opt, x, y, accum_steps)
+            else:
+                out = train_step(model, opt, x, y, accum_steps=accum_steps)
+            loss = torch.tensor(out["loss"])
+            dist.all_reduce(loss)  # mean of the ranks' micro-batch losses = the global batch's loss
+            losses.append(loss.item() / dist.get_world_size())
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "losses": losses,
+            "digest": param_digest(model)}
+
+
+def _manual_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, accum_steps: int) -> dict:
+    loss_total = 0.0
+    for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
+        loss = nn.functional.cross_entropy(model(xm), ym) / accum_steps
+        loss.backward()
+        loss_total += loss.item()
+    all_reduce_gradients(model)  # once per step, after the last micro-batch
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss": loss_total}
+
+
+def fail_on_rank(rank_to_fail: int = 1, message: str = "this rank fails on purpose") -> dict:
+    """A worker that raises on one rank while the others wait in a collective (tests a launch never hangs)."""
+    if dist.get_rank() == rank_to_fail:
+        raise RuntimeError(message)
+    dist.barrier()  # the other ranks block here until the launcher stops them
+    return {}

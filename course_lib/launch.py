@@ -1,0 +1,177 @@
+"""Run N worker processes from a notebook cell and get their results back.
+
+    results = launch("course_lib.ddp:train", nprocs=2, kwargs={"steps": 5})
+
+``launch`` starts ``torchrun`` on ``course_lib.workers`` with a target ``"module:function"``
+(a function of this package, or of a file the notebook wrote with ``%%writefile``). Every
+rank runs ``function(**kwargs)`` inside an initialised process group and returns a
+JSON-able dict; ``launch`` returns those dicts ordered by rank. While it runs, each rank's
+output streams into the cell, every line prefixed with its rank.
+
+It never hangs: the rendezvous port is a free one picked for this launch, a rank that
+raises ends the launch at once (torchrun stops the others) and its traceback is raised
+here as ``WorkerError``, and the whole launch has a ``timeout``. The same entry point
+runs across machines: give each node ``nnodes``, its ``node_rank`` and one
+``rdzv_endpoint`` (host:port of node 0), exactly as torchrun's rendezvous wants.
+
+``run_forked`` is the other way in: it forks the notebook's own process, so it can run a
+function defined in the notebook (spawned processes cannot unpickle those). Use it for
+small CPU exercises; fork and an initialised GPU do not mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from course_lib.distributed import free_port
+
+
+class WorkerError(RuntimeError):
+    """A rank raised: the message holds its rank and traceback."""
+
+
+def check_world(nprocs: int, device_type: str | None = None) -> None:
+    """Refuse a world size the hardware lacks, before anything starts."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be at least 1")
+    if device_type == "cuda" and nprocs > torch.cuda.device_count():
+        raise ValueError(f"nprocs={nprocs} but this machine has {torch.cuda.device_count()} GPU(s): "
+                         f"use nprocs <= {torch.cuda.device_count()} (one process per GPU)")
+    if device_type == "cpu" and nprocs > (os.cpu_count() or 1) * 2:
+        raise ValueError(f"nprocs={nprocs} CPU processes on {os.cpu_count()} cores would only thrash: "
+                         f"use nprocs <= {(os.cpu_count() or 1) * 2}")
+
+
+def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout: float = 300,
+           nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+           device_type: str | None = None, echo: bool = True) -> list[dict]:
+    """Run ``target`` ("module:function") on ``nprocs`` local ranks with torchrun; return their results."""
+    if ":" not in target:
+        raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.ddp:train'")
+    check_world(nprocs, device_type)
+    out = Path(tempfile.mkdtemp(prefix="course_launch_"))
+    (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
+    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+           f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+           f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}", "--max-restarts=0",
+           "--monitor-interval=0.2", "-m", "course_lib.workers", target, str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # one BLAS/OpenMP thread pool per rank sized to its share of the cores, so ranks do not thrash
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    if device_type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    lines = _stream(proc, timeout, echo)
+    # the first rank to fail is the cause; the others usually fail after it, losing their peer
+    errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    if errors:
+        rank = errors[0].stem[4:]
+        raise WorkerError(f"rank {rank} of {target} failed:\n{errors[0].read_text()}")
+    if proc.returncode != 0:
+        raise WorkerError(f"torchrun exited with {proc.returncode} running {target}; last output:\n" + "".join(lines[-30:]))
+    files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+def _stream(proc: subprocess.Popen, timeout: float, echo: bool) -> list[str]:
+    """Print the launch's output as it comes; kill its whole process group past the timeout."""
+    deadline, lines, buf = time.monotonic() + timeout, [], b""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while True:
+        if time.monotonic() > deadline:
+            _kill(proc)
+            raise TimeoutError(f"the launch ran past timeout={timeout} s and was stopped; last output:\n"
+                               + "".join(lines[-30:]))
+        if sel.select(timeout=0.2):
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            *complete, buf = buf.split(b"\n")
+            for raw in complete:
+                line = raw.decode(errors="replace") + "\n"
+                lines.append(line)
+                if echo:
+                    print(line, end="", flush=True)
+    proc.wait()
+    return lines
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=5)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backend: str = "gloo") -> list:
+    """Fork ``nprocs`` copies of this process; each runs ``fn(rank, world_size, *args)`` in a gloo group.
+
+    Returns the ranks' return values (picklable) in rank order. A rank that raises ends the
+    run and its traceback is raised here as ``WorkerError``; past ``timeout`` every rank is
+    killed and ``TimeoutError`` is raised.
+    """
+    import multiprocessing as mp
+
+    check_world(nprocs, "cpu")
+    ctx = mp.get_context("fork")
+    port, queue = free_port(), ctx.SimpleQueue()
+    procs = [ctx.Process(target=_forked_rank, args=(fn, rank, nprocs, port, backend, queue, args), daemon=True)
+             for rank in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline, got = time.monotonic() + timeout, {}
+    try:
+        while len(got) < nprocs:
+            if not queue.empty():
+                rank, ok, payload = queue.get()
+                if not ok:
+                    raise WorkerError(f"rank {rank} failed:\n{payload}")
+                got[rank] = payload
+                continue
+            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                bad = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
+                raise WorkerError(f"rank {bad} died with exit code {procs[bad].exitcode} before returning")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_forked passed timeout={timeout} s; ranks still running were killed")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return [got[r] for r in range(nprocs)]
+
+
+def _forked_rank(fn, rank, world, port, backend, queue, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

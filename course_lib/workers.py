@@ -1,0 +1,74 @@
+"""The process torchrun starts for ``course_lib.launch.launch``.
+
+    python -m torch.distributed.run ... -m course_lib.workers MODULE:FUNCTION OUT_DIR
+
+It prefixes every line this rank prints with ``[rankN]``, initialises the process group
+(NCCL, or RCCL on ROCm, when there are GPUs; gloo on CPU), calls ``FUNCTION(**kwargs)``
+with the kwargs in ``OUT_DIR/kwargs.json``, and writes the returned dict to
+``OUT_DIR/rankN.json``; or, if it raises, its traceback to ``OUT_DIR/rankN.error``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class RankPrefixed(io.TextIOBase):
+    """A text stream that writes ``[rankN] `` at the start of every line."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.prefix, self.at_line_start = stream, f"[rank{rank}] ", True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            out.append((self.prefix if self.at_line_start else "") + piece)
+            self.at_line_start = piece.endswith("\n")
+        self.stream.write("".join(out))
+        self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def main(argv: list[str]) -> int:
+    target, out = argv[0], Path(argv[1])
+    rank = int(os.environ["RANK"])
+    sys.stdout, sys.stderr = RankPrefixed(sys.__stdout__, rank), RankPrefixed(sys.__stderr__, rank)
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend())
+        module, _, name = target.partition(":")
+        sys.path.insert(0, os.getcwd())  # a module the notebook wrote with %%writefile
+        fn = getattr(importlib.import_module(module), name)
+        kwargs = json.loads((out / "kwargs.json").read_text())
+        result = fn(**kwargs)
+        (out / f"rank{rank}.json").write_text(json.dumps(result if result is not None else {}))
+        return 0
+    except BaseException:
+        text = traceback.format_exc()
+        (out / f"rank{rank}.error").write_text(text)
+        print(text, file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
