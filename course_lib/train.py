@@ -19,13 +19,20 @@ from torch import nn
 from course_lib.precision import autocast, resolve_dtype
 
 
-def split_batch(x: torch.Tensor, y: torch.Tensor, accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a batch into ``accum_steps`` equal micro-batches."""
+def check_accumulation(batch_size: int, accum_steps: int) -> int:
+    """The micro-batch size of ``batch_size`` split into ``accum_steps``; stops with the fix if it does not divide."""
     if accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps} must be at least 1")
-    if x.shape[0] % accum_steps:
-        raise ValueError(f"batch_size={x.shape[0]} does not divide by accum_steps={accum_steps}: "
-                         f"use a batch size that is a multiple of {accum_steps}, e.g. {x.shape[0] // accum_steps * accum_steps or accum_steps}")
+    if batch_size % accum_steps:
+        lower = batch_size // accum_steps * accum_steps or accum_steps
+        raise ValueError(f"batch_size={batch_size} does not divide by accum_steps={accum_steps}: "
+                         f"use a batch size that is a multiple of {accum_steps} (e.g. {lower}) or another accum_steps")
+    return batch_size // accum_steps
+
+
+def split_batch(x: torch.Tensor, y: torch.Tensor, accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a batch into ``accum_steps`` equal micro-batches."""
+    check_accumulation(x.shape[0], accum_steps)
     return list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
 
 

@@ -26,3 +26,18 @@ def test_bug_shows_with_sgd(executed):
     res = executed("02_gradient_accumulation")
     assert value(res, "sgd_undivided_final_loss_gap") > 0.05
     assert len(res["figures"]) >= 2
+
+
+def test_a_batch_that_does_not_divide_stops_before_training(tmp_path):
+    import papermill
+    import pytest
+
+    from course_lib.run_all import ROOT, execute
+
+    nb = ROOT / "solutions" / "02_gradient_accumulation" / "02_gradient_accumulation.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError) as err:
+        execute(nb, tmp_path, {"tier": "smoke", "batch_size": 250, "accum_steps": 4})
+    assert "batch_size=250 does not divide by accum_steps=4" in str(err.value)
+    assert "multiple of 4" in str(err.value)
+    # stopped in the set-up cell, before anything was trained or recorded
+    assert not (tmp_path / "results" / "02_gradient_accumulation.json").exists()
