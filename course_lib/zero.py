@@ -1,0 +1,158 @@
+"""DeepSpeed ZeRO: shard optimizer states (stage 1), gradients (2) and weights (3), or offload them.
+
+The config is derived, not typed: ``ds_config`` computes ``train_batch_size`` from
+``micro_batch × accum_steps × world_size`` and refuses combinations DeepSpeed would reject
+later (or silently run differently). ``train`` is the worker entry point the notebook
+launches: the same model, data shards and AdamW as a DDP reference (``engine="ddp"``), so
+every stage can be compared with it loss for loss, and it saves and resumes DeepSpeed
+checkpoints.
+
+On CPU: ``torch_adam`` keeps DeepSpeed from compiling its fused Adam, and with optimizer
+offload ``zero_force_ds_cpu_optimizer: false`` lets a torch optimizer run on the offloaded
+states (on a GPU, DeepSpeed's own CPU Adam is the fast choice and is used).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course_lib.data import synthetic_images
+from course_lib.ddp import param_digest, sharded_loader
+from course_lib.models import SmallCNN
+
+
+def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int, world_size: int) -> None:
+    """DeepSpeed's rule, with the fix in the message: train_batch = micro × accumulation × world."""
+    if train_batch != micro_batch * accum_steps * world_size:
+        raise ValueError(
+            f"train_batch_size={train_batch} but micro_batch {micro_batch} x accum_steps {accum_steps} x world_size "
+            f"{world_size} = {micro_batch * accum_steps * world_size}: set train_batch_size to that product, or "
+            f"micro_batch to {train_batch / (accum_steps * world_size):g} (it must come out a whole number)")
+
+
+def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
+              offload_optimizer: bool = False, offload_param: bool = False, mixed_precision: str | None = None,
+              nvme_path: str | None = None, clip_norm: float = 1.0, on_gpu: bool | None = None) -> dict:
+    """A DeepSpeed config for ZeRO ``stage`` whose batch sizes multiply out.
+
+    ``clip_norm`` is written out because DeepSpeed's default is not "off": it clips the
+    gradient norm at 1.0 unless told otherwise, where plain PyTorch and DDP never clip.
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}: ZeRO stages are 0 (plain data parallel), 1, 2 and 3")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param=True needs stage=3 (only stage 3 shards the weights), not stage={stage}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer=True needs stage >= 1: stage 0 has no sharded optimizer to offload")
+    zero: dict = {"stage": stage}
+    target = {"device": "nvme", "nvme_path": nvme_path} if nvme_path else {"device": "cpu"}
+    if offload_optimizer:
+        zero["offload_optimizer"] = dict(target)
+    if offload_param:
+        zero["offload_param"] = dict(target)
+    config = {
+        "train_batch_size": micro_batch * accum_steps * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accum_steps,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": not on_gpu}},
+        "zero_optimization": zero,
+        "gradient_clipping": clip_norm,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if offload_optimizer and not on_gpu:
+        config["zero_force_ds_cpu_optimizer"] = False
+    if mixed_precision == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif mixed_precision == "float16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    elif mixed_precision not in (None, "float32"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}: use None, 'bfloat16' or 'float16'")
+    check_batch_arithmetic(config["train_batch_size"], micro_batch, accum_steps, world_size)
+    return config
+
+
+def _batches(global_batch: int, steps: int, seed: int, n_samples: int):
+    """This rank's micro-batches for ``steps`` steps, in a fixed order (so a resumed run sees the same data)."""
+    loader, sampler = sharded_loader(synthetic_images(n_samples, seed=seed), global_batch, seed)
+    out, epoch = [], 0
+    while len(out) < steps:
+        sampler.set_epoch(epoch)
+        out.extend(list(loader)[: steps - len(out)])
+        epoch += 1
+    return out
+
+
+def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batch: int = 32, accum_steps: int = 1,
+          offload_optimizer: bool = False, offload_param: bool = False, width: int = 8, lr: float = 1e-3,
+          seed: int = 0, n_samples: int = 512, clip_norm: float = 1.0, checkpoint_dir: str | None = None,
+          stop_after: int | None = None, resume: bool = False) -> dict:
+    """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``) or the DDP reference (``engine="ddp"``).
+
+    ``stop_after=k`` saves a checkpoint to ``checkpoint_dir`` after step k and stops;
+    ``resume=True`` loads it and runs the remaining steps. Returns this rank's global-batch
+    losses (by step number), a digest of the final weights, and the model-state bytes it held.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if global_batch % (world * accum_steps):
+        raise ValueError(f"global_batch={global_batch} must divide by world_size x accum_steps = {world * accum_steps}")
+    micro = global_batch // (world * accum_steps)
+    torch.manual_seed(seed)
+    model = SmallCNN(width=width)
+    batches = _batches(global_batch, steps, seed, n_samples)
+    start = 0
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from course_lib.train import train_step
+
+        model = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        step_fn = lambda x, y: train_step(model, opt, x, y, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]
+        net = model
+    elif engine == "deepspeed":
+        import deepspeed
+
+        config = ds_config(micro_batch=micro, accum_steps=accum_steps, world_size=world, stage=stage, lr=lr,
+                           offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm)
+        net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        if resume:
+            _, client = net.load_checkpoint(checkpoint_dir)  # the tag in the "latest" file
+            start = client["step"]
+
+        def step_fn(x, y):
+            total = 0.0
+            for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
+                loss = F.cross_entropy(net(xm), ym)  # DeepSpeed divides by accumulation steps itself
+                net.backward(loss)
+                net.step()  # an optimizer step only at the accumulation boundary
+                total += loss.item() / accum_steps
+            return total
+    else:
+        raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
+
+    losses = {}
+    for step in range(start, steps):
+        x, y = batches[step]
+        loss = torch.tensor(step_fn(x, y))
+        dist.all_reduce(loss)
+        losses[step] = loss.item() / world
+        if stop_after is not None and step + 1 == stop_after:
+            net.save_checkpoint(checkpoint_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
+            break
+    module = getattr(net, "module", net)
+    return {"rank": rank, "world_size": world, "losses": losses, "digest": _full_digest(net, module, stage, engine)}
+
+
+def _full_digest(net, module, stage: int, engine: str) -> float:
+    """Digest of the full weights; under ZeRO-3 each rank holds a shard, so gather them first."""
+    if engine == "deepspeed" and stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return param_digest(module)
+    return param_digest(module)
