@@ -130,9 +130,22 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
     run and its traceback is raised here as ``WorkerError``; past ``timeout`` every rank is
     killed and ``TimeoutError`` is raised.
     """
+    check_world(nprocs, "cpu")
+    for attempt in range(3):
+        try:
+            return _run_forked_once(fn, nprocs, args, timeout, backend)
+        except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
+            last = err
+    raise WorkerError(f"the process group could not be set up three times: {last}")
+
+
+class _SetupFailed(RuntimeError):
+    pass
+
+
+def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, backend: str) -> list:
     import multiprocessing as mp
 
-    check_world(nprocs, "cpu")
     ctx = mp.get_context("fork")
     port, queue = free_port(), ctx.SimpleQueue()
     procs = [ctx.Process(target=_forked_rank, args=(fn, rank, nprocs, port, backend, queue, args), daemon=True)
@@ -144,6 +157,8 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
         while len(got) < nprocs:
             if not queue.empty():
                 rank, ok, payload = queue.get()
+                if ok is None:
+                    raise _SetupFailed(f"rank {rank}: {payload.strip().splitlines()[-1]}")
                 if not ok:
                     raise WorkerError(f"rank {rank} failed:\n{payload}")
                 got[rank] = payload
@@ -165,10 +180,15 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
 def _forked_rank(fn, rank, world, port, backend, queue, args):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+        return
+    try:
         result = fn(rank, world, *args)
+        dist.barrier()  # nobody tears down the store while a slower rank still talks to it
         queue.put((rank, True, result))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))

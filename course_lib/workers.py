@@ -59,6 +59,7 @@ def main(argv: list[str]) -> int:
         kwargs = json.loads((out / "kwargs.json").read_text())
         result = fn(**kwargs)
         (out / f"rank{rank}.json").write_text(json.dumps(result if result is not None else {}))
+        dist.barrier()  # nobody tears down the store while a slower rank still talks to it
         return 0
     except BaseException:
         text = traceback.format_exc()
