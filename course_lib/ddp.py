@@ -98,3 +98,56 @@ def fail_on_rank(rank_to_fail: int = 1, message: str = "this rank fails on purpo
         raise RuntimeError(message)
     dist.barrier()  # the other ranks block here until the launcher stops them
     return {}
+
+
+def train_and_report(**train_kwargs) -> dict:
+    """``train`` plus what the launcher told this process: torchrun's environment variables and the backend."""
+    import os
+
+    out = train(**train_kwargs)
+    out["env"] = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                 "MASTER_ADDR", "MASTER_PORT")}
+    out["backend"] = dist.get_backend()
+    return out
+
+
+def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: int = 1, mode: str = "ddp",
+               threads: int | None = None, seed: int = 0) -> dict:
+    """Samples per second of training steps on one global batch: DDP over this process group, or DataParallel.
+
+    ``mode="ddp"``: each rank steps a DDP replica on ``global_batch / world`` samples (on
+    ``cuda:LOCAL_RANK`` when there are GPUs). ``mode="dp"``: a world of one process drives
+    ``nn.DataParallel`` over every visible GPU on the whole global batch. The step time is the
+    slowest rank's median (the ranks wait for each other in the all-reduce).
+    """
+    import os
+
+    from course_lib.throughput import time_step
+
+    if threads:
+        torch.set_num_threads(threads)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    torch.manual_seed(seed)
+    model = SmallCNN(width=width).to(device)
+    if mode == "ddp":
+        if global_batch % world:
+            raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}")
+        model, local = DDP(model, device_ids=[device.index] if cuda else None), global_batch // world
+    elif mode == "dp":
+        if world != 1 or not cuda:
+            raise ValueError("mode='dp' (DataParallel) runs in one process (nprocs=1) and needs GPUs")
+        model, local = nn.DataParallel(model), global_batch
+    else:
+        raise ValueError(f"mode={mode!r}: use 'ddp' or 'dp'")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = synthetic_images(local, seed=seed + rank).tensors
+    x, y = x.to(device), y.to(device)
+    timing = time_step(lambda: train_step(model, opt, x, y), device, warmup=warmup, repeat=steps)
+    seconds = torch.tensor([timing["median_s"]], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    seconds = float(seconds.item())
+    return {"rank": rank, "world_size": world, "mode": mode, "seconds_per_step": seconds,
+            "samples_per_s": global_batch / seconds, "gpus": torch.cuda.device_count() if cuda else 0,
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}

@@ -1,0 +1,76 @@
+"""Known submissions of 04_ddp and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+NO_SET_EPOCH = '''
+def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
+    data = range(n_samples)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    # forgot: sampler.set_epoch(epoch) -- every epoch replays epoch 0's order
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    return [[int(i) for i in batch] for batch in loader]
+'''
+
+NO_SAMPLER = '''
+def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
+    # no DistributedSampler: every rank shuffles and reads the whole data set
+    g = torch.Generator().manual_seed(seed + epoch)
+    loader = DataLoader(range(n_samples), batch_size=batch_size, shuffle=True, generator=g, drop_last=True)
+    return [[int(i) for i in batch] for batch in loader]
+'''
+
+SUM_NOT_DIVIDED = '''
+def average_gradients(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)   # forgot: / world size (an N x learning rate)
+'''
+
+REDUCE_TO_RANK_0 = '''
+def average_gradients(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.reduce(p.grad, dst=0, op=dist.ReduceOp.SUM)   # only rank 0 gets the sum: replicas drift apart
+            p.grad /= world_size
+'''
+
+DIVIDED_BY_TWO = '''
+def average_gradients(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= 2   # hard-coded world size: right on 2 ranks only
+'''
+
+_EX1_FULL = {"test_rank_batches": 2, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 2}
+_EX2_FULL = {"test_average_gradients": 2, "test_average_gradients_hidden": 2}
+
+CASES = {
+    "no_set_epoch": {  # shards fine, but the same order every epoch
+        "cells": {"rank_batches": NO_SET_EPOCH},
+        "scores": {"test_rank_batches": 2, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL},
+    },
+    "no_sampler": {  # reshuffles per epoch, but the ranks read the same samples
+        "cells": {"rank_batches": NO_SAMPLER},
+        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 0, **_EX2_FULL},
+    },
+    "sum_not_divided": {
+        "cells": {"average_gradients": SUM_NOT_DIVIDED},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
+    },
+    "reduce_to_rank_0": {
+        "cells": {"average_gradients": REDUCE_TO_RANK_0},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
+    },
+    "divided_by_two": {  # passes on 2 ranks, fails on 3
+        "cells": {"average_gradients": DIVIDED_BY_TWO},
+        "scores": {**_EX1_FULL, "test_average_gradients": 2, "test_average_gradients_hidden": 0},
+    },
+}
+
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "average_gradients"
+TAMPER_CELL = "test_average_gradients"
