@@ -89,8 +89,8 @@ def _batches(global_batch: int, steps: int, seed: int, n_samples: int):
 
 def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batch: int = 32, accum_steps: int = 1,
           offload_optimizer: bool = False, offload_param: bool = False, width: int = 8, lr: float = 1e-3,
-          seed: int = 0, n_samples: int = 512, clip_norm: float = 1.0, checkpoint_dir: str | None = None,
-          stop_after: int | None = None, resume: bool = False) -> dict:
+          seed: int = 0, n_samples: int = 512, clip_norm: float = 1.0, nvme_path: str | None = None,
+          checkpoint_dir: str | None = None, stop_after: int | None = None, resume: bool = False) -> dict:
     """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``) or the DDP reference (``engine="ddp"``).
 
     ``stop_after=k`` saves a checkpoint to ``checkpoint_dir`` after step k and stops;
@@ -118,7 +118,8 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
         import deepspeed
 
         config = ds_config(micro_batch=micro, accum_steps=accum_steps, world_size=world, stage=stage, lr=lr,
-                           offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm)
+                           offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm,
+                           nvme_path=nvme_path)
         net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         if resume:
             _, client = net.load_checkpoint(checkpoint_dir)  # the tag in the "latest" file
@@ -145,7 +146,69 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
             net.save_checkpoint(checkpoint_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
             break
     module = getattr(net, "module", net)
-    return {"rank": rank, "world_size": world, "losses": losses, "digest": _full_digest(net, module, stage, engine)}
+    return {"rank": rank, "world_size": world, "losses": losses, "digest": _full_digest(net, module, stage, engine),
+            "optimizer_state_bytes": optimizer_state_bytes(net.optimizer if engine == "deepspeed" else opt)}
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state (Adam's m and v) this rank holds: all of it under DDP, a 1/N slice under ZeRO."""
+    from course_lib.memory import tensor_bytes
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer around flat partitions
+    return tensor_bytes(v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def nvme_offload_available() -> bool:
+    """Whether DeepSpeed can build its async I/O op here (ZeRO-Infinity to NVMe needs libaio)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:
+        return False
+
+
+def zero_bytes_per_param(stage: int, world_size: int, k: int = 12) -> float:
+    """Model-state bytes per parameter on each rank, mixed-precision Adam (the ZeRO paper's accounting).
+
+    2 bytes of fp16/bf16 weights, 2 of gradients, and K = 12 of optimizer state (fp32 master
+    weights, Adam m and v). Stage 1 shards the optimizer state over N ranks, stage 2 also the
+    gradients, stage 3 also the weights.
+    """
+    n = world_size
+    weights, grads, states = 2.0, 2.0, float(k)
+    if stage >= 1:
+        states /= n
+    if stage >= 2:
+        grads /= n
+    if stage >= 3:
+        weights /= n
+    return weights + grads + states
+
+
+def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 0, n_samples: int = 256) -> dict:
+    """Train SmallCNN for ``steps`` with DeepSpeed and a given config: does DeepSpeed accept it, and does it learn?"""
+    import deepspeed
+
+    world = dist.get_world_size()
+    accum = config.get("gradient_accumulation_steps", 1)
+    global_batch = config["train_batch_size"]
+    torch.manual_seed(seed)
+    model = SmallCNN(width=width)
+    net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for x, y in _batches(global_batch, steps, seed, max(n_samples, global_batch)):
+        total = 0.0
+        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+            loss = F.cross_entropy(net(xm), ym)
+            net.backward(loss)
+            net.step()
+            total += loss.item() / accum
+        t = torch.tensor(total)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return {"rank": dist.get_rank(), "losses": losses, "micro_batch": config["train_micro_batch_size_per_gpu"],
+            "global_steps": net.global_steps}
 
 
 def _full_digest(net, module, stage: int, engine: str) -> float:

@@ -1,0 +1,26 @@
+"""Notebook 06 (DeepSpeed ZeRO) executes on the CPU tier with DeepSpeed's real engine on 2 ranks."""
+
+from conftest import value
+
+VARIANTS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
+
+
+def test_every_stage_and_offload_matches_ddp(executed):
+    res = executed("06_deepspeed_zero")
+    for name in VARIANTS:
+        assert value(res, f"max_rel_loss_diff_vs_ddp {name}") < 1e-5, name
+
+
+def test_optimizer_state_is_sharded_to_one_over_n(executed):
+    res = executed("06_deepspeed_zero")
+    for name in VARIANTS:
+        assert abs(value(res, f"optimizer_state_fraction {name}") - 0.5) < 0.05, name
+
+
+def test_checkpoint_resume_is_exact_and_claims_held(executed):
+    res = executed("06_deepspeed_zero")
+    assert value(res, "resume_max_abs_loss_diff") < 1e-6
+    assert value(res, "resume_digest_rel_diff") < 1e-6
+    assert all(c["held"] for c in res["claims"]), res["claims"]
+    # the ZeRO paper's arithmetic for Llama-3.1-8B on 8 GPUs: 16 bytes/param / 8 -> about 16 GB
+    assert 15 < value(res, "llama_8b_zero3_gb_per_gpu_of_8") < 17
