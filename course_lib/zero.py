@@ -158,6 +158,17 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
+def build_deepspeed_ops() -> None:
+    """Compile DeepSpeed's shared-memory comm op now (about a minute on a CPU, once per machine).
+
+    DeepSpeed builds it inside its first ``deepspeed.initialize``; doing it up front keeps that
+    minute out of any cell or test that is timed. ``TORCH_EXTENSIONS_DIR`` says where it is kept.
+    """
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
 def nvme_offload_available() -> bool:
     """Whether DeepSpeed can build its async I/O op here (ZeRO-Infinity to NVMe needs libaio)."""
     try:

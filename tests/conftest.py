@@ -17,7 +17,15 @@ def course_run_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def executed(course_run_dir):
+def deepspeed_ops():
+    """DeepSpeed's CPU comm op, compiled once before any timed notebook cell would pay for it."""
+    from course_lib.zero import build_deepspeed_ops
+
+    build_deepspeed_ops()
+
+
+@pytest.fixture(scope="session")
+def executed(course_run_dir, deepspeed_ops):
     """``executed("02_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
 
     Each notebook runs once per session (papermill, real kernel); a failing cell fails the test

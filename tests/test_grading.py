@@ -22,7 +22,7 @@ CELL_TIMEOUT = 20  # seconds per cell; a submissions module may ask for more (ce
 
 
 @pytest.fixture(scope="module")
-def course(tmp_path_factory):
+def course(tmp_path_factory, deepspeed_ops):
     return make_course(tmp_path_factory.mktemp("grading") / "course")
 
 
