@@ -130,7 +130,12 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
     run and its traceback is raised here as ``WorkerError``; past ``timeout`` every rank is
     killed and ``TimeoutError`` is raised.
     """
+    import torch.distributed as dist
+
     check_world(nprocs, "cpu")
+    if dist.is_initialized():  # the forked ranks would inherit it and could not start their own
+        raise RuntimeError(f"run_forked needs a process without a process group, and this one has one (world size "
+                           f"{dist.get_world_size()}): call torch.distributed.destroy_process_group() first")
     for attempt in range(3):
         try:
             return _run_forked_once(fn, nprocs, args, timeout, backend)

@@ -79,11 +79,16 @@ def test_a_run_resumed_from_its_dcp_checkpoint_continues_exactly(ranks):
 def test_shard_size_must_divide_the_world():
     from course_lib.distributed import single_process_group
 
+    import torch.distributed as dist
+
     single_process_group()
-    with pytest.raises(ValueError, match="shard_size=2"):
-        fsdp.make_mesh("hybrid", shard_size=2, device_type="cpu")
-    with pytest.raises(ValueError, match="strategy='zero3'"):
-        fsdp.make_mesh("zero3", device_type="cpu")
+    try:
+        with pytest.raises(ValueError, match="shard_size=2"):
+            fsdp.make_mesh("hybrid", shard_size=2, device_type="cpu")
+        with pytest.raises(ValueError, match="strategy='zero3'"):
+            fsdp.make_mesh("zero3", device_type="cpu")
+    finally:
+        dist.destroy_process_group()  # later tests fork ranks from this process
 
 
 def test_batches_are_a_function_of_the_step():

@@ -112,3 +112,16 @@ def test_run_forked_runs_a_function_defined_here_and_reports_failures():
 
     with pytest.raises(WorkerError, match="(?s)rank 1 failed.*rank one is broken"):
         run_forked(broken, 2, timeout=30)
+
+
+def test_run_forked_refuses_a_process_that_already_has_a_group():
+    import torch.distributed as dist
+
+    from course_lib.distributed import single_process_group
+
+    single_process_group()
+    try:
+        with pytest.raises(RuntimeError, match="destroy_process_group"):
+            run_forked(lambda rank, world: rank, 2)
+    finally:
+        dist.destroy_process_group()
