@@ -95,4 +95,3 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "llama_param_count"
-TAMPER_CELL = "test_training_memory"

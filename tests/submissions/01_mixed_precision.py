@@ -88,4 +88,3 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "amp_train_step"
-TAMPER_CELL = "test_amp_train_step"

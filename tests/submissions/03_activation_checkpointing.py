@@ -105,4 +105,3 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "choose_policy"
-TAMPER_CELL = "test_checkpoint_every"

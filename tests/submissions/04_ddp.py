@@ -73,4 +73,3 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "average_gradients"
-TAMPER_CELL = "test_average_gradients"

@@ -80,4 +80,3 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "apply_fsdp"
-TAMPER_CELL = "test_shard_state_bytes"

@@ -75,4 +75,3 @@ CASES = {
 
 LOOP_CELL = "zero_model_state_gb"
 CELL_TIMEOUT = 60  # cells launch DeepSpeed on 2 processes: a few seconds each, more on a busy machine
-TAMPER_CELL = "test_make_ds_config"
