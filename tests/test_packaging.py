@@ -20,9 +20,10 @@ def pyproject_requirements() -> dict[str, str]:
 def conda_requirements() -> dict[str, str]:
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     out = {}
-    for dep in env["dependencies"]:
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    for dep in env["dependencies"] + [d for d in pip_section if not d.startswith("-")]:
         if isinstance(dep, dict) or dep == "pip" or dep.startswith("python="):
-            continue  # the interpreter, pip itself, and the pip section (the course, editable)
+            continue  # the interpreter, pip itself; the pip section's packages come in the list above
         name = re.match(r"[A-Za-z0-9_.\-]+", dep).group(0)
         req = Requirement(CONDA_TO_PIP.get(name, name) + dep[len(name):])
         out[req.name.lower()] = str(req.specifier)
