@@ -14,9 +14,12 @@ here as ``WorkerError``, and the whole launch has a ``timeout``. The same entry 
 runs across machines: give each node ``nnodes``, its ``node_rank`` and one
 ``rdzv_endpoint`` (host:port of node 0), exactly as torchrun's rendezvous wants.
 
-``run_forked`` is the other way in: it forks the notebook's own process, so it can run a
-function defined in the notebook (spawned processes cannot unpickle those). Use it for
-small CPU exercises; fork and an initialised GPU do not mix.
+``run_forked`` is the other way in: it runs a function defined in the notebook itself on N
+CPU ranks over gloo (plain spawned processes cannot unpickle those). It forks the notebook's
+process where that is safe, which is instant. On a machine with GPUs it is not: the parent's
+first backward starts autograd's per-device threads, and a forked child that then calls
+backward fails. There it starts fresh processes instead and ships the function by value with
+cloudpickle, which costs a few seconds of start-up per rank.
 """
 
 from __future__ import annotations
@@ -73,17 +76,26 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # one BLAS/OpenMP thread pool per rank sized to its share of the cores, so ranks do not thrash
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    if device_type == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    lines = _stream(proc, timeout, echo)
+    if device_type == "cpu":  # CPU ranks on a GPU machine: hide the GPUs from torch and from DeepSpeed
+        env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ""
+        env["DS_ACCELERATOR"] = "cpu"
+    clear_stale_extension_locks()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    try:
+        lines = _stream(proc, timeout, echo)
+    except BaseException:  # an interrupted cell (KeyboardInterrupt) must not leave ranks running
+        _kill(proc)
+        raise
     # the first rank to fail is the cause; the others usually fail after it, losing their peer
     errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
     if errors:
         rank = errors[0].stem[4:]
         raise WorkerError(f"rank {rank} of {target} failed:\n{errors[0].read_text()}")
-    if proc.returncode != 0:
-        raise WorkerError(f"torchrun exited with {proc.returncode} running {target}; last output:\n" + "".join(lines[-30:]))
+    if proc.returncode != 0:  # a rank died without a Python traceback (a signal, a crash in C++)
+        # enough lines to reach past torchrun's own summary into what the ranks printed (faulthandler's stack)
+        raise WorkerError(f"torchrun exited with {proc.returncode} running {target}; last output:\n"
+                          + "".join(lines[-80:]))
     files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     return [json.loads(p.read_text()) for p in files]
 
@@ -113,6 +125,58 @@ def _stream(proc: subprocess.Popen, timeout: float, echo: bool) -> list[str]:
     return lines
 
 
+def clear_stale_extension_locks(root: str | None = None) -> list[Path]:
+    """Remove JIT-build lock files that no live process holds; return the ones removed.
+
+    torch's extension loader (DeepSpeed's ops use it) takes ``<build dir>/lock`` on every load and
+    waits, forever, while the file exists. A rank killed inside that window (an interrupted cell, a
+    timeout) leaves the file behind, and every later DeepSpeed launch would hang. The process that
+    holds the lock keeps it open, so a lock that no process has open is stale.
+    """
+    base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or _default_extensions_dir())
+    locks = list(base.glob("*/lock")) + list(base.glob("*/*/lock"))
+    if not locks:
+        return []
+    held = _open_files()
+    removed = []
+    for lock in locks:
+        if str(lock.resolve()) not in held:
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed
+
+
+def _default_extensions_dir() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()
+
+
+def _open_files() -> set[str]:
+    """Every path some process of this machine has open (what /proc lets us see)."""
+    held = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                try:
+                    held.add(os.readlink(fd))
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return held
+
+
+def _die_with_parent() -> None:
+    """In the torchrun child: get SIGTERM if the notebook's kernel dies, so its ranks never outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the timeout and _kill still apply
+        pass
+
+
 def _kill(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -127,8 +191,9 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
     """Fork ``nprocs`` copies of this process; each runs ``fn(rank, world_size, *args)`` in a gloo group.
 
     Returns the ranks' return values (picklable) in rank order. A rank that raises ends the
-    run and its traceback is raised here as ``WorkerError``; past ``timeout`` every rank is
-    killed and ``TimeoutError`` is raised.
+    run and its traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout``
+    (counted from the moment every rank has joined the group) every rank is killed and
+    ``TimeoutError`` is raised.
     """
     import torch.distributed as dist
 
@@ -144,6 +209,9 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backen
     raise WorkerError(f"the process group could not be set up three times: {last}")
 
 
+STARTUP_TIMEOUT = 120.0  # seconds for the ranks of run_forked to start and join their group
+
+
 class _SetupFailed(RuntimeError):
     pass
 
@@ -151,19 +219,30 @@ class _SetupFailed(RuntimeError):
 def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, backend: str) -> list:
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    if fork_is_safe():
+        ctx, payload = mp.get_context("fork"), fn
+    else:
+        import cloudpickle
+
+        ctx, payload = mp.get_context("spawn"), cloudpickle.dumps(fn)  # by value: a notebook's function too
     port, queue = free_port(), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_forked_rank, args=(fn, rank, nprocs, port, backend, queue, args), daemon=True)
+    procs = [ctx.Process(target=_forked_rank, args=(payload, rank, nprocs, port, backend, queue, args), daemon=True)
              for rank in range(nprocs)]
     for p in procs:
         p.start()
-    deadline, got = time.monotonic() + timeout, {}
+    # the timeout is for fn; starting the ranks (a spawn imports torch afresh) has its own, generous bound
+    deadline, got, ready = time.monotonic() + max(timeout, STARTUP_TIMEOUT), {}, set()
     try:
         while len(got) < nprocs:
             if not queue.empty():
                 rank, ok, payload = queue.get()
                 if ok is None:
                     raise _SetupFailed(f"rank {rank}: {payload.strip().splitlines()[-1]}")
+                if ok == "ready":
+                    ready.add(rank)
+                    if len(ready) == nprocs:
+                        deadline = time.monotonic() + timeout
+                    continue
                 if not ok:
                     raise WorkerError(f"rank {rank} failed:\n{payload}")
                 got[rank] = payload
@@ -182,15 +261,29 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
     return [got[r] for r in range(nprocs)]
 
 
+def fork_is_safe() -> bool:
+    """Whether forking this process gives children that can run autograd.
+
+    On a machine with GPUs the first backward starts autograd's per-device threads, and a
+    forked child cannot run backward after that. ``device_count`` does not initialise CUDA.
+    """
+    return torch.cuda.device_count() == 0
+
+
 def _forked_rank(fn, rank, world, port, backend, queue, args):
     import torch.distributed as dist
 
+    if isinstance(fn, bytes):  # a spawned rank: the function came by value
+        import cloudpickle
+
+        fn = cloudpickle.loads(fn)
     torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
         return
+    queue.put((rank, "ready", None))
     try:
         result = fn(rank, world, *args)
         dist.barrier()  # nobody tears down the store while a slower rank still talks to it

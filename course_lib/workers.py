@@ -10,6 +10,7 @@ with the kwargs in ``OUT_DIR/kwargs.json``, and writes the returned dict to
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import io
 import json
@@ -49,6 +50,8 @@ def main(argv: list[str]) -> int:
     target, out = argv[0], Path(argv[1])
     rank = int(os.environ["RANK"])
     sys.stdout, sys.stderr = RankPrefixed(sys.__stdout__, rank), RankPrefixed(sys.__stderr__, rank)
+    # a crash below Python (SIGABRT, SIGSEGV in a C++ op) still prints where Python was
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     try:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -1,8 +1,13 @@
 """Launching worker processes from a notebook: real torchrun, real gloo, several processes."""
 
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +117,117 @@ def test_run_forked_runs_a_function_defined_here_and_reports_failures():
 
     with pytest.raises(WorkerError, match="(?s)rank 1 failed.*rank one is broken"):
         run_forked(broken, 2, timeout=30)
+
+
+def test_run_forked_spawns_and_ships_the_function_by_value_where_fork_is_unsafe(monkeypatch):
+    """On a GPU machine run_forked spawns: a closure defined here must still run, and failures still report."""
+    import torch.distributed as dist
+
+    import course_lib.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "fork_is_safe", lambda: False)
+    offset = 10
+
+    def rank_sum(rank, world):  # a closure over a local: only by-value pickling can ship it
+        t = torch.tensor([rank + offset], dtype=torch.float32)
+        torch.nn.Linear(2, 1)(t.expand(1, 2)).sum().backward()  # autograd runs in the child
+        dist.all_reduce(t)
+        return {"sum": t.item(), "pid": os.getpid()}
+
+    got = run_forked(rank_sum, 2, timeout=120)
+    assert [g["sum"] for g in got] == [21.0, 21.0]
+    assert os.getpid() not in {g["pid"] for g in got}
+    with pytest.raises(WorkerError, match="(?s)rank [01] failed.*ZeroDivisionError"):
+        run_forked(lambda rank, world: 1 / (rank - rank), 2, timeout=120)
+
+
+def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
+    """A student who interrupts the cell must not leave ranks running behind the kernel's back."""
+    (tmp_path / "pid_worker.py").write_text(textwrap.dedent("""
+        import os, time
+        from pathlib import Path
+
+        def sleep_forever(folder):
+            Path(folder, f"{os.getpid()}.pid").write_text("")
+            time.sleep(3600)
+    """))
+    monkeypatch.chdir(tmp_path)
+    timer = threading.Timer(20, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch("pid_worker:sleep_forever", 2, {"folder": str(tmp_path)}, echo=False, timeout=300)
+    finally:
+        timer.cancel()
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2, "both ranks should have started within 20 s"
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "ranks kept running after the launch was interrupted"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie has ended
+
+
+def test_ranks_die_with_the_kernel_that_launched_them(tmp_path):
+    """Kill the launching process outright (a kernel that died or was killed): its ranks must not live on."""
+    (tmp_path / "pid_worker.py").write_text(textwrap.dedent("""
+        import os, time
+        from pathlib import Path
+
+        def sleep_forever(folder):
+            Path(folder, f"{os.getpid()}.pid").write_text("")
+            time.sleep(3600)
+    """))
+    script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from course_lib.launch import launch; "
+              f"launch('pid_worker:sleep_forever', 2, {{'folder': {str(tmp_path)!r}}}, echo=False, timeout=300)")
+    kernel = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2, "both ranks should have started within 60 s"
+    kernel.kill()
+    kernel.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "ranks outlived the process that launched them"
+
+
+def test_a_stale_extension_lock_is_cleared_and_a_held_one_kept(tmp_path):
+    """A rank killed while loading a JIT op leaves <build>/lock behind; torch would wait on it forever."""
+    from course_lib.launch import clear_stale_extension_locks
+
+    stale, held = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (stale, held):
+        lock.parent.mkdir()
+        lock.write_text("")
+    with open(held):  # a live build holds its lock open
+        assert clear_stale_extension_locks(str(tmp_path)) == [stale]
+    assert not stale.exists() and held.exists()
+
+
+def test_a_rank_that_crashes_below_python_shows_where(tmp_path, monkeypatch):
+    """A rank killed by a signal leaves no traceback file: the error still shows its Python stack."""
+    (tmp_path / "crash_worker.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        import torch.distributed as dist
+
+        def crash_in_c():
+            if dist.get_rank() == 1:
+                os.abort()  # what an uncaught C++ exception in an op does
+            time.sleep(60)
+    """))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WorkerError, match="(?s)torchrun exited.*crash_worker.py.*crash_in_c"):
+        launch("crash_worker:crash_in_c", 2, echo=False, timeout=120)
 
 
 def test_run_forked_refuses_a_process_that_already_has_a_group():
