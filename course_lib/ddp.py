@@ -53,6 +53,9 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
     Returns this rank's per-step global-batch losses and a digest of the final weights.
     """
+    # one thread, however the rank was started (torchrun, fork, spawn): a CPU kernel's sums run in an
+    # order that depends on its thread count, and runs compared to 1e-7 must round alike
+    torch.set_num_threads(1)
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = SmallCNN(width=width)
     if mode == "ddp":

@@ -14,6 +14,8 @@ states (on a GPU, DeepSpeed's own CPU Adam is the fast choice and is used).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,13 +36,12 @@ def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int,
 
 def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
               offload_optimizer: bool = False, offload_param: bool = False, mixed_precision: str | None = None,
-              nvme_path: str | None = None, clip_norm: float = 1.0, on_gpu: bool | None = None) -> dict:
+              nvme_path: str | None = None, clip_norm: float = 1.0) -> dict:
     """A DeepSpeed config for ZeRO ``stage`` whose batch sizes multiply out.
 
     ``clip_norm`` is written out because DeepSpeed's default is not "off": it clips the
     gradient norm at 1.0 unless told otherwise, where plain PyTorch and DDP never clip.
     """
-    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0 (plain data parallel), 1, 2 and 3")
     if offload_param and stage != 3:
@@ -57,14 +58,16 @@ def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int
         "train_batch_size": micro_batch * accum_steps * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accum_steps,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": not on_gpu}},
+        # torch's AdamW on every device: DeepSpeed's fused and CPU Adam are JIT-compiled C++/CUDA ops, and
+        # their build can fail where torch's own arch list is newer than DeepSpeed's parser (sm_90a, 0.19.8)
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": zero,
         "gradient_clipping": clip_norm,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if offload_optimizer and not on_gpu:
+    if offload_optimizer:  # the offloaded step then runs torch's AdamW on the CPU copy of the states
         config["zero_force_ds_cpu_optimizer"] = False
     if mixed_precision == "bfloat16":
         config["bf16"] = {"enabled": True}
@@ -101,16 +104,19 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     if global_batch % (world * accum_steps):
         raise ValueError(f"global_batch={global_batch} must divide by world_size x accum_steps = {world * accum_steps}")
     micro = global_batch // (world * accum_steps)
+    device = _rank_device()
     torch.manual_seed(seed)
     model = SmallCNN(width=width)
     batches = _batches(global_batch, steps, seed, n_samples)
     start = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from course_lib.train import train_step
 
-        model = DDP(model)
+        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         step_fn = lambda x, y: train_step(model, opt, x, y, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]
         net = model
@@ -139,7 +145,7 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     losses = {}
     for step in range(start, steps):
         x, y = batches[step]
-        loss = torch.tensor(step_fn(x, y))
+        loss = torch.tensor(step_fn(x.to(device), y.to(device)), device=device)
         dist.all_reduce(loss)
         losses[step] = loss.item() / world
         if stop_after is not None and step + 1 == stop_after:
@@ -147,7 +153,17 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
             break
     module = getattr(net, "module", net)
     return {"rank": rank, "world_size": world, "losses": losses, "digest": _full_digest(net, module, stage, engine),
-            "optimizer_state_bytes": optimizer_state_bytes(net.optimizer if engine == "deepspeed" else opt)}
+            "optimizer_state_bytes": optimizer_state_bytes(net.optimizer if engine == "deepspeed" else opt),
+            "device": str(device), "n_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                                   for p in module.parameters()),
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _rank_device() -> torch.device:
+    """This rank's GPU (``cuda:LOCAL_RANK``) where there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -207,15 +223,15 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     torch.manual_seed(seed)
     model = SmallCNN(width=width)
     net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses = []
+    losses, device = [], _rank_device()
     for x, y in _batches(global_batch, steps, seed, max(n_samples, global_batch)):
         total = 0.0
-        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+        for xm, ym in zip(x.to(device).chunk(accum), y.to(device).chunk(accum)):
             loss = F.cross_entropy(net(xm), ym)
             net.backward(loss)
             net.step()
             total += loss.item() / accum
-        t = torch.tensor(total)
+        t = torch.tensor(total, device=device)
         dist.all_reduce(t)
         losses.append(t.item() / world)
     return {"rank": dist.get_rank(), "losses": losses, "micro_batch": config["train_micro_batch_size_per_gpu"],
