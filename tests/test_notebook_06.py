@@ -24,3 +24,7 @@ def test_checkpoint_resume_is_exact_and_claims_held(executed):
     assert all(c["held"] for c in res["claims"]), res["claims"]
     # the ZeRO paper's arithmetic for Llama-3.1-8B on 8 GPUs: 16 bytes/param / 8 -> about 16 GB
     assert 15 < value(res, "llama_8b_zero3_gb_per_gpu_of_8") < 17
+
+
+def test_the_three_accelerate_configs_validate_in_the_notebook(executed):
+    assert value(executed("06_deepspeed_zero"), "accelerate_configs_valid") == 3
