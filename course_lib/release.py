@@ -27,12 +27,20 @@ def assignments(root: Path = ROOT) -> list[str]:
     return sorted(p.name for p in (root / "solutions").iterdir() if (p / f"{p.name}.ipynb").exists())
 
 
-def make_course(dest: Path, root: Path = ROOT) -> Path:
-    """A scratch nbgrader course at ``dest``: the config, the solutions, and their generated release."""
+def make_course(dest: Path, root: Path = ROOT, drop_tags: tuple[str, ...] = ()) -> Path:
+    """A scratch nbgrader course at ``dest``: the config, the solutions, and their generated release.
+
+    ``drop_tags=("demo",)`` leaves out the cells tagged so (long demonstrations, not exercises):
+    an exercise-only course that grades in a fraction of the time.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(root / "nbgrader_config.py", dest / "nbgrader_config.py")
     shutil.copytree(root / "solutions", dest / "solutions", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    for nb_path in (dest / "solutions").glob("*/*.ipynb") if drop_tags else ():
+        nb = json.loads(nb_path.read_text())
+        nb["cells"] = [c for c in nb["cells"] if not set(drop_tags) & set(c.get("metadata", {}).get("tags", []))]
+        nb_path.write_text(json.dumps(nb, indent=1))
     for aid in assignments(dest):
         nbgrader(dest, "generate_assignment", aid, "--force")
     return dest

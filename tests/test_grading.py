@@ -5,6 +5,11 @@ release (zero on every test cell), each known-wrong submission of tests/submissi
 expected partial scores), a submission whose test cell was edited to pass (restored, so it
 scores as the wrong code deserves), and one that loops forever in one exercise (loses only
 that exercise's cells, within the cell timeout). Grading never changes a submitted file.
+
+The course graded here is exercise-only: cells tagged ``demo`` (long demonstrations that no test
+cell reads, such as notebook 06's seven DeepSpeed launches) are left out of it, because autograde
+re-runs the whole notebook for every submission. The test_notebook_NN tests execute those cells,
+and the instructor-flow test grades complete notebooks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ CELL_TIMEOUT = 20  # seconds per cell; a submissions module may ask for more (ce
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory, deepspeed_ops):
-    return make_course(tmp_path_factory.mktemp("grading") / "course")
+    return make_course(tmp_path_factory.mktemp("grading") / "course", drop_tags=("demo",))
 
 
 @pytest.mark.parametrize("assignment", assignments())

@@ -74,4 +74,4 @@ CASES = {
 }
 
 LOOP_CELL = "zero_model_state_gb"
-CELL_TIMEOUT = 60  # cells launch DeepSpeed on 2 processes: a few seconds each, more on a busy machine
+CELL_TIMEOUT = 60  # test cells launch DeepSpeed on 2 processes: about 8 s each on 2 idle cores, more when busy
