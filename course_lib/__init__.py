@@ -16,6 +16,14 @@ One module per idea, each small enough to read in one sitting:
 - ``grading``       helpers the graded test cells call
 - ``run_all``       the course's main job: execute every notebook, write a summary
 - ``release``       regenerate the student notebooks from ``solutions/`` with nbgrader
+- ``launch``        run N worker processes from a notebook cell (torchrun, or fork/spawn)
+- ``workers``       the process torchrun starts for ``launch``
+- ``ddp``, ``fsdp``, ``zero``  data parallelism, FSDP2 sharding, DeepSpeed ZeRO: worker entry points
+- ``accelerate_configs``  seed 003's accelerate YAML files (in ``configs/``), validated by accelerate
+- ``instruct``      instruction data the package makes: formatting, label masking, packing
+- ``finetune``      the Llama fine-tune path (LoRA or full) and its fast recipe
+- ``benchmark``     the recipe against a plain transformers baseline, side by side
+- ``cluster``       SLURM sbatch templates (torchrun rendezvous, DeepSpeed hostfile)
 
 Modules import heavy dependencies (transformers, accelerate) lazily, so that
 ``import course_lib`` stays fast in a notebook's first cell.

@@ -150,3 +150,99 @@ def system_report_rows(report: dict[str, str] | None = None) -> list[dict[str, s
     """``system_report()`` as rows of fact, value and why it matters, for a table."""
     report = system_report() if report is None else report
     return [{"fact": k, "value": v, "why it matters": REPORT_NOTES.get(k, "")} for k, v in report.items()]
+
+
+# ------------------------------------------------------------------ ROCm system validation (seed 001)
+# What seed 001 asks an MI300X node to show before training, gathered so that the same code runs on
+# CUDA and CPU machines (where the ROCm-only facts read "n/a"). ``rocm_facts`` reads the machine;
+# ``validate_rocm`` judges a facts dict, so tests can feed it the facts of an MI300X node.
+
+def gpu_architecture(index: int = 0) -> str:
+    """``gcnArchName`` on ROCm (gfx942 is MI300X/MI325X), the compute capability on CUDA, else n/a."""
+    if not torch.cuda.is_available():
+        return "n/a (no GPU)"
+    props = torch.cuda.get_device_properties(index)
+    arch = getattr(props, "gcnArchName", None)
+    if arch and torch.version.hip is not None:
+        return arch
+    return f"sm_{props.major}{props.minor} (CUDA compute capability {props.major}.{props.minor})"
+
+
+def rocm_version() -> str:
+    """The HIP/ROCm version PyTorch was built against, or n/a on a CUDA or CPU build."""
+    return torch.version.hip or "n/a (not a ROCm build of PyTorch)"
+
+
+def rccl_version() -> str:
+    """RCCL's version on ROCm (PyTorch reports it through ``torch.cuda.nccl``), NCCL's on CUDA, else n/a."""
+    if not torch.cuda.is_available():
+        return "n/a (no GPU)"
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 (a build without NCCL/RCCL)
+        return "n/a (built without NCCL/RCCL)"
+    text = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return f"RCCL {text}" if torch.version.hip is not None else f"NCCL {text} (not RCCL: a CUDA build)"
+
+
+def hipblaslt_status() -> str:
+    """Whether PyTorch's GEMMs can use hipBLASLt (ROCm's tuned GEMM library), or n/a off ROCm."""
+    if torch.version.hip is None:
+        return "n/a (not a ROCm build of PyTorch)"
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(p.name for folder in (lib, Path("/opt/rocm/lib")) if folder.is_dir()
+                   for p in folder.glob("libhipblaslt*"))
+    try:
+        backend = str(torch.backends.cuda.preferred_blas_library())
+    except Exception:  # noqa: BLE001
+        backend = "unknown"
+    prefer = os.environ.get("TORCH_BLAS_PREFER_HIPBLASLT", "unset")
+    if not found:
+        return f"not found (preferred BLAS: {backend})"
+    return f"available ({found[0]}; preferred BLAS: {backend}; TORCH_BLAS_PREFER_HIPBLASLT={prefer})"
+
+
+def rocm_facts() -> dict[str, str]:
+    """The facts seed 001's system validation checks, read from this machine."""
+    gib = 2**30
+    mem = (f"{torch.cuda.get_device_properties(0).total_memory / gib:.1f} GiB" if torch.cuda.is_available()
+           else "n/a (no GPU)")
+    return {"NUMA auto-balancing": numa_balancing(), "GPU": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            else "n/a (no GPU)", "GPUs": str(torch.cuda.device_count()), "GPU architecture": gpu_architecture(),
+            "GPU memory": mem, "ROCm": rocm_version(), "RCCL": rccl_version(), "hipBLASLt": hipblaslt_status()}
+
+
+# What an MI300X node should show (seed 001 and AMD's system-optimization guide).
+MI300X_EXPECTS = {"NUMA auto-balancing": "0 (disabled)", "GPU": "AMD Instinct MI300X", "GPUs": "8",
+                  "GPU architecture": "gfx942", "GPU memory": "about 192 GiB", "ROCm": "6.3 or newer (image v25.3: 6.3.0)",
+                  "RCCL": "RCCL 2.x", "hipBLASLt": "available"}
+
+
+def validate_rocm(facts: dict[str, str] | None = None) -> list[dict]:
+    """Rows of check, value, what an MI300X node expects, and ok (True, False, or None where the
+    check does not apply to this machine, e.g. ROCm facts on a CUDA or CPU machine)."""
+    facts = rocm_facts() if facts is None else facts
+
+    def ok(key: str, value: str):
+        if value.startswith("n/a") or value.startswith("unavailable"):
+            return None
+        if key == "NUMA auto-balancing":
+            return value.startswith("0")
+        if key == "GPU architecture":
+            return value.startswith("gfx942") if value.startswith("gfx") else None
+        if key == "ROCm":
+            try:
+                major, minor = (int(x) for x in value.split(".")[:2])
+            except ValueError:
+                return None
+            return (major, minor) >= (6, 3)
+        if key == "RCCL":
+            return value.startswith("RCCL")
+        if key == "hipBLASLt":
+            return value.startswith("available")
+        if key == "GPU memory":
+            return float(value.split()[0]) >= 180 if "gfx942" in facts.get("GPU architecture", "") else None
+        return None
+
+    return [{"check": k, "value": v, "MI300X expects": MI300X_EXPECTS.get(k, ""), "ok": ok(k, v)}
+            for k, v in facts.items()]
