@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.data import synthetic_images
+from course_lib.distributed import rank_device
 from course_lib.models import SmallCNN
 from course_lib.train import train_step
 
@@ -123,15 +124,13 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     ``nn.DataParallel`` over every visible GPU on the whole global batch. The step time is the
     slowest rank's median (the ranks wait for each other in the all-reduce).
     """
-    import os
-
     from course_lib.throughput import time_step
 
     if threads:
         torch.set_num_threads(threads)
     world, rank = dist.get_world_size(), dist.get_rank()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    device = rank_device(rank)
+    cuda = device.type == "cuda"
     torch.manual_seed(seed)
     model = SmallCNN(width=width).to(device)
     if mode == "ddp":

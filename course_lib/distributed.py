@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 
@@ -19,6 +20,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_device(fallback_rank: int = 0) -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK`` (torchrun sets it), where there are GPUs; else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", fallback_rank)))
+    return torch.device("cpu")
 
 
 def single_process_group(backend: str = "gloo") -> None:

@@ -220,13 +220,13 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
     import multiprocessing as mp
 
     if fork_is_safe():
-        ctx, payload = mp.get_context("fork"), fn
+        ctx, shipped = mp.get_context("fork"), fn
     else:
         import cloudpickle
 
-        ctx, payload = mp.get_context("spawn"), cloudpickle.dumps(fn)  # by value: a notebook's function too
+        ctx, shipped = mp.get_context("spawn"), cloudpickle.dumps(fn)  # by value: a notebook's function too
     port, queue = free_port(), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_forked_rank, args=(payload, rank, nprocs, port, backend, queue, args), daemon=True)
+    procs = [ctx.Process(target=_forked_rank, args=(shipped, rank, nprocs, port, backend, queue, args), daemon=True)
              for rank in range(nprocs)]
     for p in procs:
         p.start()
