@@ -99,5 +99,22 @@ def scores(course: Path, assignment: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def outputs(course: Path, assignment: str, student: str, grade_ids) -> str:
+    """What the given cells printed when autograde ran this student's notebook (to explain a wrong score)."""
+    path = course / "autograded" / student / assignment / f"{assignment}.ipynb"
+    if not path.exists():
+        return f"(no autograded notebook at {path})"
+    text = []
+    for c in json.loads(path.read_text())["cells"]:
+        if c["metadata"].get("nbgrader", {}).get("grade_id") in grade_ids:
+            text.append(f"--- {c['metadata']['nbgrader']['grade_id']}:")
+            for o in c.get("outputs", []):
+                if o["output_type"] == "stream":
+                    text.append(o["text"] if isinstance(o["text"], str) else "".join(o["text"]))
+                elif o["output_type"] == "error":
+                    text.append("\n".join(o["traceback"]))
+    return "\n".join(text)
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -67,7 +67,10 @@ def test_autograde_known_submissions(course, assignment):
     got = g.scores(course, assignment)
 
     for student in subs:
-        assert got[student] == pytest.approx(expected[student]), f"{assignment} / {student}"
+        wrong = [k for k in expected[student] if got[student].get(k) != pytest.approx(expected[student][k])]
+        assert not wrong, (f"{assignment} / {student}: {wrong} scored {[got[student].get(k) for k in wrong]}, expected "
+                           f"{[expected[student][k] for k in wrong]}; what those cells printed:\n"
+                           + g.outputs(course, assignment, student, wrong))
     assert {s: g.digest(p) for s, p in paths.items()} == before, "autograde changed a submitted notebook"
     print(f"{assignment}: {len(subs)} submissions autograded in {seconds:.0f} s")
 
