@@ -273,7 +273,8 @@ def fork_is_safe() -> bool:
 def _forked_rank(fn, rank, world, port, backend, queue, args):
     import torch.distributed as dist
 
-    if isinstance(fn, bytes):  # a spawned rank: the function came by value
+    spawned = isinstance(fn, bytes)
+    if spawned:  # the function came by value
         import cloudpickle
 
         fn = cloudpickle.loads(fn)
@@ -293,3 +294,7 @@ def _forked_rank(fn, rank, world, port, backend, queue, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if spawned:  # a forked rank ends with os._exit already; a spawned one would shut Python down (see exit_now)
+        from course_lib.workers import exit_now
+
+        exit_now(0)

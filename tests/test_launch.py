@@ -230,6 +230,25 @@ def test_a_rank_that_crashes_below_python_shows_where(tmp_path, monkeypatch):
         launch("crash_worker:crash_in_c", 2, echo=False, timeout=120)
 
 
+def test_a_rank_that_would_crash_in_python_shutdown_still_reports_its_result(tmp_path, monkeypatch):
+    """Ranks leave without Python's shutdown, where a finished rank could still be aborted.
+
+    DeepSpeed leaves async gloo collectives whose last reference a gloo thread drops; during
+    shutdown that thread cannot take the GIL and the process aborts (SIGABRT) after its work is
+    done: 3 of 136 ZeRO launches on CPU did. The atexit abort stands in for it, every time.
+    """
+    (tmp_path / "exit_worker.py").write_text(textwrap.dedent("""
+        import atexit, os
+        import torch.distributed as dist
+
+        def abort_at_shutdown():
+            atexit.register(os.abort)
+            return {"rank": dist.get_rank()}
+    """))
+    monkeypatch.chdir(tmp_path)
+    assert launch("exit_worker:abort_at_shutdown", 2, echo=False, timeout=120) == [{"rank": 0}, {"rank": 1}]
+
+
 def test_run_forked_refuses_a_process_that_already_has_a_group():
     import torch.distributed as dist
 
