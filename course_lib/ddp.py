@@ -41,6 +41,27 @@ def sharded_loader(dataset, global_batch: int, seed: int = 0) -> tuple[DataLoade
     return DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True), sampler
 
 
+def step_batches(dataset, global_batch: int, steps: int, seed: int = 0):
+    """Yield this rank's micro-batch for each of ``steps`` steps, epoch after epoch.
+
+    Each epoch is a new shuffle, the same on every rank; the order depends on ``seed`` only, so a
+    run resumed at step k sees the batches the uninterrupted run saw from step k on.
+    """
+    loader, sampler = sharded_loader(dataset, global_batch, seed)
+    if len(loader) == 0:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}: "
+                         f"use more samples or a smaller batch")
+    done, epoch = 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == steps:
+                return
+        epoch += 1
+
+
 def param_digest(model: nn.Module) -> float:
     """A number that changes when any weight does: the sum of |w| over all parameters."""
     return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
@@ -64,22 +85,15 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     elif mode != "manual":
         raise ValueError(f"mode={mode!r}: use 'ddp' or 'manual'")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loader, sampler = sharded_loader(synthetic_images(n_samples, seed=seed), global_batch, seed)
-    losses, step, epoch = [], 0, 0
-    while step < steps:
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        for x, y in loader:
-            if mode == "manual":
-                out = _manual_step(model, opt, x, y, accum_steps)
-            else:
-                out = train_step(model, opt, x, y, accum_steps=accum_steps)
-            loss = torch.tensor(out["loss"])
-            dist.all_reduce(loss)  # mean of the ranks' micro-batch losses = the global batch's loss
-            losses.append(loss.item() / dist.get_world_size())
-            step += 1
-            if step == steps:
-                break
-        epoch += 1
+    losses = []
+    for x, y in step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed):
+        if mode == "manual":
+            out = _manual_step(model, opt, x, y, accum_steps)
+        else:
+            out = train_step(model, opt, x, y, accum_steps=accum_steps)
+        loss = torch.tensor(out["loss"])
+        dist.all_reduce(loss)  # mean of the ranks' micro-batch losses = the global batch's loss
+        losses.append(loss.item() / dist.get_world_size())
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "losses": losses,
             "digest": param_digest(model)}
 

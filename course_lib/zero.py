@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.data import synthetic_images
-from course_lib.ddp import param_digest, sharded_loader
+from course_lib.ddp import param_digest, step_batches
 from course_lib.distributed import rank_device
 from course_lib.models import SmallCNN
 
@@ -79,17 +79,6 @@ def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int
     return config
 
 
-def _batches(global_batch: int, steps: int, seed: int, n_samples: int):
-    """This rank's micro-batches for ``steps`` steps, in a fixed order (so a resumed run sees the same data)."""
-    loader, sampler = sharded_loader(synthetic_images(n_samples, seed=seed), global_batch, seed)
-    out, epoch = [], 0
-    while len(out) < steps:
-        sampler.set_epoch(epoch)
-        out.extend(list(loader)[: steps - len(out)])
-        epoch += 1
-    return out
-
-
 def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batch: int = 32, accum_steps: int = 1,
           offload_optimizer: bool = False, offload_param: bool = False, width: int = 8, lr: float = 1e-3,
           seed: int = 0, n_samples: int = 512, clip_norm: float = 1.0, nvme_path: str | None = None,
@@ -107,7 +96,7 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     device = rank_device()
     torch.manual_seed(seed)
     model = SmallCNN(width=width)
-    batches = _batches(global_batch, steps, seed, n_samples)
+    batches = list(step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed))
     start = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -218,7 +207,7 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     model = SmallCNN(width=width)
     net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, device = [], rank_device()
-    for x, y in _batches(global_batch, steps, seed, max(n_samples, global_batch)):
+    for x, y in step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed):
         total = 0.0
         for xm, ym in zip(x.to(device).chunk(accum), y.to(device).chunk(accum)):
             loss = F.cross_entropy(net(xm), ym)

@@ -119,6 +119,32 @@ def test_run_forked_runs_a_function_defined_here_and_reports_failures():
         run_forked(broken, 2, timeout=30)
 
 
+def test_step_batches_shard_every_epoch_once_and_reshuffle_the_next():
+    """ddp, zero and their parity tests read data through step_batches: ranks split each epoch exactly."""
+    from torch.utils.data import TensorDataset
+
+    def read(rank, world):
+        from course_lib.ddp import step_batches
+
+        ids = TensorDataset(torch.arange(64))
+        seen = [b[0].tolist() for b in step_batches(ids, global_batch=16, steps=10, seed=3)]
+        again = [b[0].tolist() for b in step_batches(ids, global_batch=16, steps=10, seed=3)]
+        try:
+            next(step_batches(TensorDataset(torch.arange(8)), global_batch=16, steps=1))
+        except ValueError as err:
+            refused = str(err)
+        return {"seen": seen, "again": again, "refused": refused}
+
+    ranks = run_forked(read, 2, timeout=60)
+    for r in ranks:
+        assert len(r["seen"]) == 10 and all(len(b) == 8 for b in r["seen"])  # 16 over 2 ranks, 10 steps
+        assert r["again"] == r["seen"], "the same seed must give the same order (a resumed run relies on it)"
+        assert "fewer than one global batch" in r["refused"]
+    epochs = [sorted(sum((r["seen"][s] for r in ranks for s in range(e * 4, e * 4 + 4)), [])) for e in (0, 1)]
+    assert epochs == [list(range(64))] * 2, "each epoch's 4 steps must cover every sample once across ranks"
+    assert ranks[0]["seen"][:4] != ranks[0]["seen"][4:8], "a new epoch must be a new shuffle"
+
+
 def test_run_forked_spawns_and_ships_the_function_by_value_where_fork_is_unsafe(monkeypatch):
     """On a GPU machine run_forked spawns: a closure defined here must still run, and failures still report."""
     import torch.distributed as dist
