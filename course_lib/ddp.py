@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.data import synthetic_images
-from course_lib.distributed import rank_device
+from course_lib.distributed import mean_over_ranks, rank_device
 from course_lib.models import SmallCNN
 from course_lib.train import train_step
 
@@ -91,9 +91,7 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
             out = _manual_step(model, opt, x, y, accum_steps)
         else:
             out = train_step(model, opt, x, y, accum_steps=accum_steps)
-        loss = torch.tensor(out["loss"])
-        dist.all_reduce(loss)  # mean of the ranks' micro-batch losses = the global batch's loss
-        losses.append(loss.item() / dist.get_world_size())
+        losses.append(mean_over_ranks(out["loss"]))  # the ranks' micro-batches make the global batch
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "losses": losses,
             "digest": param_digest(model)}
 

@@ -29,6 +29,19 @@ def rank_device(fallback_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def mean_over_ranks(value: float, device: torch.device | str | None = None) -> float:
+    """The mean of ``value`` over all ranks (this value alone where there is no process group).
+
+    With equal shards, the mean of the ranks' losses is the loss of the global batch. ``device``
+    is where the number is reduced: NCCL reduces GPU tensors only.
+    """
+    t = torch.tensor(value, device=device)
+    if not dist.is_initialized():
+        return t.item()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def single_process_group(backend: str = "gloo") -> None:
     """Initialise a world of size 1 (once per process; later calls do nothing)."""
     if dist.is_initialized():

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib.distributed import mean_over_ranks
 from course_lib.memory import estimate_model_state
 from course_lib.train import forward_loss, train_step
 
@@ -184,10 +185,7 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
     for step in range(start, steps):
         tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed)[rank * local:(rank + 1) * local]
         out = train_step(model, opt, tokens, tokens, loss_fn=loss_fn)
-        loss = torch.tensor(out["loss"], device=dev)  # NCCL reduces GPU tensors only
-        if not single:
-            dist.all_reduce(loss)  # equal shards: the mean of the ranks' losses is the global batch's
-        losses.append(loss.item() / world)
+        losses.append(mean_over_ranks(out["loss"], dev))  # equal shards: the global batch's loss
         if stop_after is not None and step + 1 == stop_after:
             import torch.distributed.checkpoint as dcp
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from course_lib.data import synthetic_images
 from course_lib.ddp import param_digest, step_batches
-from course_lib.distributed import rank_device
+from course_lib.distributed import mean_over_ranks, rank_device
 from course_lib.models import SmallCNN
 
 
@@ -120,23 +120,14 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
             _, client = net.load_checkpoint(checkpoint_dir)  # the tag in the "latest" file
             start = client["step"]
 
-        def step_fn(x, y):
-            total = 0.0
-            for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
-                loss = F.cross_entropy(net(xm), ym)  # DeepSpeed divides by accumulation steps itself
-                net.backward(loss)
-                net.step()  # an optimizer step only at the accumulation boundary
-                total += loss.item() / accum_steps
-            return total
+        step_fn = lambda x, y: deepspeed_step(net, x, y, accum_steps)
     else:
         raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
 
     losses = {}
     for step in range(start, steps):
         x, y = batches[step]
-        loss = torch.tensor(step_fn(x.to(device), y.to(device)), device=device)
-        dist.all_reduce(loss)
-        losses[step] = loss.item() / world
+        losses[step] = mean_over_ranks(step_fn(x.to(device), y.to(device)), device)
         if stop_after is not None and step + 1 == stop_after:
             net.save_checkpoint(checkpoint_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
             break
@@ -147,6 +138,16 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
                                                    for p in module.parameters()),
             "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
+
+def deepspeed_step(net, x: torch.Tensor, y: torch.Tensor, accum_steps: int) -> float:
+    """One global step of a DeepSpeed engine on this rank's batch, in ``accum_steps`` micro-batches; its mean loss."""
+    total = 0.0
+    for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
+        loss = F.cross_entropy(net(xm), ym)  # DeepSpeed divides by accumulation steps itself
+        net.backward(loss)
+        net.step()  # an optimizer step only at the accumulation boundary
+        total += loss.item() / accum_steps
+    return total
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -200,7 +201,6 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     """Train SmallCNN for ``steps`` with DeepSpeed and a given config: does DeepSpeed accept it, and does it learn?"""
     import deepspeed
 
-    world = dist.get_world_size()
     accum = config.get("gradient_accumulation_steps", 1)
     global_batch = config["train_batch_size"]
     torch.manual_seed(seed)
@@ -208,15 +208,7 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses, device = [], rank_device()
     for x, y in step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed):
-        total = 0.0
-        for xm, ym in zip(x.to(device).chunk(accum), y.to(device).chunk(accum)):
-            loss = F.cross_entropy(net(xm), ym)
-            net.backward(loss)
-            net.step()
-            total += loss.item() / accum
-        t = torch.tensor(total, device=device)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(mean_over_ranks(deepspeed_step(net, x.to(device), y.to(device), accum), device))
     return {"rank": dist.get_rank(), "losses": losses, "micro_batch": config["train_micro_batch_size_per_gpu"],
             "global_steps": net.global_steps}
 
