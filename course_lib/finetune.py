@@ -35,16 +35,17 @@ import argparse
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.instruct import IGNORE_INDEX, format_prompt
+from course_lib import accelerate_configs
+from course_lib.instruct import IGNORE_INDEX, format_prompt, packed_attention_mask
 from course_lib.precision import autocast
+from course_lib.train import check_accumulation
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -167,10 +168,6 @@ class Recipe:
     loss_chunk_tokens: int = 4096
     frozen_weights_bf16: bool = True
     checkpointing: bool = False
-
-    def describe(self) -> dict[str, str]:
-        """The recipe as rows for a table."""
-        return {k: str(v).removeprefix("torch.") for k, v in asdict(self).items()}
 
 
 BASELINE = Recipe(name="baseline", amp_dtype=torch.bfloat16, fused_optimizer=False, attn_implementation=None,
@@ -331,8 +328,6 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], recipe: Recipe = B
     decoder's hidden states, or the baseline's ``model(..., labels=labels).loss``."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     if "document_ids" in batch:  # packed rows: keep documents apart
-        from course_lib.instruct import packed_attention_mask
-
         inputs["attention_mask"] = packed_attention_mask(batch["document_ids"])
     if not recipe.chunked_loss:
         return model(**inputs, labels=batch["labels"]).loss
@@ -355,11 +350,11 @@ def finetune_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dic
     the micro-batches score different numbers of tokens, so this is the mean of the micro-batch
     means, close to but not exactly the batch's token mean.
     """
+    check_accumulation(batch["input_ids"].shape[0], accum_steps)
     device = next(model.parameters()).device
     batch = _to(batch, device)
     total = torch.zeros((), device=device)
-    for i in range(accum_steps):
-        micro = {k: v.chunk(accum_steps)[i] for k, v in batch.items()}
+    for micro in [dict(zip(batch, parts)) for parts in zip(*(v.chunk(accum_steps) for v in batch.values()))]:
         with autocast(device, recipe.amp_dtype):
             loss = lm_loss(model, micro, recipe) / accum_steps
         loss.backward()
@@ -549,23 +544,21 @@ def config_path(name: str = "fsdp") -> Path:
     """Path of a packaged accelerate config for the 8-GPU node: ``"fsdp"`` or ``"zero3"``."""
     if name not in NODE_CONFIGS:
         raise ValueError(f"name={name!r}: choose one of {sorted(NODE_CONFIGS)}")
-    return Path(str(resources.files("course_lib") / "configs" / NODE_CONFIGS[name]))
+    return accelerate_configs.CONFIG_DIR / NODE_CONFIGS[name]
 
 
 def load_accelerate_config(name: str = "fsdp") -> dict:
     """The packaged accelerate config as a dict (it parses as YAML)."""
-    import yaml
-
-    return yaml.safe_load(config_path(name).read_text())
+    return accelerate_configs.load(str(config_path(name)))
 
 
 def accelerate_launch_command(config: str = "fsdp", *, num_processes: int = 8, preset: str = "8b",
                               model_name: str | None = None, lora: bool = False, steps: int = 20, seq_len: int = 2048,
                               micro_batch: int = 1, dataset_name: str | None = None) -> str:
     """The ``accelerate launch`` line that fine-tunes on a node with ``course_lib.finetune``'s CLI."""
-    parts = ["accelerate", "launch", "--config_file", str(config_path(config)), "--num_processes", str(num_processes),
-             "-m", "course_lib.finetune", "--steps", str(steps), "--seq-len", str(seq_len),
-             "--micro-batch", str(micro_batch)]
+    parts = accelerate_configs.launch_command(str(config_path(config)), "-m", "course_lib.finetune", "--steps", str(steps),
+                                              "--seq-len", str(seq_len), "--micro-batch", str(micro_batch),
+                                              num_processes=num_processes)
     parts += ["--model-name", model_name] if model_name else ["--preset", preset]
     if dataset_name:
         parts += ["--dataset-name", dataset_name]
@@ -625,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
                        dtype=torch.bfloat16 if args.lora else torch.float32)
     if args.lora:
         model = apply_lora(model)
-    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr)
+    optimizer = make_optimizer(model, BASELINE, lr=args.lr, weight_decay=0.01)  # torch's AdamW, its default decay
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     rows, losses = packed["input_ids"].shape[0], []
@@ -634,14 +627,11 @@ def main(argv: list[str] | None = None) -> dict:
         i = (step * args.micro_batch * accelerator.num_processes
              + accelerator.process_index * args.micro_batch) % max(rows - args.micro_batch + 1, 1)
         batch = {k: v[i:i + args.micro_batch].to(accelerator.device) for k, v in packed.items()}
-        from course_lib.instruct import packed_attention_mask
-
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    attention_mask=packed_attention_mask(batch["document_ids"]), labels=batch["labels"])
-        accelerator.backward(out.loss)
+        loss = lm_loss(model, batch)  # BASELINE: the loss inside the sharded model's own forward
+        accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         accelerator.print(f"step {step}: loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - t0
     tokens = args.steps * args.micro_batch * args.seq_len * accelerator.num_processes

@@ -259,10 +259,14 @@ def test_benchmark_function_same_start_same_batches():
 def test_node_configs_parse_and_commands_build():
     from accelerate.commands.config.config_args import load_config_from_file
 
+    from course_lib.accelerate_configs import validate
+
     for name, kind in (("fsdp", "FSDP"), ("zero3", "DEEPSPEED")):
         cfg = load_config_from_file(str(ft.config_path(name)))
         assert cfg.distributed_type.value == kind and cfg.num_processes == 8 and cfg.mixed_precision == "bf16"
         assert ft.load_accelerate_config(name)["num_processes"] == 8
+        seen = validate(str(ft.config_path(name)))  # what accelerate launch would check, and the plugin it builds
+        assert seen["distributed_type"] == kind and seen["num_processes"] == 8 and seen["plugin"] is not None
     assert ft.load_accelerate_config("zero3")["deepspeed_config"]["zero_stage"] == 3
     cmd = ft.accelerate_launch_command("zero3", preset="70b", lora=True)
     assert cmd.startswith("accelerate launch --config_file ") and "--num_processes 8" in cmd
@@ -272,6 +276,14 @@ def test_node_configs_parse_and_commands_build():
         assert flag in docker
     with pytest.raises(ValueError):
         ft.config_path("ddp")
+
+
+def test_finetune_step_refuses_a_batch_that_does_not_split(tok):
+    model = ft.load_model(None, preset="tiny")
+    feats = [ins.tokenize_example(tok, e) for e in ins.load_instruction_data(None, n_train=8, n_test=2)["train"]]
+    batch = ins.pad_batch(feats[:6], tok.pad_token_id)
+    with pytest.raises(ValueError, match="does not divide by accum_steps=4"):
+        ft.finetune_step(model, ft.make_optimizer(model), batch, accum_steps=4)
 
 
 def test_finetune_cli_runs_in_one_process():
