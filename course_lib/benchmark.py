@@ -83,7 +83,7 @@ def run_one(recipe: Recipe, batches: list[dict], *, preset: str, seq_len: int, m
     frozen_bytes = 2 if (lora and recipe.frozen_weights_bf16) else 4
     plan = plan_micro_batch(config, seq_len, device, micro_batch=micro_batch, lora=lora,
                             chunked_loss=recipe.chunked_loss, frozen_bytes=frozen_bytes,
-                            lora_params=trainable_parameters(model) if lora else 0)
+                            chunk_tokens=recipe.loss_chunk_tokens, lora_params=trainable_parameters(model) if lora else 0)
     if plan["accum_steps"] != 1:
         raise ValueError(f"micro_batch={micro_batch} does not fit even with checkpointing ({plan}): pick a smaller one")
     recipe = replace(recipe, checkpointing=plan["checkpointing"])

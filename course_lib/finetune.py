@@ -455,7 +455,7 @@ def exact_match_eval(model: nn.Module, tokenizer, examples, max_new_tokens: int 
 
 # ------------------------------------------------------------------------------ memory planning
 def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = False, checkpointing: bool = False,
-                        chunked_loss: bool = True, frozen_bytes: int = 2, chunk_tokens: int = 2048,
+                        chunked_loss: bool = True, frozen_bytes: int = 2, chunk_tokens: int = Recipe.loss_chunk_tokens,
                         lora_params: int = 0) -> dict[str, int]:
     """Bytes one training step needs, from ``course_lib.memory``'s estimates.
 
@@ -488,7 +488,7 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
 def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = None, *, micro_batch: int | None = None,
                      lora: bool = False, chunked_loss: bool = True, frozen_bytes: int = 2, max_micro_batch: int = 16,
                      memory_bytes: int | None = None, headroom: float = 0.85, cpu_micro_batch: int = 8,
-                     lora_params: int = 0) -> dict:
+                     lora_params: int = 0, chunk_tokens: int = Recipe.loss_chunk_tokens) -> dict:
     """Choose the micro-batch and whether to checkpoint, from the device's memory.
 
     With ``micro_batch`` given (the batch you want per step): that size without checkpointing if
@@ -506,7 +506,8 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
         return {"micro_batch": mb, "accum_steps": 1, "checkpointing": False, "estimated_bytes": None,
                 "budget_bytes": None, "reason": "CPU: a fixed small plan (time, not memory, is the limit)"}
     budget = headroom * (memory_bytes or device_memory_bytes(device))
-    kw = dict(lora=lora, chunked_loss=chunked_loss, frozen_bytes=frozen_bytes, lora_params=lora_params)
+    kw = dict(lora=lora, chunked_loss=chunked_loss, frozen_bytes=frozen_bytes, lora_params=lora_params,
+              chunk_tokens=chunk_tokens)
 
     def need(mb: int, ckpt: bool) -> int:
         return estimate_step_bytes(config, seq_len, mb, checkpointing=ckpt, **kw)["total"]
