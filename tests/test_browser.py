@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from course_lib.distributed import free_port
+from labserver import lab_env, start_lab, stop_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -48,33 +46,9 @@ def lab(tmp_path):
     """JupyterLab through docker/start-lab.sh on a free port: (base URL, token, work folder)."""
     port, token = free_port(), "browser-test-token-0123456789abcdef"
     (tmp_path / "home").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_"))}
-    env.update(COURSE_DIR=str(ROOT), WORK_DIR=str(tmp_path / "work"), HOME=str(tmp_path / "home"),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "home" / ".jupyter"), PORT=str(port), LAB_IP="127.0.0.1",
-               COURSE_ALLOW_ROOT="1", JUPYTER_TOKEN=token)
-    log = tmp_path / "lab.log"
-    proc = subprocess.Popen(["bash", str(ROOT / "docker" / "start-lab.sh")], env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"JupyterLab did not answer within 90 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
-    yield base, token, tmp_path / "work"
-    os.killpg(proc.pid, signal.SIGTERM)  # jupyter shuts its kernels down on SIGTERM
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc = start_lab(lab_env(tmp_path, port, JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
+    yield f"http://127.0.0.1:{port}", token, tmp_path / "work"
+    stop_lab(proc)
 
 
 def test_student_runs_notebook_00_in_chromium_with_nbgrader_extensions(lab):

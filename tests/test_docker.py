@@ -17,24 +17,20 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from course_lib import cluster
+from labserver import START, http_get, lab_env, start_lab, stop_lab
 from course_lib.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
 BIN = Path(sys.executable).parent
-START = DOCKER / "start-lab.sh"
 
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
@@ -118,76 +114,26 @@ def test_makefile_builds_both_images():
 
 # --- docker/start-lab.sh, for real ---------------------------------------------------------------
 
-def _get(url: str, token: str | None = None, timeout: float = 5) -> tuple[int, str]:
-    req = urllib.request.Request(url, headers={"Authorization": f"token {token}"} if token else {})
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *a, **k):
-            return None
-
-    opener = urllib.request.build_opener(NoRedirect)
-    try:
-        with opener.open(req, timeout=timeout) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("Location", "") or ""
-
-
-def _start(env: dict, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(["bash", str(START)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"start-lab.sh exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if _get(f"http://127.0.0.1:{port}/api/status", timeout=1)[0] in (200, 403):
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.3)
-    _stop(proc)
-    raise AssertionError(f"JupyterLab did not answer within 90 s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _env(tmp: Path, port: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_"))}
-    env.update(COURSE_DIR=str(ROOT), WORK_DIR=str(tmp / "work"), HOME=str(tmp / "home"), PORT=str(port),
-               LAB_IP="127.0.0.1", COURSE_ALLOW_ROOT="1", JUPYTER_CONFIG_DIR=str(tmp / "home" / ".jupyter"))
-    env.update(extra)
-    return env
-
-
 def test_start_lab_serves_jupyterlab_with_token_auth_and_nbgrader(tmp_path):
     port, token = free_port(), "course-test-token-0123456789"
     (tmp_path / "home").mkdir()
-    proc = _start(_env(tmp_path, port, JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
+    proc = start_lab(lab_env(tmp_path, port, JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
     base = f"http://127.0.0.1:{port}"
     try:
         # without the token: the API refuses, the lab page sends you to the login page
-        assert _get(f"{base}/api/contents")[0] == 403
-        status, location = _get(f"{base}/lab")
+        assert http_get(f"{base}/api/contents")[0] == 403
+        status, location = http_get(f"{base}/lab")
         assert status == 302 and "/login" in location
-        assert _get(f"{base}/api/contents", token="wrong-token")[0] == 403
+        assert http_get(f"{base}/api/contents", token="wrong-token")[0] == 403
         # with it: 200, and the student's notebooks copied into the work folder are served
-        status, body = _get(f"{base}/api/contents/notebooks", token=token)
+        status, body = http_get(f"{base}/api/contents/notebooks", token=token)
         assert status == 200
         names = {c["name"] for c in json.loads(body)["content"]}
         assert "00_orientation.ipynb" in names
-        assert _get(f"{base}/lab?token={token}")[0] == 200
+        assert http_get(f"{base}/lab?token={token}")[0] == 200
         # nbgrader's server extensions answer on the same port (student: assignments; instructor: formgrader)
-        assert _get(f"{base}/formgrader", token=token)[0] in (200, 302)
-        assert _get(f"{base}/formgrader")[0] in (302, 403)
+        assert http_get(f"{base}/formgrader", token=token)[0] in (200, 302)
+        assert http_get(f"{base}/formgrader")[0] in (302, 403)
         # the token is passed in the environment, never on a command line that `ps` shows
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert "jupyter" in cmdline and token not in cmdline
@@ -197,35 +143,35 @@ def test_start_lab_serves_jupyterlab_with_token_auth_and_nbgrader(tmp_path):
         nb_path = tmp_path / "work" / "notebooks" / "00_orientation.ipynb"
         nb_path.write_text(json.dumps(nb))
     finally:
-        _stop(proc)
+        stop_lab(proc)
     edited = nb_path.read_text()
 
     # a new start (a new container on the same mounted folder) keeps the student's work; with no token
     # given it makes one, prints it, and that token is the one that works
     port = free_port()
-    proc = _start(_env(tmp_path, port), port, tmp_path / "lab2.log")
+    proc = start_lab(lab_env(tmp_path, port), port, tmp_path / "lab2.log")
     try:
         printed = re.search(r"this server's token is ([0-9a-f]{48})", (tmp_path / "lab2.log").read_text())
         assert printed, (tmp_path / "lab2.log").read_text()[-2000:]
-        assert _get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=printed.group(1))[0] == 200
-        assert _get(f"http://127.0.0.1:{port}/api/contents/notebooks")[0] == 403
+        assert http_get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=printed.group(1))[0] == 200
+        assert http_get(f"http://127.0.0.1:{port}/api/contents/notebooks")[0] == 403
     finally:
-        _stop(proc)
+        stop_lab(proc)
     assert nb_path.read_text() == edited, "a restart overwrote the student's notebook"
 
 
 def test_start_lab_instructor_role_serves_the_nbgrader_course(tmp_path):
     port, token = free_port(), "instructor-token-0123456789"
     (tmp_path / "home").mkdir()
-    proc = _start(_env(tmp_path, port, JUPYTER_TOKEN=token, COURSE_ROLE="instructor"), port, tmp_path / "lab.log")
+    proc = start_lab(lab_env(tmp_path, port, JUPYTER_TOKEN=token, COURSE_ROLE="instructor"), port, tmp_path / "lab.log")
     try:
-        status, body = _get(f"http://127.0.0.1:{port}/api/contents", token=token)
+        status, body = http_get(f"http://127.0.0.1:{port}/api/contents", token=token)
         assert status == 200
         assert {"nbgrader_config.py", "solutions"} <= {c["name"] for c in json.loads(body)["content"]}
-        status, body = _get(f"http://127.0.0.1:{port}/formgrader/manage_assignments", token=token)
+        status, body = http_get(f"http://127.0.0.1:{port}/formgrader/manage_assignments", token=token)
         assert status == 200 and "formgrader" in body.lower()
     finally:
-        _stop(proc)
+        stop_lab(proc)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -236,7 +182,7 @@ def test_start_lab_instructor_role_serves_the_nbgrader_course(tmp_path):
     ({"COURSE_ALLOW_ROOT": "0", "FAKE_ROOT": "1"}, "refusing to serve JupyterLab as root"),
 ])
 def test_start_lab_refuses_bad_settings(tmp_path, extra, message):
-    env = _env(tmp_path, 8888, **extra)
+    env = lab_env(tmp_path, 8888, **extra)
     if extra.get("FAKE_ROOT"):  # an `id` that says root, so the refusal is tested whoever runs the tests
         fake = tmp_path / "bin"
         fake.mkdir()
