@@ -1,36 +1,33 @@
 """course_lib: the training utilities behind the notebooks of *Scaling PyTorch training*.
 
-One module per idea, each small enough to read in one sitting:
+One module per idea, in layers; a module imports only from the layers below it, and a technique
+never imports another technique (``tests/test_architecture.py`` checks both).
 
-- ``device``        what hardware this is, the system report, the execution tier
-- ``models``        a small CNN and Llama-shaped transformers built from configs
-- ``data``          synthetic images, a generated text corpus, a tokenizer
-- ``precision``     autocast dtypes, GradScaler, floating-point ranges
-- ``train``         one training step: accumulation, AMP, clipping; a short fit loop
-- ``checkpointing`` activation checkpointing policies
-- ``memory``        training-memory estimates and measurements
-- ``throughput``    timing, tokens/s and MFU
-- ``results``       named results a notebook records for tests and the summary
-- ``plots``         the few plot shapes the notebooks use
-- ``distributed``   process groups and a one-process DDP for the single-machine notebooks
-- ``grading``       helpers the graded test cells call
-- ``run_all``       the course's main job: execute every notebook, write a summary
-- ``release``       regenerate the student notebooks from ``solutions/`` with nbgrader
-- ``launch``        run N worker processes from a notebook cell (torchrun, or fork/spawn)
-- ``workers``       the process torchrun starts for ``launch``
-- ``ddp``, ``fsdp``, ``zero``  data parallelism, FSDP2 sharding, DeepSpeed ZeRO: worker entry points
-- ``accelerate_configs``  seed 003's accelerate YAML files (in ``configs/``), validated by accelerate
-- ``instruct``      instruction data the package makes: formatting, label masking, packing
-- ``finetune``      the Llama fine-tune path (LoRA or full) and its fast recipe
-- ``benchmark``     the recipe against a plain transformers baseline, side by side
-- ``cluster``       SLURM sbatch templates (torchrun rendezvous, DeepSpeed hostfile)
+1. **Core helpers**
+   ``device`` (hardware, tier, device and backend decisions, system report, ROCm checks),
+   ``precision`` (dtypes, autocast, GradScaler, fp16 and bf16 ranges), ``data`` (batches,
+   synthetic images and tokens, a corpus, a tokenizer), ``instruct`` (instruction data: template,
+   label masking, padding, packing), ``models`` (a small CNN, Llama presets), ``loss`` (the loss of
+   a batch; the chunked LM loss), ``memory`` (estimates, the saved-tensor meter, byte counting),
+   ``throughput`` (timing, MFU), ``results``, ``plots``, ``grading``.
+2. **The step**: ``train`` (one training step: accumulation, autocast, loss scaling, gradient sync,
+   clipping; ``fit``).
+3. **The distributed toolkit**: ``distributed`` (process group, rank device, each rank's batches,
+   mean over ranks, digests, worker results), ``launch`` (N ranks from a notebook cell) and
+   ``workers`` (the process torchrun starts).
+4. **Techniques**, one module each: ``checkpointing``, ``lora``, ``recipe`` (the fine-tune
+   recipe and its memory plan), ``ddp``, ``fsdp``, ``zero``.
+5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), ``finetune``,
+   ``benchmark``, ``accelerate_configs``, ``cluster``, ``run_all`` (the course's main job),
+   ``release``.
 
-Modules import heavy dependencies (transformers, accelerate) lazily, so that
-``import course_lib`` stays fast in a notebook's first cell.
+Heavy optional packages (transformers, peft, accelerate, deepspeed) are imported where they are
+used, so that ``import course_lib`` stays fast in a notebook's first cell.
 """
 
-from course_lib.device import pick_tier, system_report, default_device
+from course_lib.device import default_device, pick_tier, system_report
+from course_lib.notebook import course_setup
 from course_lib.results import Results
 
 __version__ = "0.1.0"
-__all__ = ["pick_tier", "system_report", "default_device", "Results", "__version__"]
+__all__ = ["course_setup", "pick_tier", "system_report", "default_device", "Results", "__version__"]

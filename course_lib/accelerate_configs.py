@@ -4,7 +4,8 @@
     accelerate launch --config_file "$(python -m course_lib.accelerate_configs --path fsdp)" train.py
 
 ``ddp``, ``fsdp`` and ``deepspeed`` are seed 003's YAML files for one node of 8 GPUs (MI300X or
-NVIDIA). ``validate`` runs them through what ``accelerate launch`` does before it starts a
+NVIDIA); ``fsdp_8gpu`` (FSDP2) and ``zero3_8gpu`` (DeepSpeed ZeRO-3) run the course's Llama
+fine-tune on such a node (``course_lib.finetune.node_launch_command``). ``validate`` runs them through what ``accelerate launch`` does before it starts a
 process: its argument parser, its config loading and checks, the environment it hands each
 rank, and the plugin (``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``) the training
 script's ``Accelerator`` builds from that environment. A misspelt strategy or a stage that does
@@ -14,17 +15,21 @@ not exist fails here, on a laptop, not on the cluster.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-CONFIGS = {"ddp": "accelerate_ddp.yaml", "fsdp": "accelerate_fsdp.yaml", "deepspeed": "accelerate_deepspeed.yaml"}
+SEED_CONFIGS = {"ddp": "accelerate_ddp.yaml", "fsdp": "accelerate_fsdp.yaml", "deepspeed": "accelerate_deepspeed.yaml"}
+NODE_CONFIGS = {"fsdp_8gpu": "accelerate_fsdp_8gpu.yaml", "zero3_8gpu": "accelerate_deepspeed_zero3_8gpu.yaml"}
+CONFIGS = {**SEED_CONFIGS, **NODE_CONFIGS}
 
 
 def config_path(name: str) -> Path:
-    """The shipped file for ``name`` (ddp, fsdp, deepspeed), or any YAML path given as is."""
+    """The shipped file for ``name`` (one of ``CONFIGS``), or any YAML path given as is."""
     if name in CONFIGS:
         return CONFIG_DIR / CONFIGS[name]
     path = Path(name)
@@ -99,8 +104,6 @@ def _check_with_deepspeed(config: dict) -> None:
     accelerate leaves the batch sizes "auto" (it fills them from the DataLoader at run time); here they
     are filled for one process, micro-batch 1, which is what DeepSpeed checks them against outside a group.
     """
-    import copy
-
     from deepspeed.runtime.config import DeepSpeedConfig
 
     config = copy.deepcopy(config)
@@ -112,12 +115,11 @@ def _check_with_deepspeed(config: dict) -> None:
 
 
 def _has_gpu() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.accelerate_configs``: validate every shipped config and print its launch line (or ``--path NAME``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", metavar="NAME", help="print the path of one config and exit")
     args = parser.parse_args(argv)

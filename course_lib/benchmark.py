@@ -7,7 +7,7 @@
 Both runs build the same model from the same seed (identical weights), see the same batches
 (instruction examples packed into rows of ``seq`` tokens, prompts masked), and run the same
 number of steps; the baseline first, then its memory is freed, then the recipe
-(``course_lib.finetune``). Warm-up steps (where ``torch.compile`` compiles and kernels are
+(``course_lib.recipe``), each through the course's one ``train_step``. Warm-up steps (where ``torch.compile`` compiles and kernels are
 selected) are trained but not timed. The table gives, per run: tokens/s, MFU against the
 device's bf16 peak (``course_lib.throughput``), peak memory (``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats``; n/a on a CPU), the loss after the last step, and whether
@@ -21,13 +21,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 from dataclasses import replace
 
 import torch
 
-from course_lib.finetune import (ALL_LINEAR, BASELINE, Recipe, apply_lora, finetune_step, load_model,
-                                 make_optimizer, plan_micro_batch, prepare, recipe_for, trainable_parameters)
+from course_lib.data import train_tokenizer
+from course_lib.device import default_device
+from course_lib.finetune import load_model
+from course_lib.instruct import example_texts, make_examples, pack_for_training
+from course_lib.lora import ALL_LINEAR, apply_lora, trainable_parameters
+from course_lib.models import llama_config, llama_num_parameters
+from course_lib.recipe import BASELINE, Recipe, make_optimizer, plan_micro_batch, prepare, recipe_for
+from course_lib.throughput import mfu, peak_bf16_flops, transformer_flops_per_token
+from course_lib.train import train_step
 
 CPU_DEFAULTS = dict(preset="tiny", seq_len=128, micro_batch=4, steps=4, warmup=1)
 GPU_DEFAULTS = dict(preset="1b", seq_len=2048, micro_batch=4, steps=20, warmup=5)
@@ -39,15 +47,11 @@ def packed_batches(n_batches: int, micro_batch: int, seq_len: int, vocab_size: i
     The rows are plain causal (no per-document mask), as in most packed pre-training: the same
     for both runs, and the fastest attention kernels apply.
     """
-    from course_lib.data import train_tokenizer
-    from course_lib.instruct import format_prompt, make_examples, pack_examples, tokenize_example
-
     rows_needed = n_batches * micro_batch
     n_examples = min(max(200, rows_needed * seq_len // 20 + 50), 12000)
     examples = make_examples("reverse", n_examples, seed=seed, n_words=4)
-    tok = train_tokenizer("\n".join(format_prompt(e.instruction) + e.response for e in examples[:2000]),
-                          vocab_size=min(512, vocab_size))
-    packed = pack_examples([tokenize_example(tok, e) for e in examples], seq_len, tok.pad_token_id)
+    tok = train_tokenizer("\n".join(example_texts(examples[:2000])), vocab_size=min(512, vocab_size))
+    packed = pack_for_training(examples, tok, seq_len)
     ids, labels = packed["input_ids"], packed["labels"]
     rows = ids.shape[0]
     out = []
@@ -71,9 +75,6 @@ def _free(device: torch.device) -> None:
 def run_one(recipe: Recipe, batches: list[dict], *, preset: str, seq_len: int, micro_batch: int, warmup: int,
             lora: bool, lora_r: int, device: torch.device, seed: int, lr: float, **overrides) -> dict:
     """Train ``len(batches)`` steps with ``recipe``; time the steps after ``warmup``."""
-    from course_lib.models import llama_config, llama_num_parameters
-    from course_lib.throughput import mfu, peak_bf16_flops, transformer_flops_per_token
-
     config = llama_config(preset, **overrides)
     n_params = llama_num_parameters(config)
     model = load_model(None, preset=preset, device=device, attn_implementation=recipe.attn_implementation, seed=seed,
@@ -100,7 +101,8 @@ def run_one(recipe: Recipe, batches: list[dict], *, preset: str, seq_len: int, m
             if cuda:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-        losses.append(finetune_step(model, optimizer, batch, recipe))  # float(): synchronises every step
+        out = train_step(model, optimizer, batch, loss_fn=recipe.loss, amp_dtype=recipe.amp_dtype)
+        losses.append(out["loss"])  # a float: synchronises every step
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -128,9 +130,6 @@ def benchmark(preset: str | None = None, seq_len: int | None = None, micro_batch
     Unset sizes take the device's defaults (``CPU_DEFAULTS`` or ``GPU_DEFAULTS``); ``steps``
     counts the timed steps, ``warmup`` the untimed ones before them.
     """
-    from course_lib.device import default_device
-    from course_lib.models import llama_config
-
     device = torch.device(device) if device is not None else default_device()
     d = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     preset, seq_len = preset or d["preset"], seq_len or d["seq_len"]
@@ -188,6 +187,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """``python -m course_lib.benchmark``: the baseline and the recipe on one shape, printed as a table (``--json`` saves it)."""
     p = argparse.ArgumentParser(prog="python -m course_lib.benchmark",
                                 description="Fine-tune recipe vs plain baseline, same shapes, one process.")
     p.add_argument("--preset", default=None, help="a course_lib.models.LLAMA_PRESETS name (CPU default tiny, GPU 1b)")
@@ -205,8 +205,6 @@ def main(argv: list[str] | None = None) -> dict:
                        compile=False if a.no_compile else None)
     print(format_table(result))
     if a.json:
-        import json
-
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return result

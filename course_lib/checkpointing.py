@@ -16,11 +16,13 @@ Policies, from most memory to least:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from course_lib.memory import PeakMemory, activation_bytes
 
 
 class CheckpointedBlock(nn.Module):
@@ -96,52 +98,6 @@ def apply_policy(layers: nn.ModuleList, policy: str) -> nn.ModuleList:
     return layers
 
 
-def saved_bytes_by_part(model: nn.Module, forward: Callable[[], object],
-                        parts: Iterable[tuple[str, nn.Module]]) -> dict[str, int]:
-    """Bytes ``forward()`` saves for backward, attributed to the part of the model that saved them.
-
-    ``parts`` is a list of ``(label, module)`` pairs; several modules may share a label (all the
-    MLPs, say). A saved tensor counts for the innermost listed module running when autograd
-    saved it, and under ``"other"`` when none was (embedding, loss, ...). Each storage counts
-    once, for the first part that saved it; parameters are not counted.
-    """
-    parts = list(parts)
-    running = ["other"]
-    hooks = []
-
-    def enter(label: str):
-        def hook(module, args) -> None:
-            running.append(label)
-        return hook
-
-    def leave(module, args, out) -> None:  # a hook that returned something would replace the output
-        running.pop()
-
-    for label, module in parts:
-        hooks.append(module.register_forward_pre_hook(enter(label)))
-        hooks.append(module.register_forward_hook(leave))
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owner: dict[int, tuple[str, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in exclude and s.data_ptr() not in owner and s.device.type != "meta":
-            owner[s.data_ptr()] = (running[-1], s.nbytes())
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = forward()
-    finally:
-        for h in hooks:
-            h.remove()
-    del out
-    totals = {label: 0 for label, _ in parts} | {"other": 0}
-    for label, nbytes in owner.values():
-        totals[label] += nbytes
-    return totals
-
-
 def activation_memory(model: nn.Module, loss_fn: Callable[[], torch.Tensor], device: torch.device | str) -> int:
     """Activation memory of one training step of ``loss_fn()`` (a callable returning the loss).
 
@@ -150,8 +106,6 @@ def activation_memory(model: nn.Module, loss_fn: Callable[[], torch.Tensor], dev
     On a CPU, which has no such counter: the bytes autograd saves for backward
     (``memory.activation_bytes``), i.e. what stays alive between forward and backward.
     """
-    from course_lib.memory import PeakMemory, activation_bytes
-
     device = torch.device(device)
     if device.type != "cuda":
         return activation_bytes(model, loss_fn)

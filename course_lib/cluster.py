@@ -24,7 +24,7 @@ import argparse
 import re
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -127,16 +127,20 @@ def _as_command(command) -> tuple:
     return tuple(command)
 
 
-def torchrun_sbatch(command, nodes: int = 1, gpus_per_node: int = 8, partition: str = "gpu",
-                    time: str = "01:00:00", **kw) -> str:
-    """sbatch script: one torchrun per node, c10d rendezvous at the allocation's first node."""
-    return render("torchrun", Job(_as_command(command), nodes, gpus_per_node, partition, time, **kw))
+def torchrun_sbatch(command, **job) -> str:
+    """sbatch script: one torchrun per node, c10d rendezvous at the allocation's first node.
+
+    ``job`` takes the fields of ``Job`` (nodes, gpus_per_node, partition, time, ...), with its defaults.
+    """
+    return render("torchrun", Job(_as_command(command), **job))
 
 
-def deepspeed_sbatch(command, nodes: int = 1, gpus_per_node: int = 8, partition: str = "gpu",
-                     time: str = "01:00:00", **kw) -> str:
-    """sbatch script: hostfile from SLURM_JOB_NODELIST, then ``deepspeed --hostfile ... --num_gpus``."""
-    return render("deepspeed", Job(_as_command(command), nodes, gpus_per_node, partition, time, **kw))
+def deepspeed_sbatch(command, **job) -> str:
+    """sbatch script: hostfile from SLURM_JOB_NODELIST, then ``deepspeed --hostfile ... --num_gpus``.
+
+    ``job`` takes the fields of ``Job`` (nodes, gpus_per_node, partition, time, ...), with its defaults.
+    """
+    return render("deepspeed", Job(_as_command(command), **job))
 
 
 def hostfile(nodelist: list[str], gpus_per_node: int = 8) -> str:
@@ -149,6 +153,7 @@ def hostfile(nodelist: list[str], gpus_per_node: int = 8) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.cluster FORM [options] -- COMMAND``: print (or ``-o`` write) the sbatch script of a form."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:
@@ -159,20 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s {torchrun,deepspeed} [options] -- SCRIPT [ARGS...] | -- -m MODULE [ARGS...]")
     parser.add_argument("form", choices=FORMS)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--partition", default="gpu")
-    parser.add_argument("--time", default="01:00:00")
-    parser.add_argument("--job-name", default="course")
-    parser.add_argument("--cpus-per-task", type=int, default=0)
-    parser.add_argument("--port", type=int, default=29500)
+    defaults = {f.name: f.default for f in fields(Job) if f.name != "command"}  # Job states them once
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     parser.add_argument("-o", "--output", type=Path, help="write the script here instead of printing it")
     args = parser.parse_args(argv)
     if not command:
         parser.error("give the training command after '--', e.g. -- train.py --epochs 1")
     try:
-        job = Job(tuple(command), args.nodes, args.gpus_per_node, args.partition, args.time, args.job_name,
-                  args.cpus_per_task, args.port)
+        job = Job(tuple(command), **{name: getattr(args, name) for name in defaults})
     except ValueError as err:
         parser.error(str(err))
     text = render(args.form, job)

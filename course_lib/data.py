@@ -1,5 +1,7 @@
 """Data the course makes itself: nothing here downloads anything.
 
+A *batch* is a tensor, a tuple of tensors (inputs, targets) or a dict of tensors, split along
+dim 0 (``course_lib.loss`` says what each form means); ``batch_len`` and ``to_device`` take all three.
 ``synthetic_images`` is learnable (each class is a fixed random template under noise), so a
 loss curve going down means the training step works. ``text_corpus`` generates English-like
 sentences with checkable facts; ``train_tokenizer`` fits a byte-level BPE to any text.
@@ -11,6 +13,21 @@ import random
 
 import torch
 from torch.utils.data import TensorDataset
+
+
+def batch_len(batch) -> int:
+    """The number of examples in a batch: a tensor, a tuple or list of tensors, or a dict of tensors."""
+    first = batch if torch.is_tensor(batch) else next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return first.shape[0]
+
+
+def to_device(batch, device: torch.device | str, non_blocking: bool = False):
+    """The batch with every tensor moved to ``device`` (same form: tensor, tuple or dict)."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    return tuple(t.to(device, non_blocking=non_blocking) for t in batch)
 
 
 def synthetic_images(n: int, num_classes: int = 10, size: int = 32, channels: int = 3, noise: float = 1.0,
@@ -27,6 +44,16 @@ def random_tokens(batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> t
     """Uniform random token ids, for measuring speed and memory of a language model."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+
+
+def lm_batch(step: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """The global batch of token rows of step ``step``: learnable rows (each token = previous + 7, mod vocab).
+
+    A function of the step alone, so a run resumed at step k sees exactly the batches it would have seen.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+    return (start + 7 * torch.arange(seq)) % vocab
 
 
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Ken"]

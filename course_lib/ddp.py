@@ -4,21 +4,25 @@ Every rank holds a full copy of the model and trains on its own shard of each gl
 (``DistributedSampler``). After backward, the gradients are averaged over ranks with an
 all-reduce, so every rank takes the same optimizer step and the copies stay identical.
 ``all_reduce_gradients`` is that average by hand; ``DistributedDataParallel`` does the same
-bucket by bucket, overlapped with the backward pass. ``train`` runs either and returns the
-losses, so the two (and a single process on the whole batch) can be compared.
+bucket by bucket, overlapped with the backward pass. ``train`` runs either through the course's
+one ``train_step`` (the hand-written average as its ``sync_grads``) and returns the losses, so
+the two (and a single process on the whole batch) can be compared.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.data import synthetic_images
-from course_lib.distributed import mean_over_ranks, rank_device
+from course_lib.distributed import mean_over_ranks, param_digest, rank_device, step_batches, worker_result
+from course_lib.memory import tensor_bytes
 from course_lib.models import SmallCNN
+from course_lib.throughput import time_step
 from course_lib.train import train_step
 
 
@@ -29,42 +33,6 @@ def all_reduce_gradients(model: nn.Module) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= world
-
-
-def sharded_loader(dataset, global_batch: int, seed: int = 0) -> tuple[DataLoader, DistributedSampler]:
-    """A DataLoader over this rank's shard: each step, the ranks' micro-batches make one global batch."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if global_batch % world:
-        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
-                         f"use a multiple of {world}")
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    return DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True), sampler
-
-
-def step_batches(dataset, global_batch: int, steps: int, seed: int = 0):
-    """Yield this rank's micro-batch for each of ``steps`` steps, epoch after epoch.
-
-    Each epoch is a new shuffle, the same on every rank; the order depends on ``seed`` only, so a
-    run resumed at step k sees the batches the uninterrupted run saw from step k on.
-    """
-    loader, sampler = sharded_loader(dataset, global_batch, seed)
-    if len(loader) == 0:
-        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}: "
-                         f"use more samples or a smaller batch")
-    done, epoch = 0, 0
-    while done < steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            yield batch
-            done += 1
-            if done == steps:
-                return
-        epoch += 1
-
-
-def param_digest(model: nn.Module) -> float:
-    """A number that changes when any weight does: the sum of |w| over all parameters."""
-    return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
 
 
 def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,
@@ -85,27 +53,12 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     elif mode != "manual":
         raise ValueError(f"mode={mode!r}: use 'ddp' or 'manual'")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sync = all_reduce_gradients if mode == "manual" else None  # once per step, after the last micro-batch
     losses = []
-    for x, y in step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed):
-        if mode == "manual":
-            out = _manual_step(model, opt, x, y, accum_steps)
-        else:
-            out = train_step(model, opt, x, y, accum_steps=accum_steps)
-        losses.append(mean_over_ranks(out["loss"]))  # the ranks' micro-batches make the global batch
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "losses": losses,
-            "digest": param_digest(model)}
-
-
-def _manual_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, accum_steps: int) -> dict:
-    loss_total = 0.0
-    for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
-        loss = nn.functional.cross_entropy(model(xm), ym) / accum_steps
-        loss.backward()
-        loss_total += loss.item()
-    all_reduce_gradients(model)  # once per step, after the last micro-batch
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return {"loss": loss_total}
+    for batch in step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed):
+        out = train_step(model, opt, batch, accum_steps=accum_steps, sync_grads=sync)
+        losses.append(mean_over_ranks(out["loss"]))  # the ranks' local batches make the global batch
+    return worker_result(losses, digest=param_digest(model))
 
 
 def fail_on_rank(rank_to_fail: int = 1, message: str = "this rank fails on purpose") -> dict:
@@ -118,8 +71,6 @@ def fail_on_rank(rank_to_fail: int = 1, message: str = "this rank fails on purpo
 
 def train_and_report(**train_kwargs) -> dict:
     """``train`` plus what the launcher told this process: torchrun's environment variables and the backend."""
-    import os
-
     out = train(**train_kwargs)
     out["env"] = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                                  "MASTER_ADDR", "MASTER_PORT")}
@@ -136,12 +87,10 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     ``nn.DataParallel`` over every visible GPU on the whole global batch. The step time is the
     slowest rank's median (the ranks wait for each other in the all-reduce).
     """
-    from course_lib.throughput import time_step
-
     if threads:
         torch.set_num_threads(threads)
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = rank_device(rank)
+    device = rank_device()
     cuda = device.type == "cuda"
     torch.manual_seed(seed)
     model = SmallCNN(width=width).to(device)
@@ -158,10 +107,10 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = synthetic_images(local, seed=seed + rank).tensors
     x, y = x.to(device), y.to(device)
-    timing = time_step(lambda: train_step(model, opt, x, y), device, warmup=warmup, repeat=steps)
+    timing = time_step(lambda: train_step(model, opt, (x, y)), device, warmup=warmup, repeat=steps)
     seconds = torch.tensor([timing["median_s"]], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     seconds = float(seconds.item())
     return {"rank": rank, "world_size": world, "mode": mode, "seconds_per_step": seconds,
             "samples_per_s": global_batch / seconds, "gpus": torch.cuda.device_count() if cuda else 0,
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "param_bytes": tensor_bytes(model.parameters())}

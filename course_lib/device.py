@@ -16,8 +16,14 @@ TIERS = ("smoke", "cpu", "gpu", "node")
 
 
 def default_device() -> torch.device:
-    """The first GPU if there is one (CUDA or ROCm), else the CPU."""
+    """The first GPU if there is one (CUDA or ROCm), else the CPU: the course's one "which device?" decision."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The torch.distributed backend for ranks on ``device``: NCCL for GPUs (RCCL on ROCm, which PyTorch
+    still calls "nccl"), gloo for CPUs. The course's one "which backend?" decision."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def gpu_vendor_stack() -> str:
@@ -35,9 +41,8 @@ def collective_backend() -> str:
     On AMD GPUs the backend is still called "nccl" in PyTorch, but the library behind it
     is RCCL; the report says so because RCCL's version and settings are what to check.
     """
-    if torch.cuda.is_available():
-        return "nccl (RCCL)" if torch.version.hip is not None else "nccl"
-    return "gloo"
+    backend = backend_for(default_device())
+    return f"{backend} (RCCL)" if backend == "nccl" and torch.version.hip is not None else backend
 
 
 def numa_balancing(path: str = "/proc/sys/kernel/numa_balancing") -> str:

@@ -1,18 +1,34 @@
-"""Process groups for the notebooks that run on one machine.
+"""The distributed toolkit: what every parallel technique (ddp, fsdp, zero) builds on, written once.
 
-``free_port`` finds a port nobody uses (fixed MASTER_PORTs collide when tests run side by
-side). ``single_process_group`` starts a world of one over gloo inside the notebook's own
-kernel, enough to wrap a model in DDP and watch what it does; the multi-process launcher
-comes with notebook 04.
+- **The process group.** ``rank_device`` is this rank's device (its GPU, ``cuda:LOCAL_RANK``, or the
+  CPU) and ``init_process_group`` joins the group with the backend ``device.backend_for`` picks for
+  it; ``single_process_group`` makes a world of one inside a notebook; ``free_port`` finds a port
+  nobody uses (fixed MASTER_PORTs collide when tests run side by side).
+- **The data.** ``sharded_loader`` and ``step_batches``: this rank's share of every global batch,
+  step after step, epoch after epoch (``DistributedSampler`` with ``set_epoch``).
+- **What ranks agree on.** ``mean_over_ranks`` (the global batch's loss from the ranks' shards) and
+  ``param_digest`` (one number for the full weights, sharded ones gathered).
+- **What a worker returns.** ``worker_result``: rank, world size and the per-step losses as a list,
+  the shape every training worker of ``course_lib.launch`` gives back.
+- **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces.
+
+Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course's one counter.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from course_lib.device import backend_for, default_device
 
 
 def free_port() -> int:
@@ -22,11 +38,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_device(fallback_rank: int = 0) -> torch.device:
-    """This rank's GPU, ``cuda:LOCAL_RANK`` (torchrun sets it), where there are GPUs; else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", fallback_rank)))
-    return torch.device("cpu")
+def rank_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (torchrun sets it) where there are GPUs, else the CPU."""
+    device = default_device()
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device.type == "cuda" else device
+
+
+def init_process_group() -> torch.device:
+    """Join the process group torchrun describes in the environment, on this rank's device; return it."""
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
+    return device
+
+
+def single_process_group(backend: str | None = None) -> None:
+    """Initialise a world of size 1 in this process (once; later calls do nothing). Gloo unless told."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group(backend or backend_for("cpu"), rank=0, world_size=1)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) where there is no process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def mean_over_ranks(value: float, device: torch.device | str | None = None) -> float:
@@ -42,20 +80,53 @@ def mean_over_ranks(value: float, device: torch.device | str | None = None) -> f
     return t.item() / dist.get_world_size()
 
 
-def single_process_group(backend: str = "gloo") -> None:
-    """Initialise a world of size 1 (once per process; later calls do nothing)."""
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group(backend, rank=0, world_size=1)
+def sharded_loader(dataset, global_batch: int, seed: int = 0) -> tuple[DataLoader, DistributedSampler]:
+    """A DataLoader over this rank's shard: each step, the ranks' local batches make one global batch."""
+    rank, world = rank_and_world()
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
+                         f"use a multiple of {world}")
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True), sampler
 
 
-def _counting_allreduce_hook(counter: "AllReduceCounter", bucket):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+def step_batches(dataset, global_batch: int, steps: int, seed: int = 0) -> Iterator:
+    """Yield this rank's local batch for each of ``steps`` steps, epoch after epoch.
 
-    counter.calls += 1
-    return allreduce_hook(dist.group.WORLD, bucket)
+    Each epoch is a new shuffle, the same on every rank; the order depends on ``seed`` only, so a
+    run resumed at step k sees the batches the uninterrupted run saw from step k on.
+    """
+    loader, sampler = sharded_loader(dataset, global_batch, seed)
+    if len(loader) == 0:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}: "
+                         f"use more samples or a smaller batch")
+    done, epoch = 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == steps:
+                return
+        epoch += 1
+
+
+def param_digest(model: nn.Module) -> float:
+    """A number that changes when any weight does: the sum of |w| over all parameters, in float64.
+
+    Sharded weights (FSDP2's DTensors) are gathered first, which is a collective: every rank calls it.
+    """
+    total = 0.0
+    for p in model.parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        total += float(full.detach().double().abs().sum())
+    return total
+
+
+def worker_result(losses, **extra) -> dict:
+    """What a training worker returns: ``rank``, ``world_size``, ``losses`` (a list, one per step), and ``extra``."""
+    rank, world = rank_and_world()
+    return {"rank": rank, "world_size": world, "losses": [float(l) for l in losses], **extra}
 
 
 class AllReduceCounter:
@@ -71,3 +142,8 @@ class AllReduceCounter:
     def attach(self, ddp_model) -> "AllReduceCounter":
         ddp_model.register_comm_hook(self, _counting_allreduce_hook)
         return self
+
+
+def _counting_allreduce_hook(counter: AllReduceCounter, bucket):
+    counter.calls += 1
+    return allreduce_hook(dist.group.WORLD, bucket)

@@ -91,6 +91,11 @@ def format_prompt(instruction: str) -> str:
     return PROMPT_TEMPLATE.format(instruction=instruction)
 
 
+def example_texts(examples: list[Example]) -> list[str]:
+    """Each example as the model sees it in training: the formatted prompt and the response (to train a tokenizer on)."""
+    return [format_prompt(e.instruction) + e.response for e in examples]
+
+
 def tokenize_example(tokenizer, example: Example) -> dict[str, list[int]]:
     """``input_ids`` of prompt + response + EOS, and ``labels`` with -100 on every prompt position.
 
@@ -161,6 +166,11 @@ def pack_examples(features: list[dict], seq_len: int, pad_id: int) -> dict[str, 
             doc, at = doc + 1, at + n
         out["position_ids"][r, at:] = torch.arange(seq_len - at)
     return out
+
+
+def pack_for_training(examples: list[Example], tokenizer, seq_len: int) -> dict[str, torch.Tensor]:
+    """Tokenize ``examples`` (prompts masked) and pack them into rows of ``seq_len`` tokens."""
+    return pack_examples([tokenize_example(tokenizer, e) for e in examples], seq_len, tokenizer.pad_token_id)
 
 
 def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:

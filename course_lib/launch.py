@@ -4,9 +4,15 @@
 
 ``launch`` starts ``torchrun`` on ``course_lib.workers`` with a target ``"module:function"``
 (a function of this package, or of a file the notebook wrote with ``%%writefile``). Every
-rank runs ``function(**kwargs)`` inside an initialised process group and returns a
-JSON-able dict; ``launch`` returns those dicts ordered by rank. While it runs, each rank's
-output streams into the cell, every line prefixed with its rank.
+rank runs ``function(**kwargs)`` inside an initialised process group; ``launch`` returns the
+ranks' results ordered by rank. While it runs, each rank's output streams into the cell,
+every line prefixed with its rank.
+
+**The worker contract.** A worker is a module-level function that takes JSON-able keyword
+arguments and returns a JSON-able dict (or None). Each result carries ``rank`` and
+``world_size`` (``course_lib.workers`` adds them where the function did not); a training
+worker (``ddp.train``, ``fsdp.train``, ``zero.train``) returns ``distributed.worker_result``:
+also ``losses``, a list with the global batch's loss of every step it ran.
 
 It never hangs: the rendezvous port is a free one picked for this launch, a rank that
 raises ends the launch at once (torchrun stops the others) and its traceback is raised
@@ -38,8 +44,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from course_lib.device import backend_for, default_device
 from course_lib.distributed import free_port
+from course_lib.workers import exit_now
 
 
 class WorkerError(RuntimeError):
@@ -48,7 +57,7 @@ class WorkerError(RuntimeError):
 
 def check_world(nprocs: int, device_type: str | None = None) -> None:
     """Refuse a world size the hardware lacks, before anything starts."""
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or default_device().type
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be at least 1")
     if device_type == "cuda" and nprocs > torch.cuda.device_count():
@@ -187,23 +196,21 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60, backend: str = "gloo") -> list:
-    """Fork ``nprocs`` copies of this process; each runs ``fn(rank, world_size, *args)`` in a gloo group.
+def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60) -> list:
+    """Fork ``nprocs`` copies of this process; each runs ``fn(rank, world_size, *args)`` in a CPU (gloo) group.
 
     Returns the ranks' return values (picklable) in rank order. A rank that raises ends the
     run and its traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout``
     (counted from the moment every rank has joined the group) every rank is killed and
     ``TimeoutError`` is raised.
     """
-    import torch.distributed as dist
-
     check_world(nprocs, "cpu")
     if dist.is_initialized():  # the forked ranks would inherit it and could not start their own
         raise RuntimeError(f"run_forked needs a process without a process group, and this one has one (world size "
                            f"{dist.get_world_size()}): call torch.distributed.destroy_process_group() first")
     for attempt in range(3):
         try:
-            return _run_forked_once(fn, nprocs, args, timeout, backend)
+            return _run_forked_once(fn, nprocs, args, timeout, backend_for("cpu"))
         except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
             last = err
     raise WorkerError(f"the process group could not be set up three times: {last}")
@@ -271,8 +278,6 @@ def fork_is_safe() -> bool:
 
 
 def _forked_rank(fn, rank, world, port, backend, queue, args):
-    import torch.distributed as dist
-
     spawned = isinstance(fn, bytes)
     if spawned:  # the function came by value
         import cloudpickle
@@ -295,6 +300,4 @@ def _forked_rank(fn, rank, world, port, backend, queue, args):
         if dist.is_initialized():
             dist.destroy_process_group()
     if spawned:  # a forked rank ends with os._exit already; a spawned one would shut Python down (see exit_now)
-        from course_lib.workers import exit_now
-
         exit_now(0)

@@ -13,28 +13,31 @@ Activations come on top and grow with batch × sequence; they are what checkpoin
 
 On a GPU the allocator's peak is the measurement. On a CPU there is no such counter, so
 ``SavedTensorMeter`` counts the bytes autograd keeps for backward, which is the
-activation memory by definition, and ``model_state_bytes`` sums the tensors that hold
-weights, gradients and optimizer states.
+activation memory by definition, and ``tensor_bytes`` sums the tensors that hold
+weights, gradients and optimizer states. Both are the course's only counters: every
+notebook and every parallel technique measures with them (a sharded tensor counts the
+shard this rank holds).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-BYTES_PER = {"float32": 4, "float16": 2, "bfloat16": 2}
+from course_lib.data import to_device
+from course_lib.loss import forward_loss
+from course_lib.precision import autocast, dtype_bytes
 
 
 def training_bytes_per_param(weight_dtype: str = "float32", optimizer: str = "adamw") -> dict[str, int]:
     """Bytes per parameter for weights, gradients and optimizer states."""
-    if weight_dtype not in BYTES_PER:
-        raise ValueError(f"weight_dtype={weight_dtype!r}: use one of {sorted(BYTES_PER)}")
     states = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
     if optimizer not in states:
         raise ValueError(f"optimizer={optimizer!r}: use one of {sorted(states)}")
-    b = BYTES_PER[weight_dtype]
+    b = dtype_bytes(weight_dtype, "weight_dtype")
     return {"weights": b, "gradients": b, "optimizer states": states[optimizer] * b}
 
 
@@ -46,62 +49,101 @@ def estimate_model_state(n_params: int, weight_dtype: str = "float32", optimizer
     return out
 
 
-def llama_activation_bytes(config, batch: int, seq: int, dtype_bytes: int = 4, checkpointed: bool = False) -> int:
+def llama_activation_bytes(config, batch: int, seq: int, dtype_bytes: int = 4, checkpointed: bool = False,
+                           logits_bytes: int = 4) -> int:
     """Rough activation bytes a Llama forward keeps for backward (attention through SDPA).
 
     Per layer and token about 10·d + 4·ffn values: the inputs of the two norms and of the
     q, k, v and o projections, the rotary outputs, the attention output, and the gated MLP's
     gate, up, activation and product (4 × the intermediate size: the MLP dominates). With
-    every layer checkpointed only each layer's input (d values) stays. The float32 logits
-    for the loss (V per token) come on top, checkpointing or not.
+    every layer checkpointed only each layer's input (d values) stays. The logits for the
+    loss (V per token, ``logits_bytes`` each: float32 for the plain loss) come on top,
+    checkpointing or not; ``logits_bytes=0`` leaves them out for a loss that counts its own.
     """
     d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     per_token_layer = d if checkpointed else 10 * d + 4 * ffn
     tokens = batch * seq
-    return tokens * (layers * per_token_layer * dtype_bytes + config.vocab_size * 4)
+    return tokens * (layers * per_token_layer * dtype_bytes + config.vocab_size * logits_bytes)
 
 
 class SavedTensorMeter:
     """Count the bytes autograd saves for backward inside a ``with`` block.
 
-    Each storage is counted once (many ops save the same tensor), and parameters are left
-    out: they are weights, not activations. ``meter.bytes`` after the block is the
-    activation memory a backward would need.
+    Each storage counts once (many ops save the same tensor), for the span of it that the saved
+    views cover: a batch sliced from a whole data set keeps the data set's storage alive, but
+    only the slice is this step's activation. Parameters are left out: they are weights, not
+    activations. After the block, ``meter.bytes`` is the activation memory a backward needs,
+    ``meter.by_dtype`` splits it by dtype, and ``meter.by_part`` by the ``parts`` given:
+    ``(label, module)`` pairs (several modules may share a label, all the MLPs, say), each
+    storage charged to the innermost listed module running when autograd first saved it, and
+    to ``"other"`` (embedding, loss, ...) when none was.
     """
 
-    def __init__(self, exclude: nn.Module | None = None):
+    def __init__(self, exclude: nn.Module | None = None, parts: Iterable[tuple[str, nn.Module]] = ()):
         self.exclude = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
-        self.storages: dict[int, int] = {}
-        self._extent: dict[int, tuple[int, int]] = {}
+        self.parts = list(parts)
+        self._running = ["other"]
+        self._span: dict[int, tuple[int, int, int]] = {}  # storage -> (first byte, end byte, storage size)
+        self._owner: dict[int, tuple[str, str]] = {}  # storage -> (dtype, part) of its first saver
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         ptr = s.data_ptr()
         if ptr in self.exclude or s.device.type == "meta":
             return t
-        # The bytes this view spans. A saved slice of a big tensor (a batch cut from a whole
-        # data set) keeps the storage alive, but only its span is this step's activation.
         start = t.storage_offset() * t.element_size()
         span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-        lo, hi = self._extent.get(ptr, (start, start))
-        self._extent[ptr] = (min(lo, start), max(hi, start + span * t.element_size()))
-        self.storages[ptr] = min(self._extent[ptr][1] - self._extent[ptr][0], s.nbytes())
+        lo, hi, _ = self._span.get(ptr, (start, start, 0))
+        self._span[ptr] = (min(lo, start), max(hi, start + span * t.element_size()), s.nbytes())
+        self._owner.setdefault(ptr, (str(t.dtype).removeprefix("torch."), self._running[-1]))
         return t
 
+    def _enter(self, label: str):
+        def hook(module, args) -> None:
+            self._running.append(label)
+        return hook
+
+    def _leave(self, module, args, out) -> None:  # returns None: a hook that returned something would replace out
+        self._running.pop()
+
     def __enter__(self) -> "SavedTensorMeter":
+        self._handles = [h for label, m in self.parts
+                         for h in (m.register_forward_pre_hook(self._enter(label)), m.register_forward_hook(self._leave))]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+
+    @property
+    def storages(self) -> dict[int, int]:
+        """Bytes counted per storage."""
+        return {ptr: min(hi - lo, size) for ptr, (lo, hi, size) in self._span.items()}
 
     @property
     def bytes(self) -> int:
         return sum(self.storages.values())
 
+    def _grouped(self, which: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ptr, n in self.storages.items():
+            key = self._owner[ptr][which]
+            out[key] = out.get(key, 0) + n
+        return out
 
-def activation_bytes(model: nn.Module, forward) -> int:
+    @property
+    def by_dtype(self) -> dict[str, int]:
+        return self._grouped(0)
+
+    @property
+    def by_part(self) -> dict[str, int]:
+        return {label: 0 for label, _ in self.parts} | {"other": 0} | self._grouped(1)
+
+
+def activation_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
     """Bytes saved for backward by ``forward()`` (a callable that runs the model), parameters excluded."""
     with SavedTensorMeter(exclude=model) as meter:
         out = forward()
@@ -109,24 +151,57 @@ def activation_bytes(model: nn.Module, forward) -> int:
     return meter.bytes
 
 
-def tensor_bytes(tensors) -> int:
-    """Total bytes of an iterable of tensors (None entries skipped, shared storage counted once)."""
+def saved_bytes_by_dtype(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:
+    """``activation_bytes`` split by dtype: which activations autocast really stores in 16 bits and which
+    stay wider (float32 normalisation statistics, int64 max-pool indices)."""
+    with SavedTensorMeter(exclude=model) as meter:
+        out = forward()
+    del out
+    return meter.by_dtype
+
+
+def saved_bytes_by_part(model: nn.Module, forward: Callable[[], object],
+                        parts: Iterable[tuple[str, nn.Module]]) -> dict[str, int]:
+    """``activation_bytes`` split by the part of the model that saved them (``SavedTensorMeter``'s ``parts``)."""
+    with SavedTensorMeter(exclude=model, parts=parts) as meter:
+        out = forward()
+    del out
+    return meter.by_part
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes these tensors hold on this rank, each counted once.
+
+    A tensor met twice (a tied weight, a view of the same elements) counts once; a sharded tensor
+    (a DTensor: FSDP2's parameters, their gradients and Adam states) counts the shard this rank
+    holds; None and 0-dim tensors (Adam's step counters) are skipped.
+    """
     seen, total = set(), 0
     for t in tensors:
-        if t is None or t.untyped_storage().data_ptr() in seen:
+        if t is None or t.dim() == 0:
             continue
-        seen.add(t.untyped_storage().data_ptr())
-        total += t.untyped_storage().nbytes()
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        key = (id(t) if t.device.type == "meta" else
+               (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype))
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
     return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state (Adam's m and v) this rank holds: the whole model's in one process or
+    under DDP, a 1/N shard under FSDP and ZeRO (DeepSpeed wraps the torch optimizer: its ``.optimizer``)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return tensor_bytes(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Measured bytes of weights, gradients and optimizer states, from the tensors themselves."""
     params = list(model.parameters())
-    states = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()
-              if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
     out = {"weights": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
-           "optimizer states": tensor_bytes(states)}
+           "optimizer states": optimizer_state_bytes(optimizer) if optimizer is not None else 0}
     out["total"] = sum(out.values())
     return out
 
@@ -158,21 +233,14 @@ def seed003_table(config, dtypes=("float32", "float16"), model_class: str = "Aut
     memory; sizes come from ``accelerate.utils.calculate_maximum_sizes`` and the per-stage
     rule of ``accelerate estimate-memory`` (batch size 1, Adam, activations not counted).
     """
-    from accelerate import init_empty_weights
-    from accelerate.commands.estimate import estimate_training_usage
-    from accelerate.utils import calculate_maximum_sizes
     import transformers
+    from accelerate import init_empty_weights
+    from accelerate.utils import calculate_maximum_sizes
 
     with init_empty_weights():
         model = getattr(transformers, model_class).from_config(config)
     total_size, _ = calculate_maximum_sizes(model)
-    rows = []
-    for dt in dtypes:
-        use = estimate_training_usage(total_size, dt)
-        rows.append({"dtype": dt, "Model": total_size, "Gradients": use["gradients"],
-                     "Backward pass": use["optimizer"], "Optimizer step": use["step"],
-                     "Highest": max(use.values())})
-    return rows
+    return estimator_rows(total_size, dtypes)
 
 
 def format_bytes(n: float | None, unit: str | None = None) -> str:
@@ -189,34 +257,9 @@ def format_bytes(n: float | None, unit: str | None = None) -> str:
     return f"{n:.2f} {units[i]}"
 
 
-class SavedTensorBreakdown(SavedTensorMeter):
-    """A ``SavedTensorMeter`` that also sorts the saved bytes by dtype (``meter.by_dtype``).
-
-    Under autocast the split shows what a single "bytes per value" estimate misses: float32
-    tensors (the residual stream, norm inputs, logits for the loss) next to 16-bit ones,
-    and the 16-bit copies of the weights that autocast makes and keeps for backward.
-    """
-
-    def __init__(self, exclude: nn.Module | None = None):
-        super().__init__(exclude)
-        self.dtypes: dict[int, str] = {}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in self.storages:
-            self.dtypes[t.untyped_storage().data_ptr()] = str(t.dtype).removeprefix("torch.")
-        return super()._pack(t)
-
-    @property
-    def by_dtype(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for ptr, n in self.storages.items():
-            out[self.dtypes[ptr]] = out.get(self.dtypes[ptr], 0) + n
-        return out
-
-
-def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
                           amp_dtype: str | torch.dtype = torch.float32,
-                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
+                          loss_fn: Callable[[nn.Module, object], torch.Tensor] = forward_loss) -> dict:
     """One forward, backward and optimizer step, with the memory of each part measured.
 
     Returns bytes of ``weights``, ``gradients`` and ``optimizer states`` (the tensors
@@ -229,19 +272,15 @@ def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x:
     workspaces, other processes); those three are None on a CPU, which has no such counters.
     The gradients stay in ``.grad`` (``optimizer.zero_grad()`` frees them).
     """
-    from course_lib.precision import autocast
-    from course_lib.train import forward_loss
-
-    loss_fn = loss_fn or forward_loss
     device = next(model.parameters()).device
-    x, y = x.to(device), y.to(device)
+    batch = to_device(batch, device)
     optimizer.zero_grad(set_to_none=True)
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
     with PeakMemory(device) as peak:
-        with SavedTensorBreakdown(exclude=model) as meter:
+        with SavedTensorMeter(exclude=model) as meter:
             with autocast(device, amp_dtype):
-                loss = loss_fn(model, x, y)
+                loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
     out: dict = model_state_bytes(model, optimizer)

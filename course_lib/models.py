@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from course_lib.device import device_memory_bytes
+
 # Llama shapes by preset. The large ones are the published architectures (hidden size, layers,
 # heads, KV heads, MLP width, vocabulary); the small ones keep the same structure at sizes a
 # laptop CPU trains in seconds.
@@ -69,8 +71,6 @@ def build_llama(config_or_preset="tiny", *, dtype: torch.dtype = torch.float32, 
     message instead of an out-of-memory error halfway through initialisation.
     """
     from transformers import LlamaForCausalLM
-
-    from course_lib.device import device_memory_bytes
 
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     config._attn_implementation = attn_implementation
@@ -135,3 +135,8 @@ def empty_llama(config_or_preset="tiny", **overrides):
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     with torch.device("meta"):
         return LlamaForCausalLM(config)
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` inside a PEFT (LoRA) wrapper, or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

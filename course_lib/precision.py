@@ -11,22 +11,33 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
-_NAMES = {
+# The course's one table of training dtypes: name (and short name) -> torch dtype. Bytes per value
+# come from the dtype itself (``torch.bfloat16.itemsize == 2``).
+DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` → ``torch.bfloat16`` (same for fp16, fp32)."""
+def resolve_dtype(dtype: str | torch.dtype, what: str = "amp_dtype") -> torch.dtype:
+    """``"bf16"``, ``"bfloat16"`` or ``torch.bfloat16`` → ``torch.bfloat16`` (same for fp16, fp32).
+
+    ``what`` names the argument in the error a dtype outside the table gets.
+    """
     if isinstance(dtype, torch.dtype):
-        if dtype in _NAMES.values():
+        if dtype in DTYPES.values():
             return dtype
-    elif dtype in _NAMES:
-        return _NAMES[dtype]
-    raise ValueError(f"amp_dtype={dtype!r} is not supported: use 'float32', 'bfloat16' or 'float16'")
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"{what}={dtype!r} is not supported: use 'float32', 'bfloat16' or 'float16'")
+
+
+def dtype_bytes(dtype: str | torch.dtype, what: str = "dtype") -> int:
+    """Bytes per value of a training dtype: 4 for float32, 2 for bfloat16 and float16."""
+    return resolve_dtype(dtype, what).itemsize
 
 
 def check_amp_dtype(device: torch.device | str, dtype: str | torch.dtype) -> torch.dtype:
@@ -100,8 +111,6 @@ def activation_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     These are the numbers that flow backward through the network; under fp16 autocast they
     are stored in fp16, which is where small gradients underflow.
     """
-    import torch.nn.functional as F
-
     found: list[torch.Tensor] = []
 
     def hook(module, inputs, output):
@@ -116,30 +125,6 @@ def activation_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
             h.remove()
     model.zero_grad(set_to_none=True)
     return torch.cat(found)
-
-
-def saved_bytes_by_dtype(model: torch.nn.Module, forward) -> dict[str, int]:
-    """Bytes autograd saves for backward while ``forward()`` runs, grouped by dtype (parameters excluded).
-
-    Shows which activations autocast really stores in 16 bits and which stay wider
-    (float32 normalisation statistics, int64 max-pool indices).
-    """
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, tuple[str, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in exclude and s.device.type != "meta":
-            storages[s.data_ptr()] = (str(t.dtype).removeprefix("torch."), s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    totals: dict[str, int] = {}
-    for dtype, nbytes in storages.values():
-        totals[dtype] = totals.get(dtype, 0) + nbytes
-    return totals
 
 
 def lost_update_fraction(weights: torch.Tensor, update: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> float:

@@ -64,6 +64,7 @@ def released(course: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.release``: regenerate ``notebooks/`` from ``solutions/``; with ``--check``, exit 1 if they differ."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only report whether notebooks/ is in sync")
     args = parser.parse_args(argv)

@@ -16,6 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from course_lib import results
+from course_lib.device import pick_tier, system_report
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,9 +53,6 @@ def execute(notebook: Path, run_dir: Path, parameters: dict | None = None, progr
 
 def write_summary(run_dir: Path, timings: dict[str, float], tier: str) -> Path:
     """``run_dir/summary.md``: per notebook, its time, values, claims and figures."""
-    from course_lib import results
-    from course_lib.device import system_report
-
     lines = ["# Course run summary", "", f"Tier: **{tier}**", "", "| system | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in system_report().items()]
     for name, seconds in timings.items():
@@ -78,6 +80,7 @@ def write_summary(run_dir: Path, timings: dict[str, float], tier: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("only", nargs="*", help="notebook numbers to run (default: all), e.g. 00 03")
     parser.add_argument("--tier", default="auto", help="auto (default), cpu, gpu or node")
@@ -85,10 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", default="solutions", choices=["solutions", "notebooks"],
                         help="execute the complete solutions (default) or the student release")
     args = parser.parse_args(argv)
-
-    from tqdm.auto import tqdm
-
-    from course_lib.device import pick_tier
 
     tier = pick_tier(args.tier)
     chosen = [p for p in notebooks(args.source) if not args.only or p.name[:2] in args.only]

@@ -1,10 +1,15 @@
 """One training step, written once for the whole course.
 
-``train_step`` takes a batch, splits it into ``accum_steps`` micro-batches, and for each:
-forward under autocast, loss divided by ``accum_steps`` (so the summed gradient equals the
-big batch's), backward through the GradScaler. Under DDP every micro-batch but the last
-runs inside ``no_sync()`` so gradients are all-reduced once per step. Then: unscale,
-clip, step (skipped by the scaler if fp16 overflowed), zero the gradients.
+``train_step`` takes a batch (a tensor, a tuple of tensors, or a dict of tensors: see
+``course_lib.loss``), splits it into ``accum_steps`` micro-batches, and for each: forward under
+autocast, loss divided by ``accum_steps`` (so the summed gradient equals the big batch's),
+backward through the GradScaler. Gradients cross ranks once per step: DDP's ``no_sync()`` and
+FSDP2's ``set_requires_gradient_sync(False)`` hold them back on every micro-batch but the last
+(``grad_sync_context``), and a hand-written data parallelism passes ``sync_grads``, called once
+after the last backward. Then: unscale, clip, step (skipped by the scaler if fp16 overflowed),
+zero the gradients. Every loop of the course (the notebooks, DDP's manual mode, FSDP, the
+fine-tune and its benchmark) calls it; DeepSpeed's engine runs its own backward and step, on
+the same ``split_batch``.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import contextlib
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
+from course_lib.data import batch_len, to_device
+from course_lib.loss import forward_loss
 from course_lib.precision import autocast, resolve_dtype
 
 
@@ -30,63 +37,83 @@ def check_accumulation(batch_size: int, accum_steps: int) -> int:
     return batch_size // accum_steps
 
 
-def split_batch(x: torch.Tensor, y: torch.Tensor, accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a batch into ``accum_steps`` equal micro-batches."""
-    check_accumulation(x.shape[0], accum_steps)
-    return list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
+def split_batch(batch, accum_steps: int) -> list:
+    """Cut a batch into ``accum_steps`` equal micro-batches of the same form (tensor, tuple or dict)."""
+    check_accumulation(batch_len(batch), accum_steps)
+    if torch.is_tensor(batch):
+        return list(batch.chunk(accum_steps))
+    if isinstance(batch, dict):
+        return [dict(zip(batch, parts)) for parts in zip(*(v.chunk(accum_steps) for v in batch.values()))]
+    return [tuple(parts) for parts in zip(*(t.chunk(accum_steps) for t in batch))]
 
 
-def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean loss of a batch: cross-entropy for a classifier, next-token loss for a causal LM."""
-    out = model(x)
-    logits = getattr(out, "logits", out)
-    if logits.dim() == 3:  # causal LM: predict token t+1 from tokens ≤ t
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=-100)
-    return F.cross_entropy(logits.float(), y)
+def grad_sync_context(model: nn.Module, last: bool):
+    """The context for one micro-batch's forward and backward: gradients cross ranks on the last one only.
+
+    DDP all-reduces during every backward unless inside ``model.no_sync()``; FSDP2 (``fully_shard``)
+    reduce-scatters unless ``set_requires_gradient_sync(False)`` was called. A model of neither kind
+    (one process, or data parallelism by hand) gets a context that does nothing.
+    """
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a switch, not a context
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-               accum_steps: int = 1, amp_dtype: str | torch.dtype = torch.float32,
-               scaler: torch.amp.GradScaler | None = None, clip_norm: float | None = None,
-               loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = forward_loss) -> dict:
-    """One optimizer step on the batch ``(x, y)``; returns the loss, gradient norm and whether it was skipped."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
+               loss_fn: Callable[[nn.Module, object], torch.Tensor] = forward_loss, accum_steps: int = 1,
+               amp_dtype: str | torch.dtype = torch.float32, scaler: torch.amp.GradScaler | None = None,
+               clip_norm: float | None = None, sync_grads: Callable[[nn.Module], None] | None = None,
+               backward: Callable[[torch.Tensor], None] | None = None) -> dict:
+    """One optimizer step on ``batch``; returns its mean loss, the gradient norm and whether it was skipped.
+
+    ``loss_fn(model, micro_batch)`` gives a micro-batch's mean loss (default: ``forward_loss``).
+    ``sync_grads(model)`` runs once after the last backward, before unscaling and clipping: where a
+    hand-written data parallelism averages the gradients over ranks. ``backward(loss)`` replaces
+    ``loss.backward()`` (``accelerator.backward`` under accelerate). The gradient norm is computed
+    (and the gradients clipped) only when ``clip_norm`` is given; otherwise it is None.
+    """
     device = next(model.parameters()).device
     amp_dtype = resolve_dtype(amp_dtype)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
-    micro = split_batch(x.to(device), y.to(device), accum_steps)
-    total = 0.0
-    for i, (xm, ym) in enumerate(micro):
-        last = i == len(micro) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+    micro = split_batch(to_device(batch, device, non_blocking=True), accum_steps)
+    total = torch.zeros((), device=device)
+    for i, micro_batch in enumerate(micro):
+        with grad_sync_context(model, last=i == len(micro) - 1):
             with autocast(device, amp_dtype):
-                loss = loss_fn(model, xm, ym) / accum_steps
-            scaler.scale(loss).backward()
-        total += loss.item()
+                loss = loss_fn(model, micro_batch) / accum_steps
+            scaled = scaler.scale(loss)
+            backward(scaled) if backward is not None else scaled.backward()
+        total += loss.detach().float()
+    if sync_grads is not None:
+        sync_grads(model)
     scaler.unscale_(optimizer)  # gradients back in true units before clipping
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_norm if clip_norm else float("inf"))
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_norm) if clip_norm else None
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor norm
+        grad_norm = grad_norm.full_tensor()
     scale_before = scaler.get_scale() if scaler.is_enabled() else 1.0
     scaler.step(optimizer)  # skipped when the unscaled gradients hold inf or nan
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
-    return {"loss": total, "grad_norm": float(grad_norm), "skipped": bool(skipped)}
+    return {"loss": float(total), "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": bool(skipped)}
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        steps: int, *, progress: bool = True, desc: str = "train", **step_kwargs) -> list[dict]:
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, steps: int, *,
+        progress: bool = True, desc: str = "train", **step_kwargs) -> list[dict]:
     """Run ``steps`` calls of ``train_step`` over ``batches`` (cycled) and return their records."""
-    from tqdm.auto import tqdm
-
     history, it = [], iter(batches)
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
     for _ in bar:
         try:
-            x, y = next(it)
+            batch = next(it)
         except StopIteration:
             it = iter(batches)
-            x, y = next(it)
-        history.append(train_step(model, optimizer, x, y, **step_kwargs))
+            batch = next(it)
+        history.append(train_step(model, optimizer, batch, **step_kwargs))
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
     return history
 

@@ -2,9 +2,10 @@
 
     python -m torch.distributed.run ... -m course_lib.workers MODULE:FUNCTION OUT_DIR
 
-It prefixes every line this rank prints with ``[rankN]``, initialises the process group
-(NCCL, or RCCL on ROCm, when there are GPUs; gloo on CPU), calls ``FUNCTION(**kwargs)``
-with the kwargs in ``OUT_DIR/kwargs.json``, and writes the returned dict to
+It prefixes every line this rank prints with ``[rankN]``, joins the process group on this
+rank's device (``distributed.init_process_group``: NCCL, or RCCL on ROCm, when there are GPUs;
+gloo on CPU), calls ``FUNCTION(**kwargs)`` with the kwargs in ``OUT_DIR/kwargs.json``, and
+writes the returned dict, with ``rank`` and ``world_size`` added where it lacks them, to
 ``OUT_DIR/rankN.json``; or, if it raises, its traceback to ``OUT_DIR/rankN.error``.
 Then it leaves at once, without Python's shutdown (``exit_now`` says why).
 """
@@ -20,8 +21,9 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+
+from course_lib.distributed import init_process_group
 
 
 class RankPrefixed(io.TextIOBase):
@@ -43,26 +45,21 @@ class RankPrefixed(io.TextIOBase):
         self.stream.flush()
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def main(argv: list[str]) -> int:
+    """One rank: join the group, run ``MODULE:FUNCTION(**kwargs)``, write its result or its traceback; the exit code."""
     target, out = argv[0], Path(argv[1])
     rank = int(os.environ["RANK"])
     sys.stdout, sys.stderr = RankPrefixed(sys.__stdout__, rank), RankPrefixed(sys.__stderr__, rank)
     # a crash below Python (SIGABRT, SIGSEGV in a C++ op) still prints where Python was
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
     try:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend())
+        init_process_group()
         module, _, name = target.partition(":")
         sys.path.insert(0, os.getcwd())  # a module the notebook wrote with %%writefile
         fn = getattr(importlib.import_module(module), name)
         kwargs = json.loads((out / "kwargs.json").read_text())
-        result = fn(**kwargs)
-        (out / f"rank{rank}.json").write_text(json.dumps(result if result is not None else {}))
+        result = {"rank": rank, "world_size": dist.get_world_size(), **(fn(**kwargs) or {})}
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # nobody tears down the store while a slower rank still talks to it
         return 0
     except BaseException:

@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO: shard optimizer states (stage 1), gradients (2) and weights (3), or offload them.
 
-The config is derived, not typed: ``ds_config`` computes ``train_batch_size`` from
-``micro_batch × accum_steps × world_size`` and refuses combinations DeepSpeed would reject
-later (or silently run differently). ``train`` is the worker entry point the notebook
+The config is derived, not typed: ``ds_config`` takes the global batch and solves DeepSpeed's
+rule ``train_batch = micro_batch × accum_steps × world_size`` for the micro-batch, refusing a
+split that does not come out whole, and combinations DeepSpeed would reject later (or silently
+run differently). ``train`` is the worker entry point the notebook
 launches: the same model, data shards and AdamW as a DDP reference (``engine="ddp"``), so
 every stage can be compared with it loss for loss, and it saves and resumes DeepSpeed
 checkpoints.
@@ -16,17 +17,18 @@ model, and is one config line away).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.data import synthetic_images
-from course_lib.ddp import param_digest, step_batches
-from course_lib.distributed import mean_over_ranks, rank_device
+from course_lib.data import synthetic_images, to_device
+from course_lib.distributed import mean_over_ranks, param_digest, rank_and_world, rank_device, step_batches, worker_result
+from course_lib.loss import forward_loss
+from course_lib.memory import optimizer_state_bytes
 from course_lib.models import SmallCNN
+from course_lib.train import split_batch, train_step
 
 
 def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int, world_size: int) -> None:
-    """DeepSpeed's rule, with the fix in the message: train_batch = micro × accumulation × world."""
+    """DeepSpeed's rule for a config someone wrote, with the fix in the message: train_batch = micro × accumulation × world."""
     if train_batch != micro_batch * accum_steps * world_size:
         raise ValueError(
             f"train_batch_size={train_batch} but micro_batch {micro_batch} x accum_steps {accum_steps} x world_size "
@@ -34,14 +36,25 @@ def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int,
             f"micro_batch to {train_batch / (accum_steps * world_size):g} (it must come out a whole number)")
 
 
-def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
+def micro_batch_for(train_batch: int, accum_steps: int, world_size: int) -> int:
+    """The micro-batch per rank that DeepSpeed's rule gives; refused, with the fix, when it is not whole."""
+    if accum_steps < 1 or world_size < 1 or train_batch % (accum_steps * world_size):
+        step = accum_steps * world_size
+        raise ValueError(f"train_batch={train_batch} does not divide by accum_steps {accum_steps} x world_size "
+                         f"{world_size} = {step}: use a multiple of {step} (e.g. {max(step, train_batch // step * step)})")
+    return train_batch // (accum_steps * world_size)
+
+
+def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
               offload_optimizer: bool = False, offload_param: bool = False, mixed_precision: str | None = None,
               nvme_path: str | None = None, clip_norm: float = 1.0) -> dict:
-    """A DeepSpeed config for ZeRO ``stage`` whose batch sizes multiply out.
+    """A DeepSpeed config for ZeRO ``stage``: the global batch ``train_batch`` split into ``accum_steps``
+    micro-batches on each of ``world_size`` ranks.
 
     ``clip_norm`` is written out because DeepSpeed's default is not "off": it clips the
     gradient norm at 1.0 unless told otherwise, where plain PyTorch and DDP never clip.
     """
+    micro = micro_batch_for(train_batch, accum_steps, world_size)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0 (plain data parallel), 1, 2 and 3")
     if offload_param and stage != 3:
@@ -55,8 +68,8 @@ def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int
     if offload_param:
         zero["offload_param"] = dict(target)
     config = {
-        "train_batch_size": micro_batch * accum_steps * world_size,
-        "train_micro_batch_size_per_gpu": micro_batch,
+        "train_batch_size": train_batch,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum_steps,
         # torch's AdamW on every device: DeepSpeed's fused and CPU Adam are JIT-compiled C++/CUDA ops, and
         # their build can fail where torch's own arch list is newer than DeepSpeed's parser (sm_90a, 0.19.8)
@@ -75,8 +88,19 @@ def ds_config(*, micro_batch: int, accum_steps: int, world_size: int, stage: int
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     elif mixed_precision not in (None, "float32"):
         raise ValueError(f"mixed_precision={mixed_precision!r}: use None, 'bfloat16' or 'float16'")
-    check_batch_arithmetic(config["train_batch_size"], micro_batch, accum_steps, world_size)
     return config
+
+
+def deepspeed_step(net, batch, accum_steps: int) -> float:
+    """One global step of a DeepSpeed engine on this rank's batch: the course's ``split_batch`` and
+    ``forward_loss``, DeepSpeed's own backward and step. Returns the step's mean loss."""
+    total = 0.0
+    for micro in split_batch(batch, accum_steps):
+        loss = forward_loss(net, micro)  # DeepSpeed divides by the accumulation steps itself
+        net.backward(loss)
+        net.step()  # an optimizer step only at the accumulation boundary
+        total += loss.item() / accum_steps
+    return total
 
 
 def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batch: int = 32, accum_steps: int = 1,
@@ -85,77 +109,70 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
           checkpoint_dir: str | None = None, stop_after: int | None = None, resume: bool = False) -> dict:
     """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``) or the DDP reference (``engine="ddp"``).
 
-    ``stop_after=k`` saves a checkpoint to ``checkpoint_dir`` after step k and stops;
-    ``resume=True`` loads it and runs the remaining steps. Returns this rank's global-batch
-    losses (by step number), a digest of the final weights, and the model-state bytes it held.
+    Both see the same weights, batches and AdamW. ``stop_after=k`` saves a DeepSpeed checkpoint to
+    ``checkpoint_dir`` after step k and stops; ``resume=True`` loads it and runs the remaining
+    steps. Returns the global-batch losses, a digest of the final weights, and the optimizer-state
+    bytes this rank held.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if global_batch % (world * accum_steps):
-        raise ValueError(f"global_batch={global_batch} must divide by world_size x accum_steps = {world * accum_steps}")
-    micro = global_batch // (world * accum_steps)
-    device = rank_device()
+    import deepspeed
+
+    if engine not in ("deepspeed", "ddp"):
+        raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
+    if engine == "ddp" and (resume or stop_after):
+        raise ValueError("checkpoints here are DeepSpeed's: use engine='deepspeed' with stop_after or resume")
+    world, device = rank_and_world()[1], rank_device()
     torch.manual_seed(seed)
     model = SmallCNN(width=width)
     batches = list(step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed))
-    start = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from course_lib.train import train_step
-
-        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        step_fn = lambda x, y: train_step(model, opt, x, y, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]
-        net = model
-    elif engine == "deepspeed":
-        import deepspeed
-
-        config = ds_config(micro_batch=micro, accum_steps=accum_steps, world_size=world, stage=stage, lr=lr,
+        net = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+        step_fn = lambda b: train_step(net, optimizer, b, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]  # noqa: E731
+    else:
+        config = ds_config(train_batch=global_batch, accum_steps=accum_steps, world_size=world, stage=stage, lr=lr,
                            offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm,
                            nvme_path=nvme_path)
-        net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        if resume:
-            _, client = net.load_checkpoint(checkpoint_dir)  # the tag in the "latest" file
-            start = client["step"]
-
-        step_fn = lambda x, y: deepspeed_step(net, x, y, accum_steps)
-    else:
-        raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
-
-    losses = {}
+        net, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        step_fn = lambda b: deepspeed_step(net, b, accum_steps)  # noqa: E731
+    start = net.load_checkpoint(checkpoint_dir)[1]["step"] if resume else 0  # the tag in the "latest" file
+    losses = []
     for step in range(start, steps):
-        x, y = batches[step]
-        losses[step] = mean_over_ranks(step_fn(x.to(device), y.to(device)), device)
+        losses.append(mean_over_ranks(step_fn(to_device(batches[step], device)), device))
         if stop_after is not None and step + 1 == stop_after:
             net.save_checkpoint(checkpoint_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
             break
     module = getattr(net, "module", net)
-    return {"rank": rank, "world_size": world, "losses": losses, "digest": _full_digest(net, module, stage, engine),
-            "optimizer_state_bytes": optimizer_state_bytes(net.optimizer if engine == "deepspeed" else opt),
-            "device": str(device), "n_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                                   for p in module.parameters()),
-            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return worker_result(losses, start_step=start, digest=_full_digest(module, stage if engine == "deepspeed" else 0),
+                         optimizer_state_bytes=optimizer_state_bytes(optimizer), device=str(device),
+                         n_params=sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
+                         peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
 
 
-def deepspeed_step(net, x: torch.Tensor, y: torch.Tensor, accum_steps: int) -> float:
-    """One global step of a DeepSpeed engine on this rank's batch, in ``accum_steps`` micro-batches; its mean loss."""
-    total = 0.0
-    for xm, ym in zip(x.chunk(accum_steps), y.chunk(accum_steps)):
-        loss = F.cross_entropy(net(xm), ym)  # DeepSpeed divides by accumulation steps itself
-        net.backward(loss)
-        net.step()  # an optimizer step only at the accumulation boundary
-        total += loss.item() / accum_steps
-    return total
+def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 0, n_samples: int = 256) -> dict:
+    """Train SmallCNN for ``steps`` with DeepSpeed and a given config: does DeepSpeed accept it, and does it learn?"""
+    import deepspeed
+
+    global_batch = config["train_batch_size"]
+    torch.manual_seed(seed)
+    model = SmallCNN(width=width)
+    net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses, device = [], rank_device()
+    for batch in step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed):
+        losses.append(mean_over_ranks(deepspeed_step(net, to_device(batch, device),
+                                                     config.get("gradient_accumulation_steps", 1)), device))
+    return worker_result(losses, micro_batch=config["train_micro_batch_size_per_gpu"], global_steps=net.global_steps)
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state (Adam's m and v) this rank holds: all of it under DDP, a 1/N slice under ZeRO."""
-    from course_lib.memory import tensor_bytes
+def _full_digest(module, stage: int) -> float:
+    """Digest of the full weights; under ZeRO-3 each rank holds a shard, so gather them first."""
+    if stage == 3:
+        import deepspeed
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer around flat partitions
-    return tensor_bytes(v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return param_digest(module)
+    return param_digest(module)
 
 
 def build_deepspeed_ops() -> None:
@@ -195,29 +212,3 @@ def zero_bytes_per_param(stage: int, world_size: int, k: int = 12) -> float:
     if stage >= 3:
         weights /= n
     return weights + grads + states
-
-
-def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 0, n_samples: int = 256) -> dict:
-    """Train SmallCNN for ``steps`` with DeepSpeed and a given config: does DeepSpeed accept it, and does it learn?"""
-    import deepspeed
-
-    accum = config.get("gradient_accumulation_steps", 1)
-    global_batch = config["train_batch_size"]
-    torch.manual_seed(seed)
-    model = SmallCNN(width=width)
-    net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses, device = [], rank_device()
-    for x, y in step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed):
-        losses.append(mean_over_ranks(deepspeed_step(net, x.to(device), y.to(device), accum), device))
-    return {"rank": dist.get_rank(), "losses": losses, "micro_batch": config["train_micro_batch_size_per_gpu"],
-            "global_steps": net.global_steps}
-
-
-def _full_digest(net, module, stage: int, engine: str) -> float:
-    """Digest of the full weights; under ZeRO-3 each rank holds a shard, so gather them first."""
-    if engine == "deepspeed" and stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return param_digest(module)
-    return param_digest(module)

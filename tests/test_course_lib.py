@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import checkpointing, data, memory, models, precision, results, throughput, train
+from course_lib.loss import forward_loss
 from course_lib.device import pick_tier, system_report
-from course_lib.grading import grads, max_abs_diff, max_rel_diff, twin
+from course_lib.grading import grads, max_abs_diff, twin
 
 
 # --- bad input stops early, naming the parameter and the fix ------------------------------------
@@ -16,7 +17,7 @@ from course_lib.grading import grads, max_abs_diff, max_rel_diff, twin
 def test_batch_that_does_not_divide_names_both_parameters():
     x, y = torch.zeros(30, 3, 32, 32), torch.zeros(30, dtype=torch.long)
     with pytest.raises(ValueError, match=r"batch_size=30.*accum_steps=4"):
-        train.split_batch(x, y, 4)
+        train.split_batch((x, y), 4)
 
 
 def test_gpu_tier_on_a_cpu_machine_is_refused():
@@ -74,7 +75,7 @@ def test_model_state_measurement_matches_the_adam_estimate():
     model = models.SmallCNN(width=8)
     opt = torch.optim.AdamW(model.parameters())
     x, y = data.synthetic_images(8).tensors
-    train.train_step(model, opt, x, y)
+    train.train_step(model, opt, (x, y))
     for p in model.parameters():  # train_step cleared them; recreate to measure gradient bytes
         p.grad = torch.zeros_like(p)
     measured = memory.model_state_bytes(model, opt)
@@ -105,8 +106,8 @@ def test_train_step_with_accumulation_equals_the_big_batch():
     b = twin(a)
     x, y = data.synthetic_images(32).tensors
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    ra = train.train_step(a, opt_a, x, y, accum_steps=1)
-    rb = train.train_step(b, opt_b, x, y, accum_steps=4)
+    ra = train.train_step(a, opt_a, (x, y), accum_steps=1)
+    rb = train.train_step(b, opt_b, (x, y), accum_steps=4)
     assert abs(ra["loss"] - rb["loss"]) < 1e-5
     pa = {n: p.detach() for n, p in a.named_parameters()}
     pb = {n: p.detach() for n, p in b.named_parameters()}
@@ -120,7 +121,7 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = precision.make_scaler("cpu", "float16", init_scale=2.0**40)
     x, y = data.synthetic_images(8).tensors
-    out = train.train_step(model, opt, x, y, amp_dtype="float16", scaler=scaler)
+    out = train.train_step(model, opt, (x, y), amp_dtype="float16", scaler=scaler)
     assert out["skipped"] and scaler.get_scale() < 2.0**40
     assert max_abs_diff({n: p.detach() for n, p in model.named_parameters()}, before) == 0
 
@@ -133,12 +134,101 @@ def test_fit_learns_the_synthetic_images():
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
 
 
-def test_lm_loss_shifts_labels():
+def test_lm_loss_shifts_labels_in_every_batch_form():
     model = models.build_llama("tiny")
     ids = data.random_tokens(2, 16, 512)
-    ours = train.forward_loss(model, ids, ids)
     theirs = model(input_ids=ids, labels=ids).loss
-    assert torch.allclose(ours, theirs, atol=1e-5)
+    for batch in (ids, (ids, ids), {"input_ids": ids, "labels": ids}):
+        assert torch.allclose(forward_loss(model, batch), theirs, atol=1e-5), type(batch)
+    masked = ids.clone()
+    masked[:, :8] = -100  # a dict batch scores only its labelled positions
+    want = F.cross_entropy(model(ids).logits[:, 7:-1].flatten(0, 1), ids[:, 8:].flatten())
+    assert torch.allclose(forward_loss(model, {"input_ids": ids, "labels": masked}), want, atol=1e-5)
+
+
+def test_split_batch_keeps_the_form_of_the_batch():
+    x, y = torch.arange(12.).reshape(6, 2), torch.arange(6)
+    parts = train.split_batch((x, y), 3)
+    assert len(parts) == 3 and all(isinstance(p, tuple) and p[0].shape == (2, 2) for p in parts)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    dparts = train.split_batch({"input_ids": x, "labels": y}, 2)
+    assert [sorted(p) for p in dparts] == [["input_ids", "labels"]] * 2 and torch.equal(dparts[1]["labels"], y[3:])
+    assert [p.shape[0] for p in train.split_batch(x, 6)] == [1] * 6
+    with pytest.raises(ValueError, match="batch_size=6 does not divide by accum_steps=4"):
+        train.split_batch({"input_ids": x}, 4)
+
+
+def test_sync_grads_runs_once_after_the_last_backward_and_before_the_step():
+    torch.manual_seed(0)
+    model = models.SmallCNN(width=8)
+    ref = twin(model)
+    x, y = data.synthetic_images(16).tensors
+    events = []
+    model.head.weight.register_hook(lambda g: events.append("backward"))
+
+    def sync(m):  # a stand-in for an all-reduce: halve every gradient, once
+        events.append("sync")
+        for p in m.parameters():
+            p.grad /= 2
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_pre_hook(lambda *a: events.append("step"))
+    out = train.train_step(model, opt, (x, y), accum_steps=4, sync_grads=sync, clip_norm=1e9)
+    assert events == ["backward"] * 4 + ["sync", "step"]
+    forward_loss(ref, (x, y)).backward()
+    halved = {n: p.grad / 2 for n, p in ref.named_parameters()}
+    want_norm = torch.sqrt(sum((g ** 2).sum() for g in halved.values())).item()
+    assert out["grad_norm"] == pytest.approx(want_norm, rel=1e-5)  # the norm is taken after the sync
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for p in ref.parameters():
+        p.grad = p.grad / 2
+    ref_opt.step()
+    assert max_abs_diff({n: p.detach() for n, p in model.named_parameters()},
+                        {n: p.detach() for n, p in ref.named_parameters()}) < 1e-6
+
+
+def test_tensor_bytes_counts_each_tensor_once():
+    w = torch.zeros(10, 4)
+    assert memory.tensor_bytes([w, w, w.view(40), None, torch.zeros(())]) == 10 * 4 * 4 + 40 * 4
+    assert memory.tensor_bytes([w[:5], w[5:]]) == 10 * 4 * 4  # two halves: both count
+    model = models.build_llama("tiny", tie_word_embeddings=True)
+    assert memory.tensor_bytes(model.parameters()) == 4 * models.count_parameters(model)
+
+
+def test_one_meter_splits_the_same_bytes_by_dtype_and_by_part():
+    model = models.build_llama("tiny", num_hidden_layers=2)
+    ids = data.random_tokens(2, 32, 512)
+    parts = [("mlp", layer.mlp) for layer in model.model.layers] + [("attention", l.self_attn) for l in model.model.layers]
+    with memory.SavedTensorMeter(exclude=model, parts=parts) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward_loss(model, ids)
+    assert sum(meter.by_dtype.values()) == meter.bytes == sum(meter.by_part.values())
+    assert {"bfloat16", "float32"} <= set(meter.by_dtype)
+    assert meter.by_part["mlp"] > meter.by_part["attention"] > 0 and meter.by_part["other"] > 0
+    assert memory.saved_bytes_by_part(model, lambda: forward_loss(model, ids), parts)["mlp"] > 0
+    del loss
+
+
+def test_course_setup_picks_sizes_device_and_results(tmp_path, monkeypatch, capsys):
+    from course_lib import course_setup
+
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    sizes = {t: dict(width=8 * (i + 1), batch=16) for i, t in enumerate(("smoke", "cpu", "gpu", "node"))}
+    tier, size, device, res = course_setup("99_setup", "smoke", sizes, seed=3, batch=None)
+    assert (tier, size, device.type) == ("smoke", {"width": 8, "batch": 16}, "cpu")
+    assert (tmp_path / "results" / "99_setup.json").exists() and res.notebook == "99_setup"
+    assert "99_setup: tier=smoke, device=cpu" in capsys.readouterr().out
+    assert course_setup("99_setup", "cpu", sizes, batch=64).size == {"width": 16, "batch": 64}
+    with pytest.raises(ValueError, match=r"overrides \['bacth'\]"):
+        course_setup("99_setup", "cpu", sizes, bacth=64)
+    with pytest.raises(ValueError, match="no entry for the tiers"):
+        course_setup("99_setup", "cpu", {"cpu": {}})
+
+
+def test_one_dtype_table_names_the_argument():
+    assert precision.dtype_bytes("bf16") == 2 and precision.dtype_bytes(torch.float32) == 4
+    with pytest.raises(ValueError, match="weight_dtype='fp8'"):
+        memory.estimate_model_state(10, "fp8")
 
 
 # --- checkpointing -------------------------------------------------------------------------------
@@ -148,7 +238,7 @@ def test_checkpointing_keeps_gradients_and_cuts_saved_bytes(kwargs):
     model = models.build_llama("tiny", num_hidden_layers=4)
     ids = data.random_tokens(2, 64, 512)
     ref = twin(model)
-    loss = lambda m: train.forward_loss(m, ids, ids)
+    loss = lambda m: forward_loss(m, ids)
     loss(ref).backward()
     full = memory.activation_bytes(ref, lambda: loss(ref))
     checkpointing.checkpoint_layers(checkpointing.transformer_layers(model), **kwargs)

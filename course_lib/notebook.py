@@ -1,0 +1,55 @@
+"""What every notebook's first code cell does, in one call.
+
+    SIZES = {"smoke": dict(width=8, batch=32), "cpu": dict(width=16, batch=256), "gpu": ..., "node": ...}
+    tier, size, device, results = course_setup("02_gradient_accumulation", tier, SIZES, seed=seed)
+
+``course_setup`` resolves the ``tier`` parameter (``device.pick_tier``: "auto" picks from the
+hardware, and "smoke" while nbgrader grades), takes that tier's sizes (with any overrides the
+notebook's parameters give), picks the device (the first GPU on the gpu and node tiers, else the
+CPU), seeds torch, opens the notebook's results file, and prints one line that says all of it.
+The sizes stay in the notebook: they are part of what it teaches (one code path, four sizes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from course_lib.device import TIERS, default_device, pick_tier
+from course_lib.results import Results
+
+
+class Setup(NamedTuple):
+    """A notebook's tier, its sizes, its device and its results file."""
+
+    tier: str
+    size: dict
+    device: torch.device
+    results: Results
+
+
+def course_setup(notebook: str, tier: str = "auto", sizes: dict[str, dict] | None = None, *, seed: int = 0,
+                 **overrides) -> Setup:
+    """The set-up of notebook ``notebook`` (its file name without ``.ipynb``) on ``tier``.
+
+    ``sizes`` maps each tier to a dict of sizes; ``overrides`` replace entries of it (a None
+    override keeps the tier's value, so a notebook can pass its parameters straight through).
+    """
+    tier = pick_tier(tier)
+    sizes = sizes or {}
+    missing = [t for t in TIERS if t not in sizes]
+    if sizes and missing:
+        raise ValueError(f"sizes has no entry for the tiers {missing}: give every tier of {TIERS} its sizes")
+    size = dict(sizes.get(tier, {}))
+    unknown = sorted(set(overrides) - set(size))
+    if unknown:
+        raise ValueError(f"overrides {unknown} are not sizes of this notebook (it has {sorted(size)})")
+    size.update({k: v for k, v in overrides.items() if v is not None})
+    device = default_device() if tier in ("gpu", "node") else torch.device("cpu")
+    torch.manual_seed(seed)
+    results = Results(notebook)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    shown = ", ".join(f"{k}={v}" for k, v in size.items())
+    print(f"{notebook}: tier={tier}, device={device} ({where}); sizes: {shown or 'none'}")
+    return Setup(tier, size, device, results)
