@@ -2,13 +2,9 @@
 
 import math
 
-from conftest import value
+import pytest
 
-
-def claim(res: dict, start: str) -> dict:
-    found = [c for c in res["claims"] if c["claim"].startswith(start)]
-    assert len(found) == 1, f"expected one claim starting {start!r}, got {res['claims']}"
-    return found[0]
+from conftest import claim, value
 
 
 def test_formats_overflow_and_underflow(executed):
@@ -46,11 +42,16 @@ def test_autocast_memory_and_the_speed_claim_is_recorded(executed):
     # 16-bit activations halve, int64 max-pool indices and fp32 GroupNorm statistics do not: between 1.4x and 2x
     for dt in ("float16", "bfloat16"):
         assert 1.4 < value(res, f"activation_ratio_{dt}") < 2.0
-        assert value(res, f"step_ms_{dt}") > 0
     assert claim(res, "Mixed precision: 2x memory")["held"]
-    # the speed claim is measured and recorded either way (on a CPU it usually does not hold); no timing assertion
+    # the speed claim is recorded either way (on a CPU it usually does not hold): no timing is asserted, but
+    # its speed-ups are the recorded step times' ratios, and its verdict is the one those ratios give
+    for dt in ("float16", "bfloat16"):
+        want = value(res, "step_ms_float32") / value(res, f"step_ms_{dt}")
+        assert value(res, f"speedup_{dt}") == pytest.approx(want, rel=1e-9)
     speed = claim(res, "Mixed precision: 2x speed")
-    assert "x (bf16)" in speed["measured"] and isinstance(speed["held"], bool)
+    best = max(value(res, "speedup_float16"), value(res, "speedup_bfloat16"))
+    assert f"{value(res, 'speedup_bfloat16'):.2f}x (bf16)" in speed["measured"]
+    assert speed["held"] == (best >= 1.5)
 
 
 def test_bf16_needs_no_scaler(executed):

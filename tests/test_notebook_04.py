@@ -1,10 +1,8 @@
 """Notebook 04 (DDP) executes on the CPU tier and measures what it claims."""
 
-from conftest import value
+import pytest
 
-
-def _claim(res, start):
-    return next(c for c in res["claims"] if c["claim"].startswith(start))
+from conftest import claim, value
 
 
 def test_torchrun_starts_two_gloo_ranks(executed):
@@ -45,12 +43,14 @@ def test_no_sync_once_per_step_across_real_ranks(executed):
 
 def test_throughput_is_measured_and_dataparallel_is_marked_not_measured(executed):
     res = executed("04_ddp")
-    assert value(res, "samples_per_s_1_rank") > 0 and value(res, "samples_per_s_2_rank") > 0
-    assert value(res, "ddp_speedup") > 0  # recorded, not asserted: 2 ranks on 2 shared cores
+    # the speed-up is recorded, not asserted (2 ranks on 2 shared cores), but it is the throughputs' ratio
+    # and the claim's verdict is the one that ratio gives
+    speedup = value(res, "ddp_speedup")
+    assert speedup == pytest.approx(value(res, "samples_per_s_2_rank") / value(res, "samples_per_s_1_rank"), rel=1e-9)
+    assert claim(res, "Multi-GPU DDP: Nx speed")["held"] == (speedup >= 1.4)
     assert value(res, "ddp_weights_per_rank_ratio") == 1.0
     assert value(res, "dp_vs_ddp_measured") is False  # no GPUs in CI
     assert "Not measured" in value(res, "dp_vs_ddp_note")
-    assert "held" in _claim(res, "Multi-GPU DDP: Nx speed")  # recorded either way, honestly
 
 
 def test_every_exactness_claim_held(executed):

@@ -28,3 +28,11 @@ def test_checkpoint_resume_is_exact_and_claims_held(executed):
 
 def test_the_three_accelerate_configs_validate_in_the_notebook(executed):
     assert value(executed("06_deepspeed_zero"), "accelerate_configs_valid") == 3
+
+
+def test_every_variant_ends_with_ddps_weights_and_every_rank_agrees(executed):
+    res = executed("06_deepspeed_zero")
+    for name in VARIANTS:
+        assert value(res, f"weights_rel_diff_vs_ddp {name}") < 1e-5, name
+    assert value(res, "ranks_agree_on_losses") is True
+    assert value(res, "resume_start_step") == 2  # stopped after step 2 of 5, resumed from there
