@@ -1,7 +1,6 @@
 """The committed student notebooks are exactly what nbgrader generates from solutions/."""
 
 import json
-from pathlib import Path
 
 from course_lib.release import ROOT, assignments, make_course, released
 
