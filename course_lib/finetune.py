@@ -74,10 +74,14 @@ def load_tokenizer(model_name: str | None = None, texts: list[str] | None = None
 def finetune(model: nn.Module, optimizer: torch.optim.Optimizer, batch_iter, steps: int,
              recipe: Recipe = BASELINE, accum_steps: int = 1, clip_norm: float | None = 1.0,
              progress: bool = False) -> list[float]:
-    """``steps`` optimizer steps on batches from ``batch_iter`` with the recipe's loss and autocast; the losses."""
+    """``steps`` optimizer steps on batches from ``batch_iter`` with the recipe's loss and autocast; the losses.
+
+    Micro-batches are weighted by the tokens they score (``token_weighted``): with masked prompts they
+    score different numbers, and the mean of their means would not be the batch's loss.
+    """
     model.train()
     history = fit(model, optimizer, batch_iter, steps, progress=progress, desc="fine-tune", loss_fn=recipe.loss,
-                  amp_dtype=recipe.amp_dtype, accum_steps=accum_steps, clip_norm=clip_norm)
+                  amp_dtype=recipe.amp_dtype, accum_steps=accum_steps, clip_norm=clip_norm, token_weighted=True)
     return [h["loss"] for h in history]
 
 

@@ -38,6 +38,12 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def scored_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """How many next-token targets a dict batch scores: its labels that are not -100, the first position
+    of each row left out (nothing before it predicts it)."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of (batch, T, V) logits against (batch, T) tokens, position t scored on token t+1.
 

@@ -69,6 +69,23 @@ def autocast(device: torch.device | str, dtype: str | torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
+@contextlib.contextmanager
+def strict_float32():
+    """Float32 that is float32 while the block runs, then the settings as they were.
+
+    On NVIDIA GPUs PyTorch runs float32 convolutions (and, if asked, matmuls) in TF32, a 10-bit
+    mantissa, and cuDNN may pick non-deterministic algorithms: either hides float32 rounding under a
+    1e-3 noise. The block turns both off; on a CPU it changes nothing that matters.
+    """
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic = saved
+
+
 def make_scaler(device: torch.device | str, dtype: str | torch.dtype, init_scale: float = 2.0**16) -> torch.amp.GradScaler:
     """A GradScaler that is enabled only for float16 (bf16 and fp32 need no loss scaling)."""
     device, dtype = torch.device(device), resolve_dtype(dtype)

@@ -18,11 +18,12 @@ import contextlib
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from course_lib.data import batch_len, to_device
-from course_lib.loss import forward_loss
+from course_lib.loss import forward_loss, scored_tokens
 from course_lib.precision import autocast, resolve_dtype
 
 
@@ -47,6 +48,25 @@ def split_batch(batch, accum_steps: int) -> list:
     return [tuple(parts) for parts in zip(*(t.chunk(accum_steps) for t in batch))]
 
 
+def token_weights(micro_batches: list[dict]) -> list[float]:
+    """Each micro-batch's share of the batch's scored tokens, to weight its mean loss by.
+
+    With masked labels (prompts, padding) micro-batches score different numbers of tokens, and the
+    mean of their means is not the batch's token mean. Weighting micro-batch i's mean loss by
+    ``n_i / N`` gives ``sum of token losses / N``: the whole batch's loss, and its gradient. Where a
+    process group exists, ``N`` is counted over every rank's batch and the weights are multiplied by
+    the world size, so that DDP's or FSDP's average over ranks gives the global batch's token mean.
+    """
+    counts = torch.stack([scored_tokens(mb) for mb in micro_batches]).double()
+    total, world = counts.sum(), 1
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        dist.all_reduce(total)
+    if total == 0:
+        raise ValueError("the batch scores no token (every label is -100): nothing to train on")
+    return (counts * world / total).tolist()
+
+
 def grad_sync_context(model: nn.Module, last: bool):
     """The context for one micro-batch's forward and backward: gradients cross ranks on the last one only.
 
@@ -66,10 +86,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
                loss_fn: Callable[[nn.Module, object], torch.Tensor] = forward_loss, accum_steps: int = 1,
                amp_dtype: str | torch.dtype = torch.float32, scaler: torch.amp.GradScaler | None = None,
                clip_norm: float | None = None, sync_grads: Callable[[nn.Module], None] | None = None,
-               backward: Callable[[torch.Tensor], None] | None = None) -> dict:
+               backward: Callable[[torch.Tensor], None] | None = None, token_weighted: bool = False) -> dict:
     """One optimizer step on ``batch``; returns its mean loss, the gradient norm and whether it was skipped.
 
-    ``loss_fn(model, micro_batch)`` gives a micro-batch's mean loss (default: ``forward_loss``).
+    ``loss_fn(model, micro_batch)`` gives a micro-batch's mean loss (default: ``forward_loss``); each
+    is weighted by ``1 / accum_steps``, or, with ``token_weighted`` (dict batches with labels), by
+    its share of the scored tokens (``token_weights``), and a micro-batch that scores none is skipped.
     ``sync_grads(model)`` runs once after the last backward, before unscaling and clipping: where a
     hand-written data parallelism averages the gradients over ranks. ``backward(loss)`` replaces
     ``loss.backward()`` (``accelerator.backward`` under accelerate). The gradient norm is computed
@@ -79,11 +101,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
     amp_dtype = resolve_dtype(amp_dtype)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     micro = split_batch(to_device(batch, device, non_blocking=True), accum_steps)
+    weights = token_weights(micro) if token_weighted else [1.0 / accum_steps] * accum_steps
+    micro = [(mb, w) for mb, w in zip(micro, weights) if w > 0]
     total = torch.zeros((), device=device)
-    for i, micro_batch in enumerate(micro):
+    for i, (micro_batch, weight) in enumerate(micro):
         with grad_sync_context(model, last=i == len(micro) - 1):
             with autocast(device, amp_dtype):
-                loss = loss_fn(model, micro_batch) / accum_steps
+                loss = loss_fn(model, micro_batch) * weight
             scaled = scaler.scale(loss)
             backward(scaled) if backward is not None else scaled.backward()
         total += loss.detach().float()

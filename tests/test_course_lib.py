@@ -187,6 +187,37 @@ def test_sync_grads_runs_once_after_the_last_backward_and_before_the_step():
                         {n: p.detach() for n, p in ref.named_parameters()}) < 1e-6
 
 
+def _step_grads(model, batch, **kw):
+    """The gradients train_step leaves just before its optimizer step (lr 0: the weights stay)."""
+    opt, seen = torch.optim.SGD(model.parameters(), lr=0.0), {}
+    opt.register_step_pre_hook(lambda *a: seen.update(grads(model)))
+    out = train.train_step(model, opt, batch, **kw)
+    return seen, out["loss"]
+
+
+def test_token_weighted_accumulation_equals_the_whole_batch_and_the_mean_of_means_does_not():
+    model = models.build_llama("tiny")
+    ids = data.random_tokens(8, 16, 512)
+    labels = ids.clone()
+    labels[:4, :12] = -100  # the first micro-batch scores far fewer tokens than the second
+    labels[4:, :3] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    ref = twin(model)
+    whole = forward_loss(ref, batch)
+    whole.backward()
+    weighted, loss = _step_grads(twin(model), batch, accum_steps=2, token_weighted=True)
+    assert max_abs_diff(weighted, grads(ref)) < 1e-5 * max(float(g.abs().max()) for g in grads(ref).values())
+    assert loss == pytest.approx(whole.item(), rel=1e-5)
+    means, _ = _step_grads(twin(model), batch, accum_steps=2)
+    assert max_abs_diff(means, grads(ref)) > 0.1 * max(float(g.abs().max()) for g in grads(ref).values())
+    labels[:4] = -100  # a micro-batch that scores nothing is skipped, not a nan
+    skipped, loss = _step_grads(twin(model), batch, accum_steps=2, token_weighted=True)
+    assert math.isfinite(loss) and all(torch.isfinite(g).all() for g in skipped.values())
+    labels[:] = -100
+    with pytest.raises(ValueError, match="scores no token"):
+        train.train_step(twin(model), torch.optim.SGD(model.parameters(), lr=0.0), batch, token_weighted=True)
+
+
 def test_tensor_bytes_counts_each_tensor_once():
     w = torch.zeros(10, 4)
     assert memory.tensor_bytes([w, w, w.view(40), None, torch.zeros(())]) == 10 * 4 * 4 + 40 * 4
@@ -291,3 +322,39 @@ def test_system_report_names_the_stack():
     rep = system_report()
     assert rep["collective backend"] in ("gloo", "nccl", "nccl (RCCL)")
     assert "NUMA auto-balancing" in rep and rep["tier picked"] in ("cpu", "gpu", "node")
+
+
+# --- grading: the library's answers out of reach -----------------------------------------------------
+
+def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
+    from course_lib.grading import LibraryAnswer, forbid
+    from course_lib.memory import activation_bytes
+
+    kept = activation_bytes
+    before = torch.amp.GradScaler("cpu")
+
+    class Wrapped(torch.amp.GradScaler):
+        pass
+
+    def student(model, forward, meter=activation_bytes):  # a reference captured at definition time
+        return meter(model, forward)
+
+    namespace = {"activation_bytes": activation_bytes}
+    lin = torch.nn.Linear(2, 2)
+    with forbid(memory.activation_bytes, torch.amp.GradScaler, namespace=namespace):
+        attempts = {"by name": lambda: namespace["activation_bytes"](lin, lambda: lin(torch.ones(1, 2))),
+                    "module attribute": lambda: memory.activation_bytes(lin, lambda: None),
+                    "kept reference": lambda: kept(lin, lambda: None),
+                    "default argument": lambda: student(lin, lambda: None),
+                    "torch's class": lambda: torch.amp.GradScaler("cpu"),
+                    "a subclass": lambda: Wrapped("cpu"),
+                    "an instance made before": lambda: before.scale(torch.ones(()))}
+        for how, attempt in attempts.items():
+            with pytest.raises(LibraryAnswer, match="write it yourself"):
+                attempt()
+                pytest.fail(f"{how}: reached the answer")
+        assert memory.tensor_bytes([torch.zeros(3)]) == 12  # what is not forbidden still works
+    x = torch.ones(4, 2, requires_grad=True)
+    assert namespace["activation_bytes"] is activation_bytes and memory.activation_bytes is activation_bytes
+    assert kept(lin, lambda: lin(x).sum()) == 4 * 2 * 4 and Wrapped("cpu").get_scale() == 2.0**16
+    assert float(before.scale(torch.ones(()))) == 2.0**16
