@@ -54,3 +54,16 @@ def test_claims_and_figures(executed):
     assert not claim(res, "the Llama-3-8B table is for the 8.03B-parameter model")["held"]
     assert len(res["figures"]) >= 2
     assert value(res, "collective_backend") in ("gloo", "nccl", "nccl (RCCL)")
+
+
+def test_the_notebooks_meter_and_a_measured_bert_step(executed):
+    res = executed("00_orientation")
+    for mode in ("fp32", "autocast", "pure_bf16"):
+        assert value(res, f"{mode}_your_meter_minus_course_lib_bytes") == 0, mode  # saved_activation_bytes
+    ratio = value(res, "fp32_activations_over_model_state")
+    assert ratio == value(res, "fp32_activation_measured_bytes") / value(res, "fp32_model_state_measured_bytes")
+    # bert-base-cased: 108.3 M parameters x 16 bytes = 1.61 GiB of model state, plus activations
+    state, total = value(res, "bert_fp32_measured_state_bytes"), value(res, "bert_fp32_measured_total_bytes")
+    assert abs(state / GiB - 1.614) < 0.005 and state < total < 1.2 * state
+    assert claim(res, "bert-base-cased fp32 training needs 1.61 GB")["held"]
+    assert value(res, "bert_autocast_over_fp32_measured") > 0.9  # autocast keeps the fp32 state: not half

@@ -60,38 +60,124 @@ def training_memory(n_params, mode):
     return {"weights": b[mode] * n_params, "gradients": b[mode] * n_params, "optimizer states": 8 * n_params}
 '''
 
+CALLS_LIBRARY_PARAM_COUNT = '''
+def llama_param_count(config):
+    from course_lib.models import llama_num_parameters
+    return llama_num_parameters(config)   # course_lib's answer, not the student's
+'''
+
+CALLS_LIBRARY_TRAINING_MEMORY = '''
+def training_memory(n_params, mode):
+    from course_lib.memory import estimate_model_state
+    dtype = {"fp32": "float32", "autocast": "float32", "pure_bf16": "bfloat16"}[mode]
+    return estimate_model_state(n_params, dtype)   # course_lib's answer
+'''
+
+METER_NO_DEDUPE = '''
+def saved_activation_bytes(model, forward):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    total = 0
+    def pack(t):
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in weights:
+            total += t.untyped_storage().nbytes()   # a storage saved twice is counted twice
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total
+'''
+
+METER_EXCLUDES_PARAMETERS_BY_IDENTITY = '''
+def saved_activation_bytes(model, forward):
+    params = list(model.parameters())
+    sizes = {}
+    def pack(t):
+        if not any(t is p for p in params):   # W.t() is a new tensor object over the weight's storage
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(sizes.values())
+'''
+
+METER_COUNTS_TENSORS_NOT_STORAGES = '''
+def saved_activation_bytes(model, forward):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {}
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            sizes.setdefault(ptr, t.numel() * t.element_size())   # the view's elements, not the storage it keeps
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(sizes.values())
+'''
+
+CALLS_LIBRARY_METER = '''
+def saved_activation_bytes(model, forward):
+    from course_lib.memory import activation_bytes
+    return activation_bytes(model, forward)   # course_lib's meter
+'''
+
+FULL = {"test_llama_param_count": 1, "test_llama_param_count_hidden": 1, "test_training_memory": 1,
+        "test_training_memory_hidden": 1, "test_saved_activation_bytes": 3, "test_saved_activation_bytes_hidden": 3}
+
+
+def scores(**changed):
+    return {**FULL, **changed}
+
+
 CASES = {
     "lm_head_counted_when_tied": {  # passes the visible test (untied presets), fails the hidden one
         "cells": {"llama_param_count": COUNT_LM_HEAD_WHEN_TIED},
-        "scores": {"test_llama_param_count": 2, "test_llama_param_count_hidden": 0,
-                   "test_training_memory": 2, "test_training_memory_hidden": 2},
+        "scores": scores(test_llama_param_count_hidden=0),
     },
     "gqa_ignored": {
         "cells": {"llama_param_count": NO_GQA},
-        "scores": {"test_llama_param_count": 0, "test_llama_param_count_hidden": 0,
-                   "test_training_memory": 2, "test_training_memory_hidden": 2},
+        "scores": scores(test_llama_param_count=0, test_llama_param_count_hidden=0),
     },
     "norms_forgotten": {
         "cells": {"llama_param_count": NO_NORMS},
-        "scores": {"test_llama_param_count": 0, "test_llama_param_count_hidden": 0,
-                   "test_training_memory": 2, "test_training_memory_hidden": 2},
+        "scores": scores(test_llama_param_count=0, test_llama_param_count_hidden=0),
+    },
+    "calls_library_llama_param_count": {
+        "cells": {"llama_param_count": CALLS_LIBRARY_PARAM_COUNT},
+        "scores": scores(test_llama_param_count=0, test_llama_param_count_hidden=0),
     },
     "one_adam_state": {
         "cells": {"training_memory": ONE_ADAM_STATE},
-        "scores": {"test_llama_param_count": 2, "test_llama_param_count_hidden": 2,
-                   "test_training_memory": 0, "test_training_memory_hidden": 0},
+        "scores": scores(test_training_memory=0, test_training_memory_hidden=0),
     },
     "autocast_16bit_weights": {  # passes the visible test (fp32, pure bf16), fails the hidden autocast one
         "cells": {"training_memory": AUTOCAST_HALF_PRECISION_WEIGHTS},
-        "scores": {"test_llama_param_count": 2, "test_llama_param_count_hidden": 2,
-                   "test_training_memory": 2, "test_training_memory_hidden": 0},
+        "scores": scores(test_training_memory_hidden=0),
     },
     "pure_bf16_fp32_adam_states": {  # fails the visible pure-bf16 check, passes the hidden ones
         "cells": {"training_memory": PURE_BF16_FP32_STATES},
-        "scores": {"test_llama_param_count": 2, "test_llama_param_count_hidden": 2,
-                   "test_training_memory": 0, "test_training_memory_hidden": 2},
+        "scores": scores(test_training_memory=0),
+    },
+    "calls_library_training_memory": {
+        "cells": {"training_memory": CALLS_LIBRARY_TRAINING_MEMORY},
+        "scores": scores(test_training_memory=0, test_training_memory_hidden=0),
+    },
+    "meter_counts_a_storage_each_time_it_is_saved": {
+        "cells": {"saved_activation_bytes": METER_NO_DEDUPE},
+        "scores": scores(test_saved_activation_bytes=0, test_saved_activation_bytes_hidden=0),
+    },
+    "meter_counts_weights_saved_as_views": {
+        "cells": {"saved_activation_bytes": METER_EXCLUDES_PARAMETERS_BY_IDENTITY},
+        "scores": scores(test_saved_activation_bytes=0, test_saved_activation_bytes_hidden=0),
+    },
+    "meter_counts_tensors_not_storages": {  # right on whole tensors; a saved slice keeps its whole storage alive
+        "cells": {"saved_activation_bytes": METER_COUNTS_TENSORS_NOT_STORAGES},
+        "scores": scores(test_saved_activation_bytes_hidden=0),
+    },
+    "calls_library_saved_activation_bytes": {
+        "cells": {"saved_activation_bytes": CALLS_LIBRARY_METER},
+        "scores": scores(test_saved_activation_bytes=0, test_saved_activation_bytes_hidden=0),
     },
 }
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "llama_param_count"
+LOOP_CELL = "saved_activation_bytes"
