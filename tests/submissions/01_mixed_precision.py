@@ -4,29 +4,80 @@ Each case replaces the named solution cells of the solution notebook; every othe
 keeps the reference solution. ``scores`` gives the expected points of every graded cell.
 """
 
-UNSCALE_MULTIPLIES = '''
-def unscale_and_check(params, scale):
-    found_inf = False
-    for p in params:
-        if p.grad is None:
-            continue
-        p.grad.mul_(scale)   # wrong way round: scales the gradients up again
-        if not torch.isfinite(p.grad).all():
-            found_inf = True
-    return found_inf
+# --- the dynamic loss scaler: the reference solution with one mistake each
+
+SCALER = '''
+class DynamicLossScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale_value = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.clean_steps, self.found_inf = 0, None
+
+    def scale(self, loss):
+        return loss * self.scale_value
+
+    def unscale_(self, optimizer):
+        if self.found_inf is not None:
+            return
+        found = False
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self.scale_value)
+                    found = found or not bool(torch.isfinite(p.grad).all())
+        self.found_inf = found
+
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        if self.found_inf:
+            self.scale_value *= self.backoff_factor
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.clean_steps = 0
+        self.found_inf = None
+
+    def get_scale(self):
+        return self.scale_value
+
+    def is_enabled(self):
+        return True
 '''
 
-UNSCALE_INF_ONLY = '''
-def unscale_and_check(params, scale):
-    found_inf = False
-    for p in params:
-        if p.grad is None:
-            continue
-        p.grad.div_(scale)
-        if torch.isinf(p.grad).any():   # misses nan
-            found_inf = True
-    return found_inf
+
+def mistake(base: str, old: str, new: str) -> str:
+    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
+    assert old in base, old
+    return base.replace(old, new)
+
+SCALER_NEVER_GROWS = mistake(SCALER, """            if self.clean_steps == self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.clean_steps = 0""", """            pass   # forgot to grow: the scale only ever falls, and fp16's small gradients underflow again""")
+
+SCALER_UNSCALES_TWICE = mistake(SCALER, """        if self.found_inf is not None:
+            return
+""", "")   # train_step calls unscale_ before step: the gradients are divided twice
+
+SCALER_MISSES_NAN = mistake(SCALER, "found = found or not bool(torch.isfinite(p.grad).all())",
+                            "found = found or bool(torch.isinf(p.grad).any())   # nan is not inf: a nan step is applied")
+
+SCALER_KEEPS_COUNTING_AFTER_OVERFLOW = mistake(SCALER, """            self.scale_value *= self.backoff_factor
+            self.clean_steps = 0""", """            self.scale_value *= self.backoff_factor   # the count of clean steps goes on across the overflow""")
+
+CALLS_LIBRARY_SCALER = '''
+class DynamicLossScaler(torch.amp.GradScaler):   # torch's scaler, not the student's
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        super().__init__("cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                         growth_interval=growth_interval)
 '''
+
+# --- the AMP training step
 
 AMP_FP16_WITHOUT_SCALER = '''
 def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
@@ -60,31 +111,39 @@ def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
     return loss.item()
 '''
 
-_FULL_AMP = {"test_amp_train_step": 2, "test_amp_train_step_hidden": 2}
-_FULL_UNSCALE = {"test_unscale_and_check": 2, "test_unscale_and_check_hidden": 2}
+CALLS_LIBRARY_AMP_STEP = '''
+def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
+    from course_lib.train import train_step
+    return train_step(model, optimizer, (x, y), amp_dtype=amp_dtype, scaler=scaler)["loss"]   # the course's step
+'''
 
+FULL = {"test_DynamicLossScaler": 3, "test_DynamicLossScaler_hidden": 3, "test_amp_train_step": 2,
+        "test_amp_train_step_hidden": 2}
+
+
+def scores(**changed):
+    return {**FULL, **changed}
+
+
+NO_SCALER_POINTS = dict(test_DynamicLossScaler=0, test_DynamicLossScaler_hidden=0)
+NO_AMP_POINTS = dict(test_amp_train_step=0, test_amp_train_step_hidden=0)
 CASES = {
-    "unscale_multiplies": {
-        "cells": {"unscale_and_check": UNSCALE_MULTIPLIES},
-        "scores": {"test_unscale_and_check": 0, "test_unscale_and_check_hidden": 0, **_FULL_AMP},
-    },
-    "unscale_misses_nan": {  # passes the visible test (inf only), fails the hidden nan case
-        "cells": {"unscale_and_check": UNSCALE_INF_ONLY},
-        "scores": {"test_unscale_and_check": 2, "test_unscale_and_check_hidden": 0, **_FULL_AMP},
-    },
+    "scaler_never_grows": {"cells": {"DynamicLossScaler": SCALER_NEVER_GROWS}, "scores": scores(**NO_SCALER_POINTS)},
+    "scaler_unscales_twice": {  # right in seed 002's loop; train_step calls unscale_ before step
+        "cells": {"DynamicLossScaler": SCALER_UNSCALES_TWICE}, "scores": scores(test_DynamicLossScaler_hidden=0)},
+    "scaler_misses_nan": {"cells": {"DynamicLossScaler": SCALER_MISSES_NAN}, "scores": scores(**NO_SCALER_POINTS)},
+    "scaler_keeps_counting_after_overflow": {"cells": {"DynamicLossScaler": SCALER_KEEPS_COUNTING_AFTER_OVERFLOW},
+                                             "scores": scores(**NO_SCALER_POINTS)},
+    "calls_library_DynamicLossScaler": {"cells": {"DynamicLossScaler": CALLS_LIBRARY_SCALER},
+                                        "scores": scores(**NO_SCALER_POINTS)},
     "fp16_without_scaler": {  # unscaled fp16 gradients lose the small values (visible) and overflow is not skipped
-        "cells": {"amp_train_step": AMP_FP16_WITHOUT_SCALER},
-        "scores": {**_FULL_UNSCALE, "test_amp_train_step": 0, "test_amp_train_step_hidden": 0},
-    },
+        "cells": {"amp_train_step": AMP_FP16_WITHOUT_SCALER}, "scores": scores(**NO_AMP_POINTS)},
     "no_autocast": {  # the forward runs in float32, and in float32 the scaled gradients never overflow
-        "cells": {"amp_train_step": AMP_NO_AUTOCAST},
-        "scores": {**_FULL_UNSCALE, "test_amp_train_step": 0, "test_amp_train_step_hidden": 0},
-    },
+        "cells": {"amp_train_step": AMP_NO_AUTOCAST}, "scores": scores(**NO_AMP_POINTS)},
     "no_scaler_update": {  # the step is skipped, but the scale stays at 2^40
-        "cells": {"amp_train_step": AMP_NO_UPDATE},
-        "scores": {**_FULL_UNSCALE, "test_amp_train_step": 2, "test_amp_train_step_hidden": 0},
-    },
+        "cells": {"amp_train_step": AMP_NO_UPDATE}, "scores": scores(test_amp_train_step_hidden=0)},
+    "calls_library_amp_train_step": {"cells": {"amp_train_step": CALLS_LIBRARY_AMP_STEP}, "scores": scores(**NO_AMP_POINTS)},
 }
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "amp_train_step"
+LOOP_CELL = "DynamicLossScaler"
