@@ -51,7 +51,7 @@ def test_recipe_and_claims_recorded(executed):
     assert 1.0 < value(res, "recipe_bf16_memory_ratio") < 2.0
     assert value(res, "recipe_bf16_plus_checkpoint_memory_ratio") > 2.0
     claims = {c["claim"]: c for c in res["claims"]}
-    assert len(claims) == 6, list(claims)
+    assert len(claims) == 7, list(claims)
     assert all(c["measured"] for c in claims.values())
     held = {c["claim"].split(" (")[0]: c["held"] for c in res["claims"]}
     assert held["Checkpointing leaves the gradients unchanged"]
@@ -61,3 +61,12 @@ def test_recipe_and_claims_recorded(executed):
     assert ratio == pytest.approx(value(res, "step_seconds_full") / value(res, "step_seconds_none"), rel=1e-9)
     assert claim(res, "Gradient checkpointing costs ~30% slower")["held"] == (1.15 <= ratio <= 1.5)
     assert len(res["figures"]) >= 2
+
+
+def test_the_hand_written_checkpoint_keeps_what_torch_keeps(executed):
+    res = executed("03_activation_checkpointing")
+    assert value(res, "your_selective_grad_max_rel_diff") < 1e-5
+    assert value(res, "your_selective_over_course_selective_saved") == pytest.approx(1.0, abs=0.01)
+    assert claim(res, "Checkpointing by recomputation, written by hand")["held"]
+    per_ms = value(res, "prediction3_mib_saved_per_ms")
+    assert set(per_ms) == {"selective (MLP)", "every 2nd block"}

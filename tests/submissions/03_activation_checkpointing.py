@@ -4,104 +4,99 @@ Each case replaces the named solution cells of the solution notebook; every othe
 keeps the reference solution. ``scores`` gives the expected points of every graded cell.
 """
 
-WRAPPER_WITHOUT_CHECKPOINT = '''
-class Checkpointed(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return self.block(*args, **kwargs)   # forgot the checkpoint: every activation is kept
-
-
-def checkpoint_every(layers, k):
-    if k < 1:
-        raise ValueError(f"k={k} must be at least 1")
-    for i in range(0, len(layers), k):
-        layers[i] = Checkpointed(layers[i])
-    return layers
+NO_RECOMPUTATION = '''
+def checkpointed(block, *inputs, **kwargs):
+    return block(*inputs, **kwargs)   # right output and gradients, but autograd keeps everything inside
 '''
 
-REENTRANT = '''
-class Checkpointed(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
+CHECKPOINTED = '''
+class _Recompute(torch.autograd.Function):
+    """Keeps the block's inputs, not what happens inside it; runs the block again in backward."""
 
-    def forward(self, *args, **kwargs):
-        # the old implementation: no keyword arguments, so bind them; no gradients when no input requires grad
-        return checkpoint(functools.partial(self.block, **kwargs), *args, use_reentrant=True)
+    @staticmethod
+    def forward(ctx, run, n_inputs, *inputs_then_params):
+        inputs = inputs_then_params[:n_inputs]
+        ctx.run, ctx.n_inputs, ctx.params = run, n_inputs, inputs_then_params[n_inputs:]
+        ctx.device_type = inputs[0].device.type
+        ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state() if inputs[0].is_cuda else None
+        ctx.save_for_backward(*inputs)  # only the inputs: nothing the block computes is kept
+        with torch.autocast(ctx.device_type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+            return run(*inputs)  # inside a Function's forward, autograd records nothing
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        needs = ctx.needs_input_grad[2:2 + ctx.n_inputs]
+        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, needs)]
+        devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices):  # the same random numbers as the forward drew
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng)
+            with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                out = ctx.run(*inputs)
+        wanted = [x for x in inputs if x.requires_grad] + list(ctx.params)
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, None, *[next(grads) if x.requires_grad else None for x in inputs], *grads)
 
 
-def checkpoint_every(layers, k):
-    if k < 1:
-        raise ValueError(f"k={k} must be at least 1")
-    for i in range(0, len(layers), k):
-        layers[i] = Checkpointed(layers[i])
-    return layers
+def checkpointed(block, *inputs, **kwargs):
+    params = [p for p in block.parameters() if p.requires_grad]
+    # the parameters are inputs of the Function: its backward runs, and returns their gradients, even
+    # when no input requires grad (the reentrant pitfall of section 4)
+    return _Recompute.apply(lambda *xs: block(*xs, **kwargs), len(inputs), *inputs, *params)
 '''
 
-IGNORES_K = '''
-class Checkpointed(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
 
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+def mistake(base: str, old: str, new: str) -> str:
+    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
+    assert old in base, old
+    return base.replace(old, new)
 
+PARAMETERS_NOT_INPUTS = mistake(mistake(CHECKPOINTED, """        wanted = [x for x in inputs if x.requires_grad] + list(ctx.params)
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, None, *[next(grads) if x.requires_grad else None for x in inputs], *grads)""", """        # the parameters' gradients land in .grad by themselves, but only if this backward runs at all:
+        # with no input requiring grad, autograd never calls it (the reentrant pitfall)
+        torch.autograd.backward(out, grad_out)
+        return (None, None, *[x.grad for x in inputs])"""),
+    "len(inputs), *inputs, *params)", "len(inputs), *inputs)")
 
-def checkpoint_every(layers, k):
-    if k < 1:
-        raise ValueError(f"k={k} must be at least 1")
-    for i in range(len(layers)):   # wraps every block, whatever k says
-        layers[i] = Checkpointed(layers[i])
-    return layers
+RNG_NOT_RESTORED = mistake(CHECKPOINTED, """        with torch.random.fork_rng(devices=devices):  # the same random numbers as the forward drew
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng)
+""", """        if True:   # forgot the RNG: dropout draws a new mask in the recomputation
+""")
+
+RECOMPUTES_OUTSIDE_AUTOCAST = mistake(CHECKPOINTED, """            with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):""",
+                                      """            with torch.enable_grad():   # backward runs outside autocast: the recomputation is float32""")
+
+CALLS_LIBRARY = '''
+def checkpointed(block, *inputs, **kwargs):
+    return torch.utils.checkpoint.checkpoint(block, *inputs, use_reentrant=False, **kwargs)   # torch's, not the student's
 '''
 
-CHOOSE_SMALLEST = '''
-def choose_policy(measurements, budget_bytes):
-    fitting = [m for m in measurements if m[1] <= budget_bytes]
-    if not fitting:
-        raise ValueError(f"nothing fits in budget_bytes={budget_bytes}")
-    return min(fitting, key=lambda m: m[1])[0]   # the least memory, not the fastest
-'''
+FULL = {"test_checkpointed": 2, "test_checkpointed_inputs_hidden": 2, "test_checkpointed_rng_autocast_hidden": 2}
 
-CHOOSE_RETURNS_NONE = '''
-def choose_policy(measurements, budget_bytes):
-    fitting = [m for m in measurements if m[1] <= budget_bytes]
-    if not fitting:
-        return None   # should raise ValueError
-    return min(fitting, key=lambda m: (m[2], m[1]))[0]
-'''
+
+def scores(**changed):
+    return {**FULL, **changed}
+
 
 CASES = {
-    "wrapper_without_checkpoint": {  # same gradients, but no memory saved
-        "cells": {"checkpoint_every": WRAPPER_WITHOUT_CHECKPOINT},
-        "scores": {"test_checkpoint_every": 0, "test_checkpoint_every_hidden": 0,
-                   "test_choose_policy": 2, "test_choose_policy_hidden": 2},
-    },
-    "reentrant": {  # passes on a Llama whose embedding trains, fails when the input does not require grad
-        "cells": {"checkpoint_every": REENTRANT},
-        "scores": {"test_checkpoint_every": 2, "test_checkpoint_every_hidden": 0,
-                   "test_choose_policy": 2, "test_choose_policy_hidden": 2},
-    },
-    "ignores_k": {  # right for k=1, wrong blocks for k=2 and k=3
-        "cells": {"checkpoint_every": IGNORES_K},
-        "scores": {"test_checkpoint_every": 2, "test_checkpoint_every_hidden": 0,
-                   "test_choose_policy": 2, "test_choose_policy_hidden": 2},
-    },
-    "choose_smallest": {
-        "cells": {"choose_policy": CHOOSE_SMALLEST},
-        "scores": {"test_checkpoint_every": 2, "test_checkpoint_every_hidden": 2,
-                   "test_choose_policy": 0, "test_choose_policy_hidden": 0},
-    },
-    "choose_returns_none": {  # right whenever something fits, no error when nothing does
-        "cells": {"choose_policy": CHOOSE_RETURNS_NONE},
-        "scores": {"test_checkpoint_every": 2, "test_checkpoint_every_hidden": 2,
-                   "test_choose_policy": 2, "test_choose_policy_hidden": 0},
-    },
+    "no_recomputation": {  # the gradients are right; what autograd keeps is not
+        "cells": {"checkpointed": NO_RECOMPUTATION},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
+    "parameters_not_inputs_of_the_function": {  # right while an input requires grad; a frozen input loses them
+        "cells": {"checkpointed": PARAMETERS_NOT_INPUTS}, "scores": scores(test_checkpointed_inputs_hidden=0)},
+    "rng_not_restored": {"cells": {"checkpointed": RNG_NOT_RESTORED}, "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
+    "recomputes_outside_autocast": {"cells": {"checkpointed": RECOMPUTES_OUTSIDE_AUTOCAST},
+                                    "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
+    "calls_library_checkpointed": {
+        "cells": {"checkpointed": CALLS_LIBRARY},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
 }
 
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "choose_policy"
+# The submission that loops forever in this solution cell loses only its own tests.
+LOOP_CELL = "checkpointed"
