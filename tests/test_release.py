@@ -26,12 +26,22 @@ def test_notebooks_stored_without_outputs():
         assert not any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), path
 
 
-def test_every_notebook_has_a_parameters_cell_and_two_exercises():
+def test_every_notebook_has_a_parameters_cell_and_exercises_with_visible_and_hidden_tests():
     for aid in assignments():
         nb = json.loads((ROOT / "solutions" / aid / f"{aid}.ipynb").read_text())
         tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
         assert any("parameters" in t for t in tags), f"{aid}: no papermill parameters cell"
         src = "".join(next(c["source"] for c, t in zip(nb["cells"], tags) if "parameters" in t))
         assert 'tier = "auto"' in src, f"{aid}: the parameters cell must default to tier = \"auto\""
-        solutions = [c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("solution")]
-        assert len(solutions) >= 2, f"{aid}: at least two graded exercises"
+        tests, exercise = {}, None  # exercise -> the sources of the test cells that follow it
+        for c in nb["cells"]:
+            md = c["metadata"].get("nbgrader", {})
+            if md.get("solution"):
+                exercise = md["grade_id"]
+                tests[exercise] = []
+            elif md.get("grade") and exercise:
+                tests[exercise].append("".join(c["source"]))
+        assert tests, f"{aid}: no graded exercise"
+        for exercise, sources in tests.items():
+            hidden = [s for s in sources if "BEGIN HIDDEN TESTS" in s]
+            assert hidden and len(hidden) < len(sources), f"{aid}/{exercise}: needs visible and hidden test cells"
