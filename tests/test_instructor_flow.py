@@ -33,11 +33,10 @@ CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, re
 
 
 def students(release: dict, solution: dict) -> dict[str, tuple[dict, dict[str, int]]]:
-    """student id → (their notebook, the points each test cell must give it): totals 8, 6, 4, 2 and 0."""
+    """student id → (their notebook, the points each test cell must give it): five different totals out of 10."""
     known = g.cases(ASSIGNMENT).CASES
     points = g.grade_cells(solution)
-    assert points == {"test_llama_param_count": 2, "test_llama_param_count_hidden": 2,
-                      "test_training_memory": 2, "test_training_memory_hidden": 2}
+    assert points == g.cases(ASSIGNMENT).FULL and sum(points.values()) == 10
     tied, gqa, autocast = (known[k] for k in ("lm_head_counted_when_tied", "gqa_ignored", "autocast_16bit_weights"))
     both_wrong = {**gqa["cells"], **autocast["cells"]}
     return {
@@ -115,7 +114,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     for s, (_, expected) in cohort.items():
         assert got[s] == pytest.approx(expected), f"{s}: got {got[s]}, expected {expected}"
     totals = {s: float(sum(expected.values())) for s, (_, expected) in cohort.items()}
-    assert sorted(totals.values()) == [0, 2, 4, 6, 8], "five students, five different known totals"
+    assert sorted(totals.values()) == [0, 7, 8, 9, 10], "five students, five different known totals"
     # the looping student was stopped by the cell timeout: their graded notebook says so
     looped = json.loads((course / "autograded" / "cy" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
     assert "CellTimeoutError" in json.dumps(looped) or "timed out" in json.dumps(looped).lower()
@@ -126,7 +125,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     for s, total in totals.items():
         report = course / "feedback" / s / ASSIGNMENT / f"{ASSIGNMENT}.html"
         assert report.exists(), f"no feedback for {s}"
-        assert _score(report) == (total, 8.0), f"{s}'s feedback shows {_score(report)}, expected {total} / 8"
+        assert _score(report) == (total, 10.0), f"{s}'s feedback shows {_score(report)}, expected {total} / 10"
 
     def fetch_feedback(student: str) -> list[Path]:
         home = tmp_path / "students" / student
@@ -136,7 +135,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         for s, fetched in zip(totals, pool.map(fetch_feedback, totals)):
-            assert len(fetched) == 1 and _score(fetched[0]) == (totals[s], 8.0), f"{s} fetched {fetched}"
+            assert len(fetched) == 1 and _score(fetched[0]) == (totals[s], 10.0), f"{s} fetched {fetched}"
     lap("fetch_feedback (5 students)")
 
     grades = tmp_path / "grades.csv"
@@ -146,7 +145,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
         rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
     assert set(rows) == set(cohort)
     assert {s: float(r["raw_score"]) for s, r in rows.items()} == pytest.approx(totals)
-    assert {float(r["max_score"]) for r in rows.values()} == {8.0}
+    assert {float(r["max_score"]) for r in rows.values()} == {10.0}
 
     # grading wrote to autograded/, feedback/ and the gradebook, never into submitted/
     assert {s: g.digest(p) for s, p in submitted.items()} == before, "grading changed a submitted notebook"
