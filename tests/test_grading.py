@@ -24,11 +24,9 @@ import nbgrading as g
 from course_lib.release import assignments, make_course, nbgrader
 
 CELL_TIMEOUT = 20  # seconds per cell; a submissions module may ask for more (cells that launch processes)
-# The notebooks whose exercises follow the course's grading rules (README, "Grading"): every exercise has a
-# known-wrong submission named calls_library_<exercise> that calls course_lib's (or torch's) answer, and it
-# must score 0 on every test of that exercise. Notebooks 04-07 join when their exercises are rebuilt.
-RULES_APPLY = {"00_orientation", "01_mixed_precision", "02_gradient_accumulation",
-               "03_activation_checkpointing"}
+# Grading rule 2 (README, "What the exercises grade"): every exercise of every notebook has a known-wrong
+# submission named calls_library_<exercise> that calls course_lib's counterpart, and it must score 0 on every
+# test of that exercise (the tests run the student's code inside course_lib.grading.forbid).
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +42,12 @@ def test_autograde_known_submissions(course, assignment):
     known = g.cases(assignment)
     assert len(known.CASES) >= 2, "each notebook needs at least two known-wrong submissions"
 
-    if assignment in RULES_APPLY:
-        for exercise in g.solution_cells(solution):
-            case = known.CASES.get(f"calls_library_{exercise}")
-            assert case, f"{assignment}: no known-wrong submission calls_library_{exercise} (the library's answer)"
-            assert all(case["scores"][t] == 0 for t in g.tests_of(solution, exercise)), \
-                f"calls_library_{exercise} must be expected to score 0 on {g.tests_of(solution, exercise)}"
+    for exercise in g.solution_cells(solution):
+        case = known.CASES.get(f"calls_library_{exercise}")
+        assert case, f"{assignment}: no known-wrong submission calls_library_{exercise} (the library's answer)"
+        assert "course_lib" in "".join(case["cells"].values()), f"calls_library_{exercise} must call course_lib"
+        assert all(case["scores"][t] == 0 for t in g.tests_of(solution, exercise)), \
+            f"calls_library_{exercise} must be expected to score 0 on {g.tests_of(solution, exercise)}"
 
     expected = {"solution": points, "release": {k: 0 for k in points}}
     subs = {"solution": g.submission(release, solution), "release": g.submission(release, solution, blank=True)}

@@ -74,6 +74,12 @@ RECOMPUTES_OUTSIDE_AUTOCAST = mistake(CHECKPOINTED, """            with torch.en
 
 CALLS_LIBRARY = '''
 def checkpointed(block, *inputs, **kwargs):
+    from course_lib.checkpointing import CheckpointedBlock
+    return CheckpointedBlock(block)(*inputs, **kwargs)   # course_lib's wrapper, not the student's
+'''
+
+CALLS_TORCH = '''
+def checkpointed(block, *inputs, **kwargs):
     return torch.utils.checkpoint.checkpoint(block, *inputs, use_reentrant=False, **kwargs)   # torch's, not the student's
 '''
 
@@ -95,6 +101,9 @@ CASES = {
                                     "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
     "calls_library_checkpointed": {
         "cells": {"checkpointed": CALLS_LIBRARY},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
+    "calls_torch_checkpoint": {
+        "cells": {"checkpointed": CALLS_TORCH},
         "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
 }
 

@@ -48,6 +48,20 @@ def average_gradients(model):
 _EX1_FULL = {"test_rank_batches": 2, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 2}
 _EX2_FULL = {"test_average_gradients": 2, "test_average_gradients_hidden": 2}
 
+CALLS_LIBRARY_RANK_BATCHES = '''
+def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
+    from course_lib.distributed import sharded_loader
+    loader, sampler = sharded_loader(range(n_samples), batch_size * world_size, seed)   # course_lib's loader
+    sampler.set_epoch(epoch)
+    return [[int(i) for i in batch] for batch in loader]
+'''
+
+CALLS_LIBRARY_AVERAGE = '''
+def average_gradients(model):
+    from course_lib.ddp import all_reduce_gradients
+    all_reduce_gradients(model)   # course_lib's all-reduce
+'''
+
 CASES = {
     "no_set_epoch": {  # shards fine, but the same order every epoch
         "cells": {"rank_batches": NO_SET_EPOCH},
@@ -68,6 +82,14 @@ CASES = {
     "divided_by_two": {  # passes on 2 ranks, fails on 3
         "cells": {"average_gradients": DIVIDED_BY_TWO},
         "scores": {**_EX1_FULL, "test_average_gradients": 2, "test_average_gradients_hidden": 0},
+    },
+    "calls_library_rank_batches": {
+        "cells": {"rank_batches": CALLS_LIBRARY_RANK_BATCHES},
+        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL},
+    },
+    "calls_library_average_gradients": {
+        "cells": {"average_gradients": CALLS_LIBRARY_AVERAGE},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
     },
 }
 

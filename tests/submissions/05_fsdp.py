@@ -55,6 +55,25 @@ def apply_fsdp(model, mesh, reshard_after_forward=True):
     return model
 '''
 
+CALLS_LIBRARY_SHARD_BYTES = '''
+def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
+    from course_lib.memory import estimate_model_state
+    full = estimate_model_state(n_params)   # course_lib's 4 + 4 + 8 bytes per parameter
+    shards = {"full": world_size, "grad_op": world_size, "no_shard": 1}.get(strategy, shard_size)
+    if strategy not in ("full", "grad_op", "no_shard", "hybrid") or not shards or world_size % shards:
+        raise ValueError(f"strategy={strategy!r}, shard_size={shard_size}")
+    out = {k: v / shards for k, v in full.items() if k != "total"}
+    out["weights_in_backward"] = full["weights"] if strategy == "grad_op" else out["weights"]
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
+    return out
+'''
+
+CALLS_LIBRARY_APPLY_FSDP = '''
+def apply_fsdp(model, mesh, reshard_after_forward=True):
+    from course_lib.fsdp import shard_model
+    return shard_model(model, mesh, reshard_after_forward=reshard_after_forward)   # course_lib's wrapping
+'''
+
 CASES = {
     "grad_op_shards_weights": {
         "cells": {"shard_state_bytes": GRAD_OP_SHARDS_WEIGHTS},
@@ -75,6 +94,16 @@ CASES = {
         "cells": {"apply_fsdp": RESHARD_NOT_PASSED},
         "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2,
                    "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 0},
+    },
+    "calls_library_shard_state_bytes": {
+        "cells": {"shard_state_bytes": CALLS_LIBRARY_SHARD_BYTES},
+        "scores": {"test_shard_state_bytes": 0, "test_shard_state_bytes_hidden": 0,
+                   "test_shard_state_bytes_errors": 0, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2},
+    },
+    "calls_library_apply_fsdp": {
+        "cells": {"apply_fsdp": CALLS_LIBRARY_APPLY_FSDP},
+        "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2,
+                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 0, "test_apply_fsdp_hidden": 0},
     },
 }
 

@@ -62,6 +62,23 @@ def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimiz
 FULL = {"test_zero_model_state_gb": 2, "test_zero_model_state_gb_hidden": 2,
         "test_make_ds_config": 2, "test_make_ds_config_hidden": 2}
 
+CALLS_LIBRARY_ZERO_GB = '''
+def zero_model_state_gb(n_params, world_size, stage):
+    from course_lib.zero import zero_bytes_per_param
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}")
+    return zero_bytes_per_param(stage, world_size) * n_params / 1e9   # course_lib's accounting
+'''
+
+CALLS_LIBRARY_DS_CONFIG = '''
+def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
+    from course_lib.zero import ds_config
+    if global_batch % (micro_batch * world_size):
+        raise ValueError(f"global_batch={global_batch}")
+    return ds_config(train_batch=global_batch, accum_steps=global_batch // (micro_batch * world_size),
+                     world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's builder
+'''
+
 CASES = {
     "stage2_keeps_full_gradients": {"cells": {"zero_model_state_gb": STAGE2_KEEPS_FULL_GRADIENTS},
                                     "scores": {**FULL, "test_zero_model_state_gb": 0, "test_zero_model_state_gb_hidden": 0}},
@@ -71,6 +88,10 @@ CASES = {
                                    "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
     "offload_at_top_level": {"cells": {"make_ds_config": OFFLOAD_AT_TOP_LEVEL},
                              "scores": {**FULL, "test_make_ds_config_hidden": 0}},
+    "calls_library_zero_model_state_gb": {"cells": {"zero_model_state_gb": CALLS_LIBRARY_ZERO_GB},
+                                          "scores": {**FULL, "test_zero_model_state_gb": 0, "test_zero_model_state_gb_hidden": 0}},
+    "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
+                                     "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
 }
 
 LOOP_CELL = "zero_model_state_gb"

@@ -47,6 +47,27 @@ def mfu_from_step(step_seconds, tokens_per_step, n_params, n_layers, d_model, se
 FULL = {"test_response_labels": 2, "test_response_labels_hidden": 2, "test_lora_params": 2,
         "test_lora_params_hidden": 2, "test_mfu_from_step": 1, "test_mfu_from_step_hidden": 1}
 
+CALLS_LIBRARY_LABELS = '''
+def response_labels(input_ids, prompt_lengths, lengths):
+    from course_lib.instruct import pad_batch
+    rows = [{"input_ids": ids[:n].tolist(), "labels": [-100] * p + ids[p:n].tolist()}
+            for ids, p, n in zip(input_ids, prompt_lengths, lengths)]
+    return pad_batch(rows, pad_id=0, length=input_ids.shape[1])["labels"]   # course_lib's padding
+'''
+
+CALLS_LIBRARY_LORA = '''
+def lora_params(config, r, target_modules):
+    from course_lib.lora import lora_trainable_parameters
+    return lora_trainable_parameters(config, r, target_modules)   # course_lib's count
+'''
+
+CALLS_LIBRARY_MFU = '''
+def mfu_from_step(step_seconds, tokens_per_step, n_params, n_layers, d_model, seq_len, peak_flops, frozen_base=False):
+    from course_lib.throughput import mfu, transformer_flops_per_token
+    per_token = transformer_flops_per_token(n_params, n_layers, d_model, seq_len, frozen_base=frozen_base)
+    return mfu(tokens_per_step / step_seconds, per_token, peak_flops)   # course_lib's arithmetic
+'''
+
 CASES = {
     "labels_keep_padding": {"cells": {"response_labels": LABELS_KEEP_PADDING},
                             "scores": {**FULL, "test_response_labels_hidden": 0}},
@@ -58,6 +79,12 @@ CASES = {
                        "scores": {**FULL, "test_lora_params": 0, "test_lora_params_hidden": 0}},
     "mfu_ignores_frozen": {"cells": {"mfu_from_step": MFU_IGNORES_FROZEN},
                            "scores": {**FULL, "test_mfu_from_step_hidden": 0}},
+    "calls_library_response_labels": {"cells": {"response_labels": CALLS_LIBRARY_LABELS},
+                                      "scores": {**FULL, "test_response_labels": 0, "test_response_labels_hidden": 0}},
+    "calls_library_lora_params": {"cells": {"lora_params": CALLS_LIBRARY_LORA},
+                                  "scores": {**FULL, "test_lora_params": 0, "test_lora_params_hidden": 0}},
+    "calls_library_mfu_from_step": {"cells": {"mfu_from_step": CALLS_LIBRARY_MFU},
+                                    "scores": {**FULL, "test_mfu_from_step": 0, "test_mfu_from_step_hidden": 0}},
 }
 
 # The submission that loops forever in this solution cell loses only its own tests.
