@@ -71,6 +71,19 @@ SCALER_KEEPS_COUNTING_AFTER_OVERFLOW = mistake(SCALER, """            self.scale
             self.clean_steps = 0""", """            self.scale_value *= self.backoff_factor   # the count of clean steps goes on across the overflow""")
 
 CALLS_LIBRARY_SCALER = '''
+class DynamicLossScaler:   # the course's scaler (course_lib.precision.make_scaler), not the student's
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        from course_lib.precision import make_scaler
+        self._scaler = make_scaler("cpu", "float16", init_scale)
+        self._scaler.set_growth_factor(growth_factor)
+        self._scaler.set_backoff_factor(backoff_factor)
+        self._scaler.set_growth_interval(growth_interval)
+
+    def __getattr__(self, name):
+        return getattr(self._scaler, name)
+'''
+
+CALLS_TORCH_SCALER = '''
 class DynamicLossScaler(torch.amp.GradScaler):   # torch's scaler, not the student's
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         super().__init__("cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
@@ -136,6 +149,7 @@ CASES = {
                                              "scores": scores(**NO_SCALER_POINTS)},
     "calls_library_DynamicLossScaler": {"cells": {"DynamicLossScaler": CALLS_LIBRARY_SCALER},
                                         "scores": scores(**NO_SCALER_POINTS)},
+    "calls_torch_gradscaler": {"cells": {"DynamicLossScaler": CALLS_TORCH_SCALER}, "scores": scores(**NO_SCALER_POINTS)},
     "fp16_without_scaler": {  # unscaled fp16 gradients lose the small values (visible) and overflow is not skipped
         "cells": {"amp_train_step": AMP_FP16_WITHOUT_SCALER}, "scores": scores(**NO_AMP_POINTS)},
     "no_autocast": {  # the forward runs in float32, and in float32 the scaled gradients never overflow
