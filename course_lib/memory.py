@@ -143,30 +143,29 @@ class SavedTensorMeter:
         return {label: 0 for label, _ in self.parts} | {"other": 0} | self._grouped(1)
 
 
-def activation_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
-    """Bytes saved for backward by ``forward()`` (a callable that runs the model), parameters excluded."""
-    with SavedTensorMeter(exclude=model) as meter:
+def _metered(model: nn.Module, forward: Callable[[], object], parts=()) -> SavedTensorMeter:
+    """A meter that watched one ``forward()``; the graph (and with it the saved tensors) is freed after."""
+    with SavedTensorMeter(exclude=model, parts=parts) as meter:
         out = forward()
     del out
-    return meter.bytes
+    return meter
+
+
+def activation_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes saved for backward by ``forward()`` (a callable that runs the model), parameters excluded."""
+    return _metered(model, forward).bytes
 
 
 def saved_bytes_by_dtype(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:
     """``activation_bytes`` split by dtype: which activations autocast really stores in 16 bits and which
     stay wider (float32 normalisation statistics, int64 max-pool indices)."""
-    with SavedTensorMeter(exclude=model) as meter:
-        out = forward()
-    del out
-    return meter.by_dtype
+    return _metered(model, forward).by_dtype
 
 
 def saved_bytes_by_part(model: nn.Module, forward: Callable[[], object],
                         parts: Iterable[tuple[str, nn.Module]]) -> dict[str, int]:
     """``activation_bytes`` split by the part of the model that saved them (``SavedTensorMeter``'s ``parts``)."""
-    with SavedTensorMeter(exclude=model, parts=parts) as meter:
-        out = forward()
-    del out
-    return meter.by_part
+    return _metered(model, forward, parts).by_part
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -114,8 +114,6 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     steps. Returns the global-batch losses, a digest of the final weights, and the optimizer-state
     bytes this rank held.
     """
-    import deepspeed
-
     if engine not in ("deepspeed", "ddp"):
         raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
     if engine == "ddp" and (resume or stop_after):
@@ -131,6 +129,8 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
         step_fn = lambda b: train_step(net, optimizer, b, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]  # noqa: E731
     else:
+        import deepspeed  # heavy: only when it is the engine
+
         config = ds_config(train_batch=global_batch, accum_steps=accum_steps, world_size=world, stage=stage, lr=lr,
                            offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm,
                            nvme_path=nvme_path)
