@@ -4,14 +4,18 @@ Every rank holds a full copy of the model and trains on its own shard of each gl
 (``DistributedSampler``). After backward, the gradients are averaged over ranks with an
 all-reduce, so every rank takes the same optimizer step and the copies stay identical.
 ``all_reduce_gradients`` is that average by hand; ``DistributedDataParallel`` does the same
-bucket by bucket, overlapped with the backward pass. ``train`` runs either through the course's
-one ``train_step`` (the hand-written average as its ``sync_grads``) and returns the losses, so
-the two (and a single process on the whole batch) can be compared.
+bucket by bucket, overlapped with the backward pass; ``BucketedDDP`` is that mechanism in one
+screen (gradient hooks, buckets in reverse order, an async all-reduce per full bucket, one wait
+before the optimizer step). ``train`` runs any of them through the course's one ``train_step``
+and returns the losses, so they (and a single process on the whole batch) can be compared.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,12 +39,88 @@ def all_reduce_gradients(model: nn.Module) -> None:
             p.grad /= world
 
 
+def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
+    """Group parameters into buckets of at most ``bucket_cap_mb`` MiB of gradient, in reverse order.
+
+    Backward produces the last layer's gradients first, so buckets are filled from the end of
+    ``parameters``; a parameter that would overflow a bucket starts the next one (a parameter larger
+    than the cap sits alone). Parameters that need no gradient are left out.
+    """
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[nn.Parameter]] = []
+    size = cap + 1  # the first parameter opens a bucket
+    for p in reversed([p for p in parameters if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+class BucketedDDP(nn.Module):
+    """DDP's overlap, by hand: each bucket of gradients is all-reduced as soon as backward has filled it.
+
+    Wrapping broadcasts rank 0's weights and buffers. A ``register_post_accumulate_grad_hook`` on
+    every parameter counts the gradients that have arrived in its bucket; the last one launches one
+    async all-reduce of the bucket, flattened, while backward goes on with earlier layers.
+    ``finish_gradient_synchronization()`` (after backward, before the optimizer step) waits for all of
+    them, divides by the world size and writes the averages back into ``.grad``. One collective per
+    bucket per backward; every parameter that requires a gradient must get one in each backward.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
+        self.buckets = bucket_parameters(module.parameters(), bucket_cap_mb)
+        self._arrived = [0] * len(self.buckets)
+        self._in_flight: list[tuple[int, torch.Tensor, object]] = []
+        self._sync = True
+        for i, bucket in enumerate(self.buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_arrived, i))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this block only accumulates (DDP's ``no_sync``): for all micro-batches but the last."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _gradient_arrived(self, i: int, _param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        self._arrived[i] += 1
+        if self._arrived[i] == len(self.buckets[i]):
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+            self._in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce and write the averaged gradients back; ready for the next backward."""
+        world = dist.get_world_size()
+        for i, flat, work in self._in_flight:
+            work.wait()
+            flat /= world
+            for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(g.view_as(p.grad))
+        self._in_flight.clear()
+        self._arrived = [0] * len(self.buckets)
+
+
 def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,
           accum_steps: int = 1, seed: int = 0, n_samples: int = 512) -> dict:
     """Train SmallCNN with data parallelism on this process group; one worker entry point of the course.
 
-    ``mode``: ``"ddp"`` (DistributedDataParallel), ``"manual"`` (plain model and
-    ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
+    ``mode``: ``"ddp"`` (DistributedDataParallel), ``"bucketed"`` (``BucketedDDP``), ``"manual"``
+    (plain model and ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
     Returns this rank's per-step global-batch losses and a digest of the final weights.
     """
     # one thread, however the rank was started (torchrun, fork, spawn): a CPU kernel's sums run in an
@@ -48,12 +128,16 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     torch.set_num_threads(1)
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = SmallCNN(width=width)
+    sync = None  # once per step, after the last micro-batch
     if mode == "ddp":
         model = DDP(model)
-    elif mode != "manual":
-        raise ValueError(f"mode={mode!r}: use 'ddp' or 'manual'")
+    elif mode == "bucketed":
+        model, sync = BucketedDDP(model), BucketedDDP.finish_gradient_synchronization
+    elif mode == "manual":
+        sync = all_reduce_gradients
+    else:
+        raise ValueError(f"mode={mode!r}: use 'ddp', 'bucketed' or 'manual'")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sync = all_reduce_gradients if mode == "manual" else None  # once per step, after the last micro-batch
     losses = []
     for batch in step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed):
         out = train_step(model, opt, batch, accum_steps=accum_steps, sync_grads=sync)
@@ -79,13 +163,17 @@ def train_and_report(**train_kwargs) -> dict:
 
 
 def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: int = 1, mode: str = "ddp",
-               threads: int | None = None, seed: int = 0) -> dict:
-    """Samples per second of training steps on one global batch: DDP over this process group, or DataParallel.
+               threads: int | None = None, seed: int = 0, bucket_cap_mb: float = 25.0,
+               wrap: Callable[[nn.Module], nn.Module] | None = None,
+               sync_grads: Callable[[nn.Module], None] | None = None) -> dict:
+    """Samples per second of training steps on one global batch, data parallel over this process group.
 
-    ``mode="ddp"``: each rank steps a DDP replica on ``global_batch / world`` samples (on
-    ``cuda:LOCAL_RANK`` when there are GPUs). ``mode="dp"``: a world of one process drives
-    ``nn.DataParallel`` over every visible GPU on the whole global batch. The step time is the
-    slowest rank's median (the ranks wait for each other in the all-reduce).
+    Each rank steps a replica on ``global_batch / world`` samples (on ``cuda:LOCAL_RANK`` when there
+    are GPUs). ``mode``: ``"ddp"`` (DistributedDataParallel), ``"bucketed"`` (``BucketedDDP``),
+    ``"manual"`` (one all-reduce per parameter after backward), or ``"dp"``: a world of one process
+    driving ``nn.DataParallel`` over every visible GPU on the whole global batch. ``wrap`` and
+    ``sync_grads`` replace the mode's wrapper and its after-backward call (a wrapper of your own;
+    ``mode`` then only labels the result). The step time is the slowest rank's median.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -94,23 +182,38 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     cuda = device.type == "cuda"
     torch.manual_seed(seed)
     model = SmallCNN(width=width).to(device)
-    if mode == "ddp":
-        if global_batch % world:
-            raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}")
-        model, local = DDP(model, device_ids=[device.index] if cuda else None), global_batch // world
-    elif mode == "dp":
-        if world != 1 or not cuda:
-            raise ValueError("mode='dp' (DataParallel) runs in one process (nprocs=1) and needs GPUs")
-        model, local = nn.DataParallel(model), global_batch
-    else:
-        raise ValueError(f"mode={mode!r}: use 'ddp' or 'dp'")
+    model, sync_grads, local = _data_parallel(model, mode, global_batch, bucket_cap_mb, wrap, sync_grads)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = synthetic_images(local, seed=seed + rank).tensors
     x, y = x.to(device), y.to(device)
-    timing = time_step(lambda: train_step(model, opt, (x, y)), device, warmup=warmup, repeat=steps)
+    timing = time_step(lambda: train_step(model, opt, (x, y), sync_grads=sync_grads), device, warmup=warmup,
+                       repeat=steps)
     seconds = torch.tensor([timing["median_s"]], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     seconds = float(seconds.item())
     return {"rank": rank, "world_size": world, "mode": mode, "seconds_per_step": seconds,
             "samples_per_s": global_batch / seconds, "gpus": torch.cuda.device_count() if cuda else 0,
             "param_bytes": tensor_bytes(model.parameters())}
+
+
+def _data_parallel(model: nn.Module, mode: str, global_batch: int, bucket_cap_mb: float, wrap, sync_grads):
+    """``throughput``'s replica for ``mode``: (model, its after-backward call, the local batch)."""
+    world = dist.get_world_size()
+    cuda = next(model.parameters()).device.type == "cuda"
+    if mode == "dp":
+        if world != 1 or not cuda:
+            raise ValueError("mode='dp' (DataParallel) runs in one process (nprocs=1) and needs GPUs")
+        return nn.DataParallel(model), None, global_batch
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
+                         f"use a multiple of {world}")
+    if wrap is not None:
+        return wrap(model), sync_grads, global_batch // world
+    if mode == "ddp":
+        device_ids = [next(model.parameters()).device.index] if cuda else None
+        return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb), None, global_batch // world
+    if mode == "bucketed":
+        return BucketedDDP(model, bucket_cap_mb), BucketedDDP.finish_gradient_synchronization, global_batch // world
+    if mode == "manual":
+        return model, all_reduce_gradients, global_batch // world
+    raise ValueError(f"mode={mode!r}: use 'ddp', 'bucketed', 'manual' or 'dp'")

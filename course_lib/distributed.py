@@ -10,7 +10,9 @@
   ``param_digest`` (one number for the full weights, sharded ones gathered).
 - **What a worker returns.** ``worker_result``: rank, world size and the per-step losses as a list,
   the shape every training worker of ``course_lib.launch`` gives back.
-- **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces.
+- **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces;
+  ``CollectiveLog`` records every ``dist.all_reduce`` Python code issues (when, how big, async or
+  not, waited on or not), beside marks of your own (a gradient arriving): the timeline of overlap.
 
 Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course's one counter.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Iterator
 
 import torch
@@ -147,3 +150,64 @@ class AllReduceCounter:
 def _counting_allreduce_hook(counter: AllReduceCounter, bucket):
     counter.calls += 1
     return allreduce_hook(dist.group.WORLD, bucket)
+
+
+class CollectiveLog:
+    """Records the ``dist.all_reduce`` calls made while it is active, and marks of your own, on one clock.
+
+    ``with CollectiveLog() as log: ...``; ``log.mark("grad", name=...)`` adds an event of your own
+    (a gradient hook firing, say). Each all-reduce adds ``{"what": "all_reduce", "t", "numel",
+    "async_op", "waited"}``; ``waited`` turns True when the returned work's ``wait()`` is called (a
+    synchronous call counts as waited). ``log.events`` is a list of plain dicts (picklable), in order.
+    Collectives issued from C++ (DDP's reducer) are not seen: use ``AllReduceCounter`` for those.
+    """
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self._start = time.perf_counter()
+
+    def mark(self, what: str, **info) -> None:
+        """Append an event ``what`` with the seconds since the log began (returns None: usable as a hook)."""
+        self._event(what, **info)
+
+    def _event(self, what: str, **info) -> dict:
+        event = {"what": what, "t": time.perf_counter() - self._start, **info}
+        self.events.append(event)
+        return event
+
+    def of(self, what: str) -> list[dict]:
+        """The events called ``what``, in order."""
+        return [e for e in self.events if e["what"] == what]
+
+    def __enter__(self) -> "CollectiveLog":
+        self._original = dist.all_reduce
+        log, original = self, self._original
+
+        def logged_all_reduce(tensor, *args, **kwargs):
+            async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+            event = log._event("all_reduce", numel=tensor.numel(), async_op=async_op, waited=not async_op)
+            work = original(tensor, *args, **kwargs)
+            return _LoggedWork(work, event, log) if async_op else work
+
+        dist.all_reduce = dist.distributed_c10d.all_reduce = logged_all_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = dist.distributed_c10d.all_reduce = self._original
+
+
+class _LoggedWork:
+    """An async collective's work handle that notes in its log when it is waited on."""
+
+    def __init__(self, work, event: dict, log: CollectiveLog):
+        self._work, self._event, self._log = work, event, log
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        if not self._event["waited"]:
+            self._event["waited"] = True
+            self._log._event("wait", launched_at=self._event["t"])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)

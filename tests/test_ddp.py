@@ -1,0 +1,108 @@
+"""course_lib.ddp on real gloo ranks: the hand-written bucketed DDP against torch's, and the collective log."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course_lib import ddp
+from course_lib.data import synthetic_images
+from course_lib.distributed import CollectiveLog
+from course_lib.grading import grads, max_rel_diff
+from course_lib.launch import run_forked
+from course_lib.models import SmallCNN
+
+
+def test_buckets_fill_from_the_last_parameter_up_to_the_cap():
+    net = nn.Sequential(nn.Linear(4, 256), nn.Linear(256, 4))  # 4 KiB, 1 KiB, 4 KiB, 16 B of float32
+    w0, b0, w1, b1 = net.parameters()
+    names = lambda buckets: [[id(p) for p in b] for b in buckets]  # noqa: E731
+    assert names(ddp.bucket_parameters(net.parameters(), 4.5 / 1024)) == names([[b1, w1], [b0], [w0]])
+    assert names(ddp.bucket_parameters(net.parameters(), 5 / 1024)) == names([[b1, w1], [b0, w0]])  # 5 KiB: fits exactly
+    assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, b0, w0]])
+    assert names(ddp.bucket_parameters(net.parameters(), 1 / 1024)) == names([[b1], [w1], [b0], [w0]])  # w: alone
+    b0.requires_grad_(False)
+    assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, w0]])  # frozen: left out
+
+
+def _bucketed_against_ddp(rank, world_size, steps, cap):
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # different weights on every rank: wrapping must broadcast rank 0's
+    mine = ddp.BucketedDDP(SmallCNN(width=8), bucket_cap_mb=cap)
+    torch.manual_seed(0)
+    theirs = DDP(SmallCNN(width=8))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mine, theirs)]
+    x, y = synthetic_images(8 * world_size * steps, seed=1).tensors
+    out, logs = [], []
+    for p in mine.module.parameters():  # after BucketedDDP's own hooks: fires once a gradient is in
+        p.register_post_accumulate_grad_hook(lambda _p: logs[-1].mark("grad"))
+    for step in range(steps):
+        xs, ys = [t.chunk(world_size * steps)[step * world_size + rank] for t in (x, y)]
+        with CollectiveLog() as log:
+            logs.append(log)
+            F.cross_entropy(mine(xs), ys).backward()
+            mine.finish_gradient_synchronization()
+        F.cross_entropy(theirs(xs), ys).backward()
+        out.append((max_rel_diff(grads(mine.module), grads(theirs.module)), log.events))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"steps": out, "buckets": len(mine.buckets)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucketed_ddp_gives_ddp_gradients_with_one_overlapped_all_reduce_per_bucket(world):
+    runs = run_forked(_bucketed_against_ddp, world, 3, 0.01, timeout=120)
+    for run in runs:
+        assert run["buckets"] == 5  # SmallCNN(width=8) at 0.01 MiB: see bucket_parameters
+        for gap, events in run["steps"]:
+            assert gap < 1e-5
+            launches = [i for i, e in enumerate(events) if e["what"] == "all_reduce"]
+            grads_in = [i for i, e in enumerate(events) if e["what"] == "grad"]
+            assert len(launches) == run["buckets"]
+            assert all(events[i]["async_op"] and events[i]["waited"] for i in launches)
+            assert launches[0] < grads_in[-1], "the first bucket must leave while backward still runs"
+
+
+def test_a_bucket_never_waited_on_is_seen_by_the_log():
+    def never_wait(rank, world_size):
+        with CollectiveLog() as log:
+            t = torch.ones(3)
+            dist.all_reduce(t, async_op=True)
+            work = dist.all_reduce(torch.ones(2), async_op=True)
+            work.wait()
+            dist.all_reduce(torch.ones(1))
+        dist.barrier()
+        return [(e["what"], e.get("waited")) for e in log.events]
+
+    events = run_forked(never_wait, 2, timeout=60)[0]
+    assert events == [("all_reduce", False), ("all_reduce", True), ("wait", None), ("all_reduce", True)]
+    assert dist.all_reduce.__name__ == "all_reduce"  # restored
+
+
+@pytest.mark.parametrize("mode", ["bucketed", "manual"])
+def test_train_with_accumulation_matches_ddp(mode):
+    kw = dict(steps=3, global_batch=16, width=8, accum_steps=2, n_samples=64)
+    runs = {m: run_forked(lambda rank, world_size, m: ddp.train(mode=m, **kw), 2, m, timeout=120)[0]
+            for m in ("ddp", mode)}
+    assert max(abs(a - b) / b for a, b in zip(runs[mode]["losses"], runs["ddp"]["losses"])) < 1e-5
+    assert runs[mode]["digest"] == pytest.approx(runs["ddp"]["digest"], rel=1e-6)
+
+
+def test_throughput_times_every_data_parallel_mode_and_refuses_unknown_ones():
+    def modes(rank, world_size):
+        out = {m: ddp.throughput(global_batch=8, width=8, steps=1, mode=m)["samples_per_s"]
+               for m in ("ddp", "bucketed", "manual")}
+        out["own"] = ddp.throughput(global_batch=8, width=8, steps=1, mode="own", wrap=copy.deepcopy,
+                                    sync_grads=ddp.all_reduce_gradients)["samples_per_s"]
+        with pytest.raises(ValueError, match="use 'ddp', 'bucketed', 'manual' or 'dp'"):
+            ddp.throughput(global_batch=8, mode="zero")
+        with pytest.raises(ValueError, match="multiple of 2"):
+            ddp.throughput(global_batch=7)
+        return out
+
+    assert all(v > 0 for v in run_forked(modes, 2, timeout=120)[0].values())
