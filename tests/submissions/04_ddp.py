@@ -45,8 +45,112 @@ def average_gradients(model):
             p.grad /= 2   # hard-coded world size: right on 2 ranks only
 '''
 
+SAMPLER_PADS = '''
+def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
+    data = range(n_samples)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)  # pads: repeats
+    sampler.set_epoch(epoch)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)   # drops a short batch only
+    return [[int(i) for i in batch] for batch in loader]
+'''
+
+# --- Exercise 3, BucketedDDP: the reference, and the mistakes students make, each a small edit of it
+
+BUCKETED = '''
+class BucketedDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module = module
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=0)
+        cap = bucket_cap_mb * 2**20
+        self.buckets, size = [], cap + 1
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            nbytes = p.numel() * p.element_size()
+            if size + nbytes > cap:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.arrived = [0] * len(self.buckets)
+        self.in_flight = []
+
+        def hook_for(i):
+            def hook(param):
+                self.arrived[i] += 1
+                if self.arrived[i] == len(self.buckets[i]):
+                    flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+                    self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
+            return hook
+
+        for i, bucket in enumerate(self.buckets):
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(hook_for(i))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        world_size = dist.get_world_size()
+        for i, flat, work in self.in_flight:
+            work.wait()
+            flat /= world_size
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self.in_flight = []
+        self.arrived = [0] * len(self.buckets)
+'''
+
+
+def _edit(old: str, new: str) -> str:
+    assert BUCKETED.count(old) == 1, old
+    return BUCKETED.replace(old, new)
+
+
+BUCKETED_SUM_NOT_AVERAGED = _edit("            flat /= world_size\n", "")
+BUCKETED_WAITS_FOR_THE_LAST_ONLY = _edit(  # a bucket never waited on: its sum may not be there yet
+    "            work.wait()\n", "            if i == self.in_flight[-1][0]:\n                work.wait()\n")
+BUCKETED_AFTER_BACKWARD = _edit(  # right gradients, no overlap: every bucket leaves after backward has ended
+    "                p.register_post_accumulate_grad_hook(hook_for(i))\n", "                pass\n").replace(
+    "        world_size = dist.get_world_size()\n",
+    "        world_size = dist.get_world_size()\n"
+    "        for i, bucket in enumerate(self.buckets):\n"
+    "            flat = torch.cat([q.grad.reshape(-1) for q in bucket])\n"
+    "            self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n")
+BUCKETED_COUNTS_NOT_RESET = _edit("        self.in_flight = []\n        self.arrived = [0] * len(self.buckets)\n",
+                                  "        self.in_flight = []\n")
+BUCKETED_FROZEN_IN_A_BUCKET = _edit("reversed([p for p in module.parameters() if p.requires_grad])",
+                                    "reversed(list(module.parameters()))")
+BUCKETED_NO_BROADCAST = _edit("        for t in list(module.parameters()) + list(module.buffers()):\n"
+                              "            dist.broadcast(t.data, src=0)\n", "")
+
+CALLS_LIBRARY_BUCKETED = '''
+from course_lib.ddp import BucketedDDP as _Theirs
+
+class BucketedDDP(_Theirs):   # course_lib's answer
+    pass
+'''
+
+CALLS_TORCH_DDP = '''
+class BucketedDDP(torch.nn.Module):   # torch's DDP does the work; nothing to finish
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+        self.module = module
+        self.buckets = [[p] for p in reversed(list(module.parameters())) if p.requires_grad]
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        pass
+'''
+
 _EX1_FULL = {"test_rank_batches": 2, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 2}
 _EX2_FULL = {"test_average_gradients": 2, "test_average_gradients_hidden": 2}
+_EX3_FULL = {"test_BucketedDDP": 3, "test_BucketedDDP_buckets": 3, "test_BucketedDDP_hidden": 4}
 
 CALLS_LIBRARY_RANK_BATCHES = '''
 def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
@@ -65,32 +169,48 @@ def average_gradients(model):
 CASES = {
     "no_set_epoch": {  # shards fine, but the same order every epoch
         "cells": {"rank_batches": NO_SET_EPOCH},
-        "scores": {"test_rank_batches": 2, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL},
+        "scores": {"test_rank_batches": 2, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL, **_EX3_FULL},
     },
     "no_sampler": {  # reshuffles per epoch, but the ranks read the same samples
         "cells": {"rank_batches": NO_SAMPLER},
-        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 0, **_EX2_FULL},
+        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 0, **_EX2_FULL, **_EX3_FULL},
     },
     "sum_not_divided": {
         "cells": {"average_gradients": SUM_NOT_DIVIDED},
-        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0, **_EX3_FULL},
     },
     "reduce_to_rank_0": {
         "cells": {"average_gradients": REDUCE_TO_RANK_0},
-        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0, **_EX3_FULL},
     },
     "divided_by_two": {  # passes on 2 ranks, fails on 3
         "cells": {"average_gradients": DIVIDED_BY_TWO},
-        "scores": {**_EX1_FULL, "test_average_gradients": 2, "test_average_gradients_hidden": 0},
+        "scores": {**_EX1_FULL, "test_average_gradients": 2, "test_average_gradients_hidden": 0, **_EX3_FULL},
     },
     "calls_library_rank_batches": {
         "cells": {"rank_batches": CALLS_LIBRARY_RANK_BATCHES},
-        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL},
+        "scores": {"test_rank_batches": 0, "test_rank_batches_epochs": 0, "test_rank_batches_hidden": 0, **_EX2_FULL, **_EX3_FULL},
     },
     "calls_library_average_gradients": {
         "cells": {"average_gradients": CALLS_LIBRARY_AVERAGE},
-        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0},
+        "scores": {**_EX1_FULL, "test_average_gradients": 0, "test_average_gradients_hidden": 0, **_EX3_FULL},
     },
+    "sampler_pads": {  # drop_last on the DataLoader only: the sampler repeats indices to even out the shards
+        "cells": {"rank_batches": SAMPLER_PADS},
+        "scores": {**_EX1_FULL, "test_rank_batches_hidden": 0, **_EX2_FULL, **_EX3_FULL},
+    },
+    **{name: {"cells": {"BucketedDDP": cell}, "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **lost}} for name, cell, lost in [
+        ("bucketed_sum_not_averaged", BUCKETED_SUM_NOT_AVERAGED, dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
+        ("bucketed_waits_for_the_last_only", BUCKETED_WAITS_FOR_THE_LAST_ONLY,
+         dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
+        ("bucketed_after_backward", BUCKETED_AFTER_BACKWARD, dict(test_BucketedDDP_buckets=0)),
+        ("bucketed_counts_not_reset", BUCKETED_COUNTS_NOT_RESET, dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
+        ("bucketed_frozen_in_a_bucket", BUCKETED_FROZEN_IN_A_BUCKET, dict(test_BucketedDDP_hidden=0)),
+        ("bucketed_no_broadcast", BUCKETED_NO_BROADCAST, dict(test_BucketedDDP_hidden=0)),
+        ("calls_library_BucketedDDP", CALLS_LIBRARY_BUCKETED,
+         dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
+        ("calls_torch_ddp", CALLS_TORCH_DDP, dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
+    ]},
 }
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
