@@ -32,6 +32,18 @@ def apply_lora(model: nn.Module, r: int = 8, alpha: int = 16, target_modules=LOR
         return get_peft_model(model, config)
 
 
+def lora_linear(base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> nn.Module:
+    """peft's LoRA layer around one ``nn.Linear``, the base frozen: the reference a LoRA layer of your own
+    is compared with (its adapters are ``lora_A["default"]`` and ``lora_B["default"]``)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear
+
+    layer = Linear(base, "default", LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), r=r, lora_alpha=alpha,
+                   lora_dropout=dropout)
+    base.requires_grad_(False)
+    return layer
+
+
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear layer of a Llama block, from its config."""
     d, ffn = config.hidden_size, config.intermediate_size

@@ -311,3 +311,15 @@ def test_rocm_validation_paths():
     rows = {r["check"]: r["ok"] for r in dev.validate_rocm(bad)}
     assert rows["NUMA auto-balancing"] is False and rows["ROCm"] is False and rows["GPU architecture"] is False
     assert dev.numa_balancing("/nonexistent/numa").startswith("unavailable")
+
+
+def test_peft_lora_layer_reference_freezes_the_base_and_adds_the_scaled_update():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 6)
+    w = base.weight.detach().clone()
+    layer = lora.lora_linear(base, r=2, alpha=6)
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A.default.weight", "lora_B.default.weight"}
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    b.data.normal_()
+    x = torch.randn(4, 8)
+    assert torch.allclose(layer(x), x @ (w + 3.0 * b @ a).T + base.bias, atol=1e-5)  # alpha / r = 3

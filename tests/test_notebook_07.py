@@ -38,6 +38,14 @@ def test_lora_trains_less_and_its_adapters_round_trip(executed):
     assert abs(value(res, "exact_match_merged") - value(res, "exact_match_after_lora")) <= 0.1
 
 
+def test_the_students_lora_layer_trains_like_peft(executed):
+    res = executed("07_llama_finetune")
+    assert value(res, "trainable_params_your_lora") == value(res, "trainable_params_lora")
+    # same start (peft's A, B = 0), same batches, same optimizer: the curves agree to float rounding
+    assert value(res, "your_lora_vs_peft_loss_max_rel_diff") < 1e-3
+    assert value(res, "exact_match_after_your_lora") > value(res, "exact_match_before")
+
+
 def test_recipe_matches_baseline_loss(executed):
     res = executed("07_llama_finetune")
     assert value(res, "chunked_loss_abs_diff") < 1e-5

@@ -38,14 +38,89 @@ def lora_params(config, r, target_modules):
     return sum(r * (i + o) for i, o in (shapes[m] for m in target_modules))   # forgot: every layer
 '''
 
-MFU_IGNORES_FROZEN = '''
-def mfu_from_step(step_seconds, tokens_per_step, n_params, n_layers, d_model, seq_len, peak_flops, frozen_base=False):
-    per_token = 6 * n_params + 12 * n_layers * d_model * seq_len   # LoRA computes no weight gradients: 4N
-    return tokens_per_step / step_seconds * per_token / peak_flops
+# --- Exercise 2, LoRALinear: the reference, and the mistakes students make, each a small edit of it
+
+LORA_LINEAR = '''
+import math
+
+class LoRALinear(torch.nn.Module):
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
+        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+        self.dropout = torch.nn.Dropout(dropout)
+        self.merged = False
+
+    def forward(self, x):
+        if self.merged:
+            return self.base(x)
+        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    def merge(self):
+        if not self.merged:
+            self.base.weight.data += (self.scaling * self.lora_B.weight @ self.lora_A.weight).to(self.base.weight.dtype)
+            self.merged = True
+
+    def unmerge(self):
+        if self.merged:
+            self.base.weight.data -= (self.scaling * self.lora_B.weight @ self.lora_A.weight).to(self.base.weight.dtype)
+            self.merged = False
 '''
 
-FULL = {"test_response_labels": 2, "test_response_labels_hidden": 2, "test_lora_params": 2,
-        "test_lora_params_hidden": 2, "test_mfu_from_step": 1, "test_mfu_from_step_hidden": 1}
+
+def _lora_edit(old: str, new: str, count: int = 1) -> str:
+    assert LORA_LINEAR.count(old) == count, old
+    return LORA_LINEAR.replace(old, new)
+
+
+LORA_B_NOT_ZERO = _lora_edit("        torch.nn.init.zeros_(self.lora_B.weight)\n", "")  # nn.Linear's own init stays
+LORA_ALPHA_NOT_DIVIDED = _lora_edit("        self.scaling = alpha / r\n", "        self.scaling = alpha\n")
+LORA_BASE_NOT_FROZEN = _lora_edit("        for p in base.parameters():\n            p.requires_grad_(False)\n", "")
+LORA_MERGE_UNSCALED = _lora_edit("(self.scaling * self.lora_B.weight @ self.lora_A.weight)",
+                                 "(self.lora_B.weight @ self.lora_A.weight)", count=2)
+LORA_MERGE_ADDS_TWICE = _lora_edit("        if not self.merged:\n            self.base.weight.data +=",
+                                   "        if True:\n            self.base.weight.data +=")
+LORA_DROPOUT_ON_THE_OUTPUT = _lora_edit("self.lora_B(self.lora_A(self.dropout(x))) * self.scaling",
+                                        "self.dropout(self.lora_B(self.lora_A(x))) * self.scaling")
+
+CALLS_LIBRARY_LORA_LINEAR = '''
+class LoRALinear(torch.nn.Module):   # peft's layer, made by course_lib.lora.lora_linear
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        from course_lib.lora import lora_linear
+        self.peft = lora_linear(base, r, alpha, dropout)
+        self.base, self.lora_A, self.lora_B = base, self.peft.lora_A["default"], self.peft.lora_B["default"]
+        self.scaling, self.merged = alpha / r, False
+
+    def forward(self, x):
+        return self.peft(x)
+
+    def merge(self):
+        self.peft.merge()
+        self.merged = self.peft.merged
+
+    def unmerge(self):
+        self.peft.unmerge()
+        self.merged = self.peft.merged
+'''
+
+CALLS_PEFT_LORA_LAYER = CALLS_LIBRARY_LORA_LINEAR.replace(
+    "   # peft's layer, made by course_lib.lora.lora_linear", "   # peft's layer, made here").replace(
+    "        from course_lib.lora import lora_linear\n        self.peft = lora_linear(base, r, alpha, dropout)\n",
+    "        from peft import LoraConfig\n        from peft.tuners.lora import Linear\n"
+    "        base.requires_grad_(False)\n"
+    "        self.peft = Linear(base, 'default', LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout), r=r,\n"
+    "                           lora_alpha=alpha, lora_dropout=dropout)\n")
+assert "course_lib" not in CALLS_PEFT_LORA_LAYER
+
+FULL = {"test_response_labels": 2, "test_response_labels_hidden": 2, "test_LoRALinear": 3, "test_LoRALinear_llama": 3,
+        "test_LoRALinear_hidden": 4, "test_lora_params": 2, "test_lora_params_hidden": 2}
 
 CALLS_LIBRARY_LABELS = '''
 def response_labels(input_ids, prompt_lengths, lengths):
@@ -61,13 +136,6 @@ def lora_params(config, r, target_modules):
     return lora_trainable_parameters(config, r, target_modules)   # course_lib's count
 '''
 
-CALLS_LIBRARY_MFU = '''
-def mfu_from_step(step_seconds, tokens_per_step, n_params, n_layers, d_model, seq_len, peak_flops, frozen_base=False):
-    from course_lib.throughput import mfu, transformer_flops_per_token
-    per_token = transformer_flops_per_token(n_params, n_layers, d_model, seq_len, frozen_base=frozen_base)
-    return mfu(tokens_per_step / step_seconds, per_token, peak_flops)   # course_lib's arithmetic
-'''
-
 CASES = {
     "labels_keep_padding": {"cells": {"response_labels": LABELS_KEEP_PADDING},
                             "scores": {**FULL, "test_response_labels_hidden": 0}},
@@ -77,14 +145,21 @@ CASES = {
                          "scores": {**FULL, "test_lora_params_hidden": 0}},
     "lora_one_layer": {"cells": {"lora_params": LORA_ONE_LAYER},
                        "scores": {**FULL, "test_lora_params": 0, "test_lora_params_hidden": 0}},
-    "mfu_ignores_frozen": {"cells": {"mfu_from_step": MFU_IGNORES_FROZEN},
-                           "scores": {**FULL, "test_mfu_from_step_hidden": 0}},
     "calls_library_response_labels": {"cells": {"response_labels": CALLS_LIBRARY_LABELS},
                                       "scores": {**FULL, "test_response_labels": 0, "test_response_labels_hidden": 0}},
     "calls_library_lora_params": {"cells": {"lora_params": CALLS_LIBRARY_LORA},
                                   "scores": {**FULL, "test_lora_params": 0, "test_lora_params_hidden": 0}},
-    "calls_library_mfu_from_step": {"cells": {"mfu_from_step": CALLS_LIBRARY_MFU},
-                                    "scores": {**FULL, "test_mfu_from_step": 0, "test_mfu_from_step_hidden": 0}},
+    **{name: {"cells": {"LoRALinear": cell}, "scores": {**FULL, **{f"test_LoRALinear{t}": 0 for t in lost}}}
+       for name, cell, lost in [
+           ("lora_b_not_zero", LORA_B_NOT_ZERO, [""]),  # the model does not start as the base model
+           ("lora_alpha_not_divided_by_r", LORA_ALPHA_NOT_DIVIDED, ["", "_llama", "_hidden"]),
+           ("lora_base_not_frozen", LORA_BASE_NOT_FROZEN, [""]),  # add_lora freezes the model; the layer alone does not
+           ("lora_merge_unscaled", LORA_MERGE_UNSCALED, ["_hidden"]),
+           ("lora_merge_adds_twice", LORA_MERGE_ADDS_TWICE, ["_hidden"]),
+           ("lora_dropout_on_the_output", LORA_DROPOUT_ON_THE_OUTPUT, ["_hidden"]),
+           ("calls_library_LoRALinear", CALLS_LIBRARY_LORA_LINEAR, ["", "_llama", "_hidden"]),
+           ("calls_peft_lora_layer", CALLS_PEFT_LORA_LAYER, ["", "_llama", "_hidden"]),
+       ]},
 }
 
 # The submission that loops forever in this solution cell loses only its own tests.
