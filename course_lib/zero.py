@@ -6,7 +6,8 @@ split that does not come out whole, and combinations DeepSpeed would reject late
 run differently). ``train`` is the worker entry point the notebook
 launches: the same model, data shards and AdamW as a DDP reference (``engine="ddp"``), so
 every stage can be compared with it loss for loss, and it saves and resumes DeepSpeed
-checkpoints.
+checkpoints. ``ShardedOptimizer`` is stage 1 by hand, in one screen: any torch optimizer, each rank
+stepping only its 1/N slice of every parameter and all-gathering the result (``engine="zero1"``).
 
 On every device ``torch_adam`` keeps DeepSpeed from JIT-compiling its fused Adam, and with
 optimizer offload ``zero_force_ds_cpu_optimizer: false`` lets torch's AdamW run on the
@@ -16,7 +17,12 @@ model, and is one config line away).
 
 from __future__ import annotations
 
+import math
+from typing import Callable, Iterable
+
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.data import synthetic_images, to_device
@@ -106,17 +112,20 @@ def deepspeed_step(net, batch, accum_steps: int) -> float:
 def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batch: int = 32, accum_steps: int = 1,
           offload_optimizer: bool = False, offload_param: bool = False, width: int = 8, lr: float = 1e-3,
           seed: int = 0, n_samples: int = 512, clip_norm: float = 1.0, nvme_path: str | None = None,
-          checkpoint_dir: str | None = None, stop_after: int | None = None, resume: bool = False) -> dict:
-    """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``) or the DDP reference (``engine="ddp"``).
+          checkpoint_dir: str | None = None, stop_after: int | None = None, resume: bool = False,
+          make_optimizer: Callable[[Iterable[nn.Parameter]], object] | None = None) -> dict:
+    """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``), the DDP reference (``engine="ddp"``),
+    or DDP with ``ShardedOptimizer``, ZeRO-1 by hand (``engine="zero1"``).
 
-    Both see the same weights, batches and AdamW. ``stop_after=k`` saves a DeepSpeed checkpoint to
+    All see the same weights, batches and AdamW; ``make_optimizer(params)`` replaces the DDP
+    engines' optimizer (a sharded optimizer of your own, say). ``stop_after=k`` saves a DeepSpeed checkpoint to
     ``checkpoint_dir`` after step k and stops; ``resume=True`` loads it and runs the remaining
     steps. Returns the global-batch losses, a digest of the final weights, and the optimizer-state
     bytes this rank held.
     """
-    if engine not in ("deepspeed", "ddp"):
-        raise ValueError(f"engine={engine!r}: use 'deepspeed' or 'ddp'")
-    if engine == "ddp" and (resume or stop_after):
+    if engine not in ("deepspeed", "ddp", "zero1"):
+        raise ValueError(f"engine={engine!r}: use 'deepspeed', 'ddp' or 'zero1'")
+    if engine != "deepspeed" and (resume or stop_after):
         raise ValueError("checkpoints here are DeepSpeed's: use engine='deepspeed' with stop_after or resume")
     world, device = rank_and_world()[1], rank_device()
     torch.manual_seed(seed)
@@ -124,9 +133,11 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     batches = list(step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if engine == "ddp":
+    if engine != "deepspeed":
         net = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+        if make_optimizer is None and engine == "zero1":
+            make_optimizer = lambda ps: ShardedOptimizer(ps, torch.optim.AdamW, lr=lr, weight_decay=0.01)  # noqa: E731
+        optimizer = (make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)))(net.parameters())
         step_fn = lambda b: train_step(net, optimizer, b, accum_steps=accum_steps, clip_norm=clip_norm)["loss"]  # noqa: E731
     else:
         import deepspeed  # heavy: only when it is the engine
@@ -163,6 +174,49 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
         losses.append(mean_over_ranks(deepspeed_step(net, to_device(batch, device),
                                                      config.get("gradient_accumulation_steps", 1)), device))
     return worker_result(losses, micro_batch=config["train_micro_batch_size_per_gpu"], global_steps=net.global_steps)
+
+
+class ShardedOptimizer:
+    """ZeRO stage 1 by hand: each rank keeps the optimizer state of its 1/N slice of every parameter.
+
+    Every parameter is flattened, padded with zeros to a multiple of the world size, and cut in N
+    equal slices; rank r owns slice r, and ``optimizer_cls`` is built over the owned slices only
+    (``self.optimizer``), so its states (Adam's m and v) take 1/N of the memory. ``step()`` runs
+    after the gradients are averaged over the ranks (DDP did it): each rank copies its slice of
+    every gradient, steps its slices, and an all-gather puts the full updated parameters back on
+    every rank. A parameter without a gradient in a step is left as it is.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optimizer_cls: type[torch.optim.Optimizer], **optimizer_kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.slices = [math.ceil(p.numel() / self.world) for p in self.params]
+        self.shards = [self._padded(p.detach(), n)[self.rank * n:(self.rank + 1) * n].clone()
+                       for p, n in zip(self.params, self.slices)]
+        self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
+
+    def _padded(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        flat = t.reshape(-1)
+        return torch.cat([flat, flat.new_zeros(n * self.world - flat.numel())])
+
+    def step(self) -> None:
+        """Step this rank's slices with their slice of the (already averaged) gradients, then all-gather."""
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i, shard in enumerate(self.shards):
+            n = self.slices[i]
+            shard.grad = self._padded(self.params[i].grad, n)[self.rank * n:(self.rank + 1) * n] if i in live else None
+        self.optimizer.step()
+        for i in live:
+            p, n = self.params[i], self.slices[i]
+            full = p.new_empty(n * self.world)
+            dist.all_gather_into_tensor(full, self.shards[i].detach())
+            p.data.copy_(full[:p.numel()].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the model's gradients (and the slices' copies)."""
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _full_digest(module, stage: int) -> float:

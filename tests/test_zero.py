@@ -1,14 +1,21 @@
-"""course_lib.zero beyond what notebook 06 measures: DeepSpeed's default clipping, and the config's arithmetic.
+"""course_lib.zero beyond what notebook 06 measures: DeepSpeed's default clipping, the config's arithmetic, and
+ZeRO-1 by hand (ShardedOptimizer) against DeepSpeed's stage 1, DDP and one process.
 
 Every ZeRO stage and offload against DDP, the sharded optimizer state and the checkpoint resume run in
 notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test_notebook_06.py.
 """
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from conftest import rel_diff
-from course_lib.launch import launch
-from course_lib.zero import check_batch_arithmetic, ds_config, micro_batch_for
+from course_lib.data import synthetic_images
+from course_lib.grading import max_rel_diff, params
+from course_lib.launch import launch, run_forked
+from course_lib.models import SmallCNN
+from course_lib.zero import ShardedOptimizer, check_batch_arithmetic, ds_config, micro_batch_for
 
 
 def run(**kw):
@@ -47,3 +54,47 @@ def test_config_is_derived_from_the_global_batch_and_refuses_what_deepspeed_woul
 def test_checkpoints_are_deepspeeds_only():
     with pytest.raises(Exception, match="engine='deepspeed'"):
         run(engine="ddp", stop_after=2, checkpoint_dir="/tmp/unused")
+
+
+def test_zero1_by_hand_trains_like_deepspeed_stage_1_and_ddp_with_half_the_optimizer_state():
+    ddp, ds, mine = run(engine="ddp")[0], run(stage=1)[0], run(engine="zero1")[0]
+    assert rel_diff(mine["losses"], ddp["losses"]) < 1e-5
+    assert rel_diff(mine["losses"], ds["losses"]) < 1e-5
+    assert mine["digest"] == pytest.approx(ddp["digest"], rel=1e-6)
+    # Adam's m and v for 1/2 of every (padded) parameter, plus one step counter per slice
+    assert 0.5 <= mine["optimizer_state_bytes"] / ddp["optimizer_state_bytes"] < 0.5 + 0.01
+
+
+def _sharded_against_one_process(rank, world_size):
+    torch.manual_seed(0)
+    mine, ref = SmallCNN(width=8), SmallCNN(width=8)
+    ref.load_state_dict(mine.state_dict())
+    mine.head.bias.requires_grad_(False)  # frozen: no slice, no state
+    ref.head.bias.requires_grad_(False)
+    opt = ShardedOptimizer(mine.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    x, y = synthetic_images(12 * 3, seed=1).tensors
+    gaps = []
+    for step in range(3):
+        xg, yg = x[step * 12:(step + 1) * 12], y[step * 12:(step + 1) * 12]
+        F.cross_entropy(mine(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
+        for p in mine.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(xg), yg).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gaps.append(max_rel_diff(params(mine), params(ref)))
+    owned = sum(s.numel() for s in opt.shards)
+    return gaps, owned
+
+
+def test_sharded_optimizer_on_three_ranks_with_uneven_sizes_and_a_frozen_parameter():
+    runs = run_forked(_sharded_against_one_process, 3, timeout=120)
+    total = sum(-(-p.numel() // 3) for n, p in SmallCNN(width=8).named_parameters() if n != "head.bias")
+    for gaps, owned in runs:
+        assert max(gaps) < 1e-6
+        assert owned == total  # each rank owns ceil(n / 3) of every trainable parameter
