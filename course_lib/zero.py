@@ -209,7 +209,7 @@ class ShardedOptimizer:
         for i in live:
             p, n = self.params[i], self.slices[i]
             full = p.new_empty(n * self.world)
-            dist.all_gather_into_tensor(full, self.shards[i].detach())
+            dist.all_gather(list(full.split(n)), self.shards[i].detach())  # slice r lands at r * n
             p.data.copy_(full[:p.numel()].view_as(p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -36,3 +36,10 @@ def test_every_variant_ends_with_ddps_weights_and_every_rank_agrees(executed):
         assert value(res, f"weights_rel_diff_vs_ddp {name}") < 1e-5, name
     assert value(res, "ranks_agree_on_losses") is True
     assert value(res, "resume_start_step") == 2  # stopped after step 2 of 5, resumed from there
+
+
+def test_the_students_zero1_trains_like_ddp_with_a_shard_of_the_state(executed):
+    res = executed("06_deepspeed_zero")
+    assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
+    assert value(res, "your_zero1_max_rel_loss_diff_vs_deepspeed_zero1") < 1e-5  # cpu tier: both on CPU ranks
+    assert abs(value(res, "your_zero1_optimizer_state_fraction") - 0.5) < 0.01

@@ -1,31 +1,97 @@
 """Known submissions of 06_deepspeed_zero and the scores nbgrader's autograde must give them."""
 
-STAGE2_KEEPS_FULL_GRADIENTS = '''
-def zero_model_state_gb(n_params, world_size, stage):
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage} must be 0-3")
-    weights, grads, states = 2.0, 2.0, 12.0
-    if stage >= 1:
-        states /= world_size
-    if stage >= 3:   # gradients only sharded at stage 3: wrong, stage 2 shards them
-        grads /= world_size
-        weights /= world_size
-    return n_params * (weights + grads + states) / 1e9
+# --- Exercise 1, ShardedOptimizer (ZeRO-1 by hand): the reference, and the mistakes students make
+
+SHARDED = '''
+import math
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+class ShardedOptimizer:
+    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.sizes = [math.ceil(p.numel() / self.world_size) for p in self.params]
+        self.shards = []
+        for p, n in zip(self.params, self.sizes):
+            padded = F.pad(p.detach().reshape(-1), (0, n * self.world_size - p.numel()))
+            self.shards.append(padded[self.rank * n:(self.rank + 1) * n].clone())
+        self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
+
+    def step(self):
+        for p, n, shard in zip(self.params, self.sizes, self.shards):
+            if p.grad is None:
+                shard.grad = None
+            else:
+                padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))
+                shard.grad = padded[self.rank * n:(self.rank + 1) * n]
+        self.optimizer.step()
+        for p, n, shard in zip(self.params, self.sizes, self.shards):
+            if p.grad is not None:
+                full = p.new_empty(n * self.world_size)
+                dist.all_gather(list(full.split(n)), shard.detach())  # slice r lands at r * n
+                p.data.copy_(full[:p.numel()].view_as(p))
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
 '''
 
-NO_STAGE_CHECK = '''
-def zero_model_state_gb(n_params, world_size, stage):
-    weights, grads, states = 2.0, 2.0, 12.0
-    if stage >= 1:
-        states /= world_size
-    if stage >= 2:
-        grads /= world_size
-    if stage >= 3:
-        weights /= world_size
-    return n_params * (weights + grads + states) / 1e9
+
+def _edit(old: str, new: str) -> str:
+    assert SHARDED.count(old) == 1, old
+    return SHARDED.replace(old, new)
+
+
+SHARDED_KEEPS_ALL_STATES = '''
+class ShardedOptimizer:   # every rank steps every parameter: right weights, no memory saved
+    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = optimizer_cls(self.params, **optimizer_kwargs)
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=True)
 '''
 
-ACCUMULATION_IGNORES_WORLD = '''
+SHARDED_NO_ALL_GATHER = _edit(  # each rank updates only its own slice of the weights: the replicas drift apart
+    "                full = p.new_empty(n * self.world_size)\n"
+    "                dist.all_gather(list(full.split(n)), shard.detach())  # slice r lands at r * n\n"
+    "                p.data.copy_(full[:p.numel()].view_as(p))\n",
+    "                flat = p.data.reshape(-1)\n"
+    "                start = self.rank * n\n"
+    "                flat[start:start + n] = shard.detach()[:max(0, min(n, p.numel() - start))]\n")
+SHARDED_UNPADDED = SHARDED.replace(  # chunk() without padding: uneven slices when the size does not divide
+    "padded = F.pad(p.detach().reshape(-1), (0, n * self.world_size - p.numel()))",
+    "padded = p.detach().reshape(-1)").replace(
+    "padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))", "padded = p.grad.reshape(-1)")
+SHARDED_STEPS_FROZEN = _edit(  # a parameter without a gradient crashes the step
+    "            if p.grad is None:\n                shard.grad = None\n            else:\n"
+    "                padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))\n"
+    "                shard.grad = padded[self.rank * n:(self.rank + 1) * n]\n",
+    "            padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))\n"
+    "            shard.grad = padded[self.rank * n:(self.rank + 1) * n]\n").replace(
+    "        self.params = [p for p in params if p.requires_grad]\n", "        self.params = list(params)\n")
+
+CALLS_LIBRARY_SHARDED = '''
+from course_lib.zero import ShardedOptimizer   # course_lib's ZeRO-1
+'''
+
+CALLS_TORCH_ZERO = '''
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):   # torch's ZeRO-1
+    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
+        super().__init__(list(params), optimizer_class=optimizer_cls, **optimizer_kwargs)
+        self.optimizer = self.optim
+'''
+
+# --- Exercise 2, make_ds_config
+
+DS_CONFIG = '''
 def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
     if global_batch % (micro_batch * world_size):
         raise ValueError(f"global_batch={global_batch} does not divide")
@@ -35,64 +101,74 @@ def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimiz
     return {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": global_batch // micro_batch,   # forgot the world size
+        "gradient_accumulation_steps": global_batch // (micro_batch * world_size),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": zero,
         "zero_force_ds_cpu_optimizer": False,
+        "gradient_clipping": 1.0,
     }
 '''
 
-OFFLOAD_AT_TOP_LEVEL = '''
-def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
-    if global_batch % (micro_batch * world_size):
-        raise ValueError(f"global_batch={global_batch} does not divide")
-    config = {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": global_batch // (micro_batch * world_size),
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "zero_force_ds_cpu_optimizer": False,
+
+def _ds_edit(old: str, new: str) -> str:
+    assert DS_CONFIG.count(old) == 1, old
+    return DS_CONFIG.replace(old, new)
+
+
+ACCUMULATION_IGNORES_WORLD = _ds_edit("global_batch // (micro_batch * world_size),",
+                                      "global_batch // micro_batch,   # forgot the world size")
+ACCUMULATION_FLOAT = _ds_edit("global_batch // (micro_batch * world_size),",
+                              "global_batch / (micro_batch * world_size),   # 4.0: a float count")
+NO_CLIPPING = _ds_edit('        "gradient_clipping": 1.0,\n', "")
+OFFLOAD_AT_TOP_LEVEL = _ds_edit('''    zero = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {''', '''    zero = {"stage": stage}
+    config = {''').replace('''        "gradient_clipping": 1.0,
+    }
+''', '''        "gradient_clipping": 1.0,
     }
     if offload_optimizer:
         config["offload_optimizer"] = {"device": "cpu"}   # outside zero_optimization: DeepSpeed ignores it
     return config
-'''
-
-FULL = {"test_zero_model_state_gb": 2, "test_zero_model_state_gb_hidden": 2,
-        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2}
-
-CALLS_LIBRARY_ZERO_GB = '''
-def zero_model_state_gb(n_params, world_size, stage):
-    from course_lib.zero import zero_bytes_per_param
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage}")
-    return zero_bytes_per_param(stage, world_size) * n_params / 1e9   # course_lib's accounting
-'''
+''')
 
 CALLS_LIBRARY_DS_CONFIG = '''
 def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
     from course_lib.zero import ds_config
-    if global_batch % (micro_batch * world_size):
-        raise ValueError(f"global_batch={global_batch}")
     return ds_config(train_batch=global_batch, accum_steps=global_batch // (micro_batch * world_size),
-                     world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's builder
+                     world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's config
 '''
 
+FULL = {"test_ShardedOptimizer": 3, "test_ShardedOptimizer_state": 3, "test_ShardedOptimizer_hidden": 4,
+        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2}
+NO_SHARDED = dict(test_ShardedOptimizer=0, test_ShardedOptimizer_state=0, test_ShardedOptimizer_hidden=0)
+
 CASES = {
-    "stage2_keeps_full_gradients": {"cells": {"zero_model_state_gb": STAGE2_KEEPS_FULL_GRADIENTS},
-                                    "scores": {**FULL, "test_zero_model_state_gb": 0, "test_zero_model_state_gb_hidden": 0}},
-    "no_stage_check": {"cells": {"zero_model_state_gb": NO_STAGE_CHECK},
-                       "scores": {**FULL, "test_zero_model_state_gb_hidden": 0}},
+    "sharded_keeps_all_states": {"cells": {"ShardedOptimizer": SHARDED_KEEPS_ALL_STATES},
+                                 "scores": {**FULL, "test_ShardedOptimizer_state": 0, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_no_all_gather": {"cells": {"ShardedOptimizer": SHARDED_NO_ALL_GATHER},
+                              "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_unpadded": {"cells": {"ShardedOptimizer": SHARDED_UNPADDED},  # right on 2 ranks, wrong on 3
+                         "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_steps_frozen": {"cells": {"ShardedOptimizer": SHARDED_STEPS_FROZEN},
+                             "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "calls_library_ShardedOptimizer": {"cells": {"ShardedOptimizer": CALLS_LIBRARY_SHARDED},
+                                       "scores": {**FULL, **NO_SHARDED}},
+    "calls_torch_zero_redundancy_optimizer": {"cells": {"ShardedOptimizer": CALLS_TORCH_ZERO},
+                                              "scores": {**FULL, **NO_SHARDED}},
     "accumulation_ignores_world": {"cells": {"make_ds_config": ACCUMULATION_IGNORES_WORLD},
                                    "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
+    "accumulation_float": {  # DeepSpeed takes 2.0; the training loop's micro-batch split then cannot
+        "cells": {"make_ds_config": ACCUMULATION_FLOAT},
+        "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
+    "no_clipping": {"cells": {"make_ds_config": NO_CLIPPING}, "scores": {**FULL, "test_make_ds_config": 0}},
     "offload_at_top_level": {"cells": {"make_ds_config": OFFLOAD_AT_TOP_LEVEL},
                              "scores": {**FULL, "test_make_ds_config_hidden": 0}},
-    "calls_library_zero_model_state_gb": {"cells": {"zero_model_state_gb": CALLS_LIBRARY_ZERO_GB},
-                                          "scores": {**FULL, "test_zero_model_state_gb": 0, "test_zero_model_state_gb_hidden": 0}},
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
                                      "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
 }
 
-LOOP_CELL = "zero_model_state_gb"
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "make_ds_config"
 CELL_TIMEOUT = 60  # test cells launch DeepSpeed on 2 processes: about 8 s each on 2 idle cores, more when busy
