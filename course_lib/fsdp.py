@@ -16,9 +16,18 @@ gradient of its own shard only. The strategies of seed 003 in FSDP2 terms:
 ``train`` runs any of them (plus bf16 mixed precision, CPU offload, meta-device init with
 weights broadcast from rank 0, and a sharded ``torch.distributed.checkpoint`` save/resume)
 and returns the global-batch losses and the bytes this rank holds.
+
+``ShardedModule`` is the mechanism in miniature, written out: each rank keeps a padded 1/N slice of
+every flattened parameter, ``GatherParameter`` all-gathers the full weight for the forward and
+reduce-scatters (and averages) its gradient in backward. It keeps each gathered weight until
+backward has used it, as ``reshard_after_forward=False`` does; ``fully_shard`` frees it after
+forward and gathers it again for backward, prefetches the next unit's weights, and switches the
+gradient reduction off for accumulation (``set_requires_gradient_sync(False)``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -28,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.func import functional_call
 
 from course_lib.data import lm_batch
 from course_lib.distributed import mean_over_ranks, param_digest, rank_and_world, rank_device, worker_result
@@ -37,6 +47,56 @@ from course_lib.models import build_llama, empty_llama, llama_config, llama_num_
 from course_lib.train import train_step
 
 STRATEGIES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
+
+
+class GatherParameter(torch.autograd.Function):
+    """Forward: all-gather the ranks' slices into the full parameter. Backward: reduce-scatter its
+    gradient, so each rank gets the average over the ranks of its own slice."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        world, n = dist.get_world_size(), shard.numel()
+        full = shard.new_empty(n * world)
+        dist.all_gather(list(full.split(n)), shard.detach().contiguous())
+        ctx.n, ctx.world = n, world
+        return full[:math.prod(shape)].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat = nn.functional.pad(grad.reshape(-1), (0, ctx.n * ctx.world - grad.numel()))
+        mine = grad.new_empty(ctx.n)
+        dist.reduce_scatter(mine, list(flat.split(ctx.n)))  # the sum over ranks of this rank's slice
+        return mine / ctx.world, None
+
+
+class ShardedModule(nn.Module):
+    """FSDP in miniature: ``module``'s parameters sharded 1/N per rank, gathered for each forward.
+
+    Every parameter is flattened, padded with zeros to a multiple of the world size and cut in N;
+    rank r keeps slice r as a parameter of its own (``self.shards``), and ``module`` moves to the
+    meta device (its shapes stay, its memory goes). ``forward`` gathers every weight through
+    ``GatherParameter`` and runs ``module`` on them with ``torch.func.functional_call``; backward
+    leaves each shard the rank-averaged gradient of its slice, so an optimizer over ``self.shards``
+    steps 1/N of the model, like ZeRO-3 (``parameters()`` also lists the meta module's, which hold
+    no memory and get no gradient).
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.names, self.shapes, shards = [], [], []
+        for name, p in module.named_parameters():
+            n = math.ceil(p.numel() / world)
+            flat = nn.functional.pad(p.detach().reshape(-1), (0, n * world - p.numel()))
+            shards.append(nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))
+            self.names.append(name)
+            self.shapes.append(p.shape)
+        self.shards = nn.ParameterList(shards)
+        self.module = module.to("meta")
+
+    def forward(self, *args, **kwargs):
+        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, self.shards)}
+        return functional_call(self.module, full, args, kwargs)
 
 
 def make_mesh(strategy: str, shard_size: int | None = None, device_type: str | None = None):

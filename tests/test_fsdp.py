@@ -68,3 +68,40 @@ def test_batches_are_a_function_of_the_step():
     a, b = lm_batch(3, 4, 16, 512), lm_batch(3, 4, 16, 512)
     assert a.equal(b) and not a.equal(lm_batch(4, 4, 16, 512))
     assert ((a[:, 1:] - a[:, :-1]) % 512 == 7).all()
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))  # sizes 3 does not divide
+
+
+def _hand_sharded_against_one_process_and_fully_shard(rank, world_size):
+    mine, ref, theirs = fsdp.ShardedModule(_mlp()), _mlp(), _mlp()
+    fsdp.fully_shard(theirs)
+    opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (mine.shards, ref.parameters(), theirs.parameters())]
+    x, y = torch.randn(3 * 6, 7, generator=torch.Generator().manual_seed(1)), torch.randn(3 * 6, 5)
+    gaps = []
+    for step in range(3):
+        xs, ys = x[step * 6:(step + 1) * 6], y[step * 6:(step + 1) * 6]
+        local = slice(rank * 6 // world_size, (rank + 1) * 6 // world_size)
+        for m in (mine, theirs):
+            torch.nn.functional.mse_loss(m(xs[local]), ys[local]).backward()
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        full = [fsdp.GatherParameter.apply(s.grad, shape) for s, shape in zip(mine.shards, mine.shapes)]
+        want = [p.grad for p in ref.parameters()]
+        fully = [p.grad.full_tensor() for p in theirs.parameters()]
+        gaps.append(max(max(float((a - b).abs().max()) for a, b in zip(full, want)),
+                        max(float((a - b).abs().max()) for a, b in zip(full, fully))))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    held = sum(t.numel() for t in mine.parameters() if not t.is_meta)  # the module itself sits on the meta device
+    return gaps, held
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharding_by_hand_gives_one_process_and_fully_shard_gradients_with_a_slice_per_rank(world):
+    total = sum(p.numel() for p in _mlp().parameters())
+    for gaps, held in run_forked(_hand_sharded_against_one_process_and_fully_shard, world, timeout=120):
+        assert max(gaps) < 1e-6
+        assert total / world <= held <= total / world + 4  # 4 parameters: at most one padding value each

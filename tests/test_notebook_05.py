@@ -55,3 +55,10 @@ def test_meta_init_builds_one_full_copy_and_the_checkpoint_has_its_metadata(exec
     assert value(res, "meta_init_full_weights_built_per_rank") == [weights, 0]  # rank 0 alone
     assert value(res, "normal_init_full_weights_built_per_rank") == [weights, weights]
     assert value(res, "checkpoint_has_metadata") is True
+
+
+def test_the_students_sharding_by_hand_trains_like_one_process_with_half_the_weights(executed):
+    res = executed("05_fsdp")
+    assert value(res, "hand_sharded_vs_single_loss_max_rel_diff") < 1e-5
+    share = value(res, "hand_sharded_bytes_over_full_copy")
+    assert 0.5 <= share <= 0.51  # 2 ranks: a padded half of every block

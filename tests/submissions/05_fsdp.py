@@ -74,37 +74,117 @@ def apply_fsdp(model, mesh, reshard_after_forward=True):
     return shard_model(model, mesh, reshard_after_forward=reshard_after_forward)   # course_lib's wrapping
 '''
 
+# --- Exercise 3, ShardedModule: the reference, and the mistakes students make, each a small edit of it
+
+HAND = '''
+import math
+
+import torch.nn.functional as F
+from torch.func import functional_call
+
+class GatherParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, shape):
+        world_size, n = dist.get_world_size(), shard.numel()
+        full = shard.new_empty(n * world_size)
+        dist.all_gather(list(full.split(n)), shard.detach().contiguous())
+        ctx.n, ctx.world_size = n, world_size
+        return full[:math.prod(shape)].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = F.pad(grad.reshape(-1), (0, ctx.n * ctx.world_size - grad.numel()))
+        mine = grad.new_empty(ctx.n)
+        dist.reduce_scatter(mine, list(flat.split(ctx.n)))
+        return mine / ctx.world_size, None
+
+
+class ShardedModule(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.names, self.shapes, shards = [], [], []
+        for name, p in module.named_parameters():
+            n = math.ceil(p.numel() / world_size)
+            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))
+            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))
+            self.names.append(name)
+            self.shapes.append(p.shape)
+        self.shards = torch.nn.ParameterList(shards)
+        self.module = module.to("meta")
+
+    def forward(self, *args):
+        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, self.shards)}
+        return functional_call(self.module, full, args)
+'''
+
+
+def _hand_edit(old: str, new: str) -> str:
+    assert HAND.count(old) == 1, old
+    return HAND.replace(old, new)
+
+
+HAND_SUMMED = _hand_edit("        return mine / ctx.world_size, None\n", "        return mine, None   # the sum: an N x learning rate\n")
+HAND_NO_AUTOGRAD = _hand_edit(  # gathered outside autograd: the module trains a copy that is thrown away
+    "        full = {name: GatherParameter.apply(shard, shape)",
+    "        full = {name: GatherParameter.apply(shard.detach(), shape).requires_grad_()")
+HAND_UNPADDED = _hand_edit(
+    "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n",
+    "            flat = p.detach().reshape(-1)   # no padding: the last rank's slice is short when N does not divide\n")
+HAND_KEEPS_FULL = _hand_edit('        self.module = module.to("meta")\n',
+                             '        self.module = module   # the full weights stay on every rank\n')
+
+CALLS_LIBRARY_HAND = '''
+from course_lib.fsdp import GatherParameter, ShardedModule   # course_lib's
+'''
+
+CALLS_FULLY_SHARD = '''
+class ShardedModule(torch.nn.Module):   # torch's FSDP2 does the sharding
+    def __init__(self, module):
+        super().__init__()
+        self.module = fully_shard(module)
+        self.shards = torch.nn.ParameterList(list(module.parameters()))
+
+    def forward(self, *args):
+        return self.module(*args)
+'''
+
+FULL = {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2, "test_shard_state_bytes_errors": 1,
+        "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2,
+        "test_ShardedModule": 3, "test_ShardedModule_bytes": 3, "test_ShardedModule_hidden": 4}
+
+
+def scores(**lost) -> dict:
+    """Full marks except the named test cells, which score 0."""
+    return {**FULL, **{k: 0 for k in lost}}
+
+
 CASES = {
-    "grad_op_shards_weights": {
-        "cells": {"shard_state_bytes": GRAD_OP_SHARDS_WEIGHTS},
-        "scores": {"test_shard_state_bytes": 0, "test_shard_state_bytes_hidden": 0,
-                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2},
-    },
+    "grad_op_shards_weights": {"cells": {"shard_state_bytes": GRAD_OP_SHARDS_WEIGHTS},
+                               "scores": scores(test_shard_state_bytes=0, test_shard_state_bytes_hidden=0)},
     "no_shard_divides": {  # right for the measured full/grad_op runs, wrong for NO_SHARD
-        "cells": {"shard_state_bytes": NO_SHARD_DIVIDES},
-        "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 0,
-                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2},
-    },
-    "root_only": {
-        "cells": {"apply_fsdp": ROOT_ONLY},
-        "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2,
-                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 0, "test_apply_fsdp_hidden": 0},
-    },
+        "cells": {"shard_state_bytes": NO_SHARD_DIVIDES}, "scores": scores(test_shard_state_bytes_hidden=0)},
+    "root_only": {"cells": {"apply_fsdp": ROOT_ONLY}, "scores": scores(test_apply_fsdp=0, test_apply_fsdp_hidden=0)},
     "reshard_not_passed": {  # passes the visible test (default True), fails the hidden one
-        "cells": {"apply_fsdp": RESHARD_NOT_PASSED},
-        "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2,
-                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 0},
-    },
+        "cells": {"apply_fsdp": RESHARD_NOT_PASSED}, "scores": scores(test_apply_fsdp_hidden=0)},
     "calls_library_shard_state_bytes": {
         "cells": {"shard_state_bytes": CALLS_LIBRARY_SHARD_BYTES},
-        "scores": {"test_shard_state_bytes": 0, "test_shard_state_bytes_hidden": 0,
-                   "test_shard_state_bytes_errors": 0, "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2},
-    },
-    "calls_library_apply_fsdp": {
-        "cells": {"apply_fsdp": CALLS_LIBRARY_APPLY_FSDP},
-        "scores": {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2,
-                   "test_shard_state_bytes_errors": 1, "test_apply_fsdp": 0, "test_apply_fsdp_hidden": 0},
-    },
+        "scores": scores(test_shard_state_bytes=0, test_shard_state_bytes_hidden=0, test_shard_state_bytes_errors=0)},
+    "calls_library_apply_fsdp": {"cells": {"apply_fsdp": CALLS_LIBRARY_APPLY_FSDP},
+                                 "scores": scores(test_apply_fsdp=0, test_apply_fsdp_hidden=0)},
+    "hand_gradient_summed_not_averaged": {"cells": {"ShardedModule": HAND_SUMMED},
+                                          "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
+    "hand_gather_without_autograd": {  # the shards never get a gradient
+        "cells": {"ShardedModule": HAND_NO_AUTOGRAD}, "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
+    "hand_unpadded": {"cells": {"ShardedModule": HAND_UNPADDED},  # right on 2 ranks, wrong on 3
+                      "scores": scores(test_ShardedModule_hidden=0)},
+    "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL}, "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_library_ShardedModule": {
+        "cells": {"ShardedModule": CALLS_LIBRARY_HAND},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_fully_shard": {
+        "cells": {"ShardedModule": CALLS_FULLY_SHARD},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
 }
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
