@@ -6,6 +6,8 @@
   nobody uses (fixed MASTER_PORTs collide when tests run side by side).
 - **The data.** ``sharded_loader`` and ``step_batches``: this rank's share of every global batch,
   step after step, epoch after epoch (``DistributedSampler`` with ``set_epoch``).
+- **Slices of a tensor.** ``rank_slice`` (this rank's 1/N of a flattened, zero-padded tensor) and
+  ``gather_slices`` (the all-gather that undoes it): the sharding of ZeRO and FSDP, written once.
 - **What ranks agree on.** ``mean_over_ranks`` (the global batch's loss from the ranks' shards) and
   ``param_digest`` (one number for the full weights, sharded ones gathered).
 - **What a worker returns.** ``worker_result``: rank, world size and the per-step losses as a list,
@@ -19,6 +21,7 @@ Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course'
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -114,6 +117,21 @@ def step_batches(dataset, global_batch: int, steps: int, seed: int = 0) -> Itera
         epoch += 1
 
 
+def rank_slice(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of ``t``, flattened and zero-padded to a multiple of the world size: ceil(numel / N) values."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = math.ceil(t.numel() / world)
+    return nn.functional.pad(t.reshape(-1), (0, n * world - t.numel()))[rank * n:(rank + 1) * n]
+
+
+def gather_slices(piece: torch.Tensor, numel: int) -> torch.Tensor:
+    """Every rank's ``rank_slice`` of a tensor of ``numel`` values, all-gathered: the flat tensor again."""
+    n = piece.numel()
+    full = piece.new_empty(n * dist.get_world_size())
+    dist.all_gather(list(full.split(n)), piece.detach().contiguous())  # rank r's slice lands at r * n
+    return full[:numel]
+
+
 def param_digest(model: nn.Module) -> float:
     """A number that changes when any weight does: the sum of |w| over all parameters, in float64.
 
@@ -174,10 +192,6 @@ class CollectiveLog:
         event = {"what": what, "t": time.perf_counter() - self._start, **info}
         self.events.append(event)
         return event
-
-    def of(self, what: str) -> list[dict]:
-        """The events called ``what``, in order."""
-        return [e for e in self.events if e["what"] == what]
 
     def __enter__(self) -> "CollectiveLog":
         self._original = dist.all_reduce

@@ -40,7 +40,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.func import functional_call
 
 from course_lib.data import lm_batch
-from course_lib.distributed import mean_over_ranks, param_digest, rank_and_world, rank_device, worker_result
+from course_lib.distributed import (gather_slices, mean_over_ranks, param_digest, rank_and_world, rank_device,
+                                    rank_slice, worker_result)
 from course_lib.loss import forward_loss
 from course_lib.memory import estimate_model_state, optimizer_state_bytes, tensor_bytes
 from course_lib.models import build_llama, empty_llama, llama_config, llama_num_parameters
@@ -55,11 +56,8 @@ class GatherParameter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        world, n = dist.get_world_size(), shard.numel()
-        full = shard.new_empty(n * world)
-        dist.all_gather(list(full.split(n)), shard.detach().contiguous())
-        ctx.n, ctx.world = n, world
-        return full[:math.prod(shape)].view(shape)
+        ctx.n, ctx.world = shard.numel(), dist.get_world_size()
+        return gather_slices(shard, math.prod(shape)).view(shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -83,15 +81,10 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.names, self.shapes, shards = [], [], []
-        for name, p in module.named_parameters():
-            n = math.ceil(p.numel() / world)
-            flat = nn.functional.pad(p.detach().reshape(-1), (0, n * world - p.numel()))
-            shards.append(nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))
-            self.names.append(name)
-            self.shapes.append(p.shape)
-        self.shards = nn.ParameterList(shards)
+        named = list(module.named_parameters())
+        self.names, self.shapes = [name for name, _ in named], [p.shape for _, p in named]
+        self.shards = nn.ParameterList([nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad)
+                                        for _, p in named])
         self.module = module.to("meta")
 
     def forward(self, *args, **kwargs):

@@ -17,16 +17,15 @@ model, and is one config line away).
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.data import synthetic_images, to_device
-from course_lib.distributed import mean_over_ranks, param_digest, rank_and_world, rank_device, step_batches, worker_result
+from course_lib.distributed import (gather_slices, mean_over_ranks, param_digest, rank_and_world, rank_device,
+                                    rank_slice, step_batches, worker_result)
 from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes
 from course_lib.models import SmallCNN
@@ -189,28 +188,17 @@ class ShardedOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_cls: type[torch.optim.Optimizer], **optimizer_kwargs):
         self.params = [p for p in params if p.requires_grad]
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.slices = [math.ceil(p.numel() / self.world) for p in self.params]
-        self.shards = [self._padded(p.detach(), n)[self.rank * n:(self.rank + 1) * n].clone()
-                       for p, n in zip(self.params, self.slices)]
+        self.shards = [rank_slice(p.detach()).clone() for p in self.params]
         self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
-
-    def _padded(self, t: torch.Tensor, n: int) -> torch.Tensor:
-        flat = t.reshape(-1)
-        return torch.cat([flat, flat.new_zeros(n * self.world - flat.numel())])
 
     def step(self) -> None:
         """Step this rank's slices with their slice of the (already averaged) gradients, then all-gather."""
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
-        for i, shard in enumerate(self.shards):
-            n = self.slices[i]
-            shard.grad = self._padded(self.params[i].grad, n)[self.rank * n:(self.rank + 1) * n] if i in live else None
+        for p, shard in zip(self.params, self.shards):
+            shard.grad = None if p.grad is None else rank_slice(p.grad)
         self.optimizer.step()
-        for i in live:
-            p, n = self.params[i], self.slices[i]
-            full = p.new_empty(n * self.world)
-            dist.all_gather(list(full.split(n)), self.shards[i].detach())  # slice r lands at r * n
-            p.data.copy_(full[:p.numel()].view_as(p))
+        for p, shard in zip(self.params, self.shards):
+            if p.grad is not None:
+                p.data.copy_(gather_slices(shard, p.numel()).view_as(p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients (and the slices' copies)."""
