@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from course_lib import attention
 from course_lib.device import device_memory_bytes
 
 # Llama shapes by preset. The large ones are the published architectures (hidden size, layers,
@@ -64,14 +65,18 @@ def llama_config(preset: str = "tiny", **overrides):
 
 
 def build_llama(config_or_preset="tiny", *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+                attn_implementation: str = attention.IMPLEMENTATION, seed: int = 0, **overrides):
     """A ``LlamaForCausalLM`` with random weights from a preset name or a config.
+
+    Attention is ``course_sdpa`` (``course_lib.attention``): a fused SDPA kernel in every dtype, or
+    an error; ``attn_implementation="sdpa"`` gives transformers' own, which may fall back silently.
 
     Checks first that the weights fit on the device, so a preset too big stops with a
     message instead of an out-of-memory error halfway through initialisation.
     """
     from transformers import LlamaForCausalLM
 
+    attention.register()
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     config._attn_implementation = attn_implementation
     # Training needs no KV cache: it is only waste, and checkpointing's recompute would append to it twice.

@@ -7,7 +7,8 @@
   autocast would cast them to bf16 for every matmul anyway, so this changes no number and halves
   their memory and the cast traffic;
 - a fused AdamW (one kernel for the whole update instead of a loop of small ones);
-- SDPA attention, named explicitly (transformers picks it by default too);
+- attention on a fused SDPA kernel in every dtype (``course_lib.attention``; transformers' default
+  "sdpa" may fall back to the math kernel silently, in fp32 on GPUs);
 - ``torch.compile`` of every decoder layer ("regional" compilation: one layer compiles once and
   is reused 16 or 32 times), on GPUs; on a CPU the compile time outweighs the gain;
 - the chunked loss (``course_lib.loss.lm_loss``), which never builds the whole batch's fp32 logits;
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from course_lib import attention
 from course_lib.device import default_device, device_memory_bytes
 from course_lib.loss import LOSS_CHUNK_TOKENS, forward_loss, lm_loss
 from course_lib.memory import estimate_model_state, llama_activation_bytes
@@ -41,7 +43,7 @@ class Recipe:
     name: str = "recipe"
     amp_dtype: torch.dtype = torch.bfloat16
     fused_optimizer: bool = True
-    attn_implementation: str | None = "sdpa"
+    attn_implementation: str | None = attention.IMPLEMENTATION
     compile: bool = False
     chunked_loss: bool = True
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
@@ -91,6 +93,7 @@ def prepare(model: nn.Module, recipe: Recipe) -> nn.Module:
     attention implementation, activation checkpointing, regional ``torch.compile``."""
     lm = unwrap_causal_lm(model)
     if recipe.attn_implementation is not None:
+        attention.register()
         lm.config._attn_implementation = recipe.attn_implementation
     if recipe.frozen_weights_bf16 and recipe.amp_dtype == torch.bfloat16:
         tied = lm.get_input_embeddings().weight

@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
 LAYERS = {
-    "core": {"device", "precision", "data", "instruct", "models", "loss", "memory", "throughput", "results", "plots",
+    "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput", "results", "plots",
              "grading"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
