@@ -21,6 +21,9 @@ sees the aten op of each), ``sdpa_backend`` which one SDPA's dispatcher picks fo
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 from collections import Counter
 from typing import Callable
@@ -61,14 +64,34 @@ def attention_kernels(fn: Callable[[], object]) -> Counter:
     The profiler records the aten op each kernel dispatches to, forward and backward alike
     (the backward ops end in ``_backward`` and are counted under the same name).
     """
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with _quiet_stderr():  # the profiler's C++ side logs its start and stop to stderr: noise in a notebook
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     counts: Counter = Counter()
     for event in prof.events():
         name = event.name.removesuffix("_backward")
         if name in KERNEL_OPS:
             counts[KERNEL_OPS[name]] += 1
     return counts
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to /dev/null for the block (C++ logging goes there, not to ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def gqa_runs_fused(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
@@ -96,16 +119,20 @@ def fused_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
 
     Raises ``AttentionFallback`` where SDPA could only run its math path, naming the cause.
     """
+    device = query.device.type
+    # under autocast SDPA runs in the autocast dtype, whatever q, k, v came in (RoPE may leave q, k in fp32)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     n_rep = query.shape[1] // key.shape[1]
-    grouped = n_rep > 1 and gqa_runs_fused(query.device.type, query.dtype, attn_mask is not None)
+    grouped = n_rep > 1 and gqa_runs_fused(device, dtype, attn_mask is not None)
     if n_rep > 1 and not grouped:
         key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     if not torch.compiler.is_compiling():  # eager: ask SDPA's dispatcher first, and explain a fallback
+        q, k, v = (t.to(dtype) for t in (query, key, value))
         with warnings.catch_warnings():  # the dispatcher warns why each fused kernel declined
             warnings.simplefilter("ignore", UserWarning)
-            backend = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa=grouped)
+            backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa=grouped)
         if backend == SDPBackend.MATH:
-            raise AttentionFallback(_fallback_message(query, value, attn_mask, dropout_p))
+            raise AttentionFallback(_fallback_message(q, v, attn_mask, dropout_p))
     with sdpa_kernel(FUSED_BACKENDS):  # compiled: the restriction alone makes a fallback fail (torch's message)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=grouped)

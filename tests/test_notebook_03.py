@@ -30,6 +30,15 @@ def test_where_the_activations_are(executed):
     assert value(res, "estimate_over_measured_full") < 1.0
 
 
+def test_attention_runs_fused_and_the_forced_fallback_is_measured(executed):
+    res = executed("03_activation_checkpointing")
+    # the math kernel keeps the T×T probabilities: h·T·4 bytes per token and block, several times the rest
+    assert value(res, "attention_math_over_fused_saved") > 2
+    assert value(res, "transformers_sdpa_math_dtypes") == []  # a CPU's flash kernel takes grouped heads in every dtype
+    held = claim(res, "SDPA (flash or memory-efficient attention) never stores")
+    assert held["held"] and "math" not in held["measured"].split("transformers")[0]
+
+
 def test_gradients_unchanged_by_checkpointing(executed):
     res = executed("03_activation_checkpointing")
     for policy in ("none", "selective (MLP)", "every 2nd block", "full"):
@@ -51,7 +60,7 @@ def test_recipe_and_claims_recorded(executed):
     assert 1.0 < value(res, "recipe_bf16_memory_ratio") < 2.0
     assert value(res, "recipe_bf16_plus_checkpoint_memory_ratio") > 2.0
     claims = {c["claim"]: c for c in res["claims"]}
-    assert len(claims) == 7, list(claims)
+    assert len(claims) == 8, list(claims)
     assert all(c["measured"] for c in claims.values())
     held = {c["claim"].split(" (")[0]: c["held"] for c in res["claims"]}
     assert held["Checkpointing leaves the gradients unchanged"]
