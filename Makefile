@@ -2,15 +2,20 @@
 #   make course   set up .venv and execute every notebook on this machine's tier (runs/summary.md)
 #   make test     set up .venv and run the test suite (what CI runs)
 #   make lab      start JupyterLab on notebooks/
+#   make ops      (re)build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (setup does it once)
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
+# TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
+# target exports it, so the kernels of `lab`, `course` and `grade` find the op that setup built.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ASSIGNMENT ?= 02_gradient_accumulation
+TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup course test lab release release-check grade clean docker-rocm docker-cuda
+.PHONY: setup ops course test lab release release-check grade clean docker-rocm docker-cuda
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -28,7 +33,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	@touch $@
 
-setup: $(VENV)/.installed
+# DeepSpeed JIT-compiles its shared-memory comm op (deepspeed_shm_comm) in the first CPU launch: about a
+# minute on 2 cores, past nbgrader's 60 s cell limit in notebook 06's first graded launch. Built here once,
+# with the CPU accelerator that course_lib.launch gives CPU ranks; a later load only checks it (ninja).
+SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+BUILD_OPS = DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES= \
+	$(PY) -c "from course_lib.zero import build_deepspeed_ops; build_deepspeed_ops()"
+
+$(SHM_OP): $(VENV)/.installed
+	$(BUILD_OPS)
+
+setup: $(VENV)/.installed $(SHM_OP)
+
+ops: $(VENV)/.installed
+	$(BUILD_OPS)
 
 course: setup
 	$(PY) -m course_lib.run_all

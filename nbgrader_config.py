@@ -8,6 +8,7 @@ Collected work goes to submitted/<student>/<assignment>/; ``nbgrader autograde``
 """
 
 import os
+import sys
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 
@@ -29,3 +30,10 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 c.Execute.timeout = int(os.environ.get("COURSE_CELL_TIMEOUT", "60"))
 c.Execute.interrupt_on_timeout = True
 c.Execute.allow_errors = True
+
+# The grading kernel inherits this process's environment (jupyter_client copies os.environ). DeepSpeed
+# JIT-builds its CPU comm op on first use, about a minute, past the cell limit above in notebook 06's
+# first graded launch: point the kernel at the op `make setup` built (.venv/torch_extensions, next to the
+# Python that runs nbgrader), unless the caller chose a folder (make, the images and .ci/run do).
+if sys.prefix != sys.base_prefix:  # in the course's venv
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from course_lib.device import backend_for, default_device
 from course_lib.distributed import free_port
-from course_lib.workers import exit_now
+from course_lib.workers import exit_now, set_parent_death_signal
 
 
 class WorkerError(RuntimeError):
@@ -68,6 +69,10 @@ def check_world(nprocs: int, device_type: str | None = None) -> None:
                          f"use nprocs <= {(os.cpu_count() or 1) * 2}")
 
 
+PORT_TRIES = 3  # launches whose free port another process took meanwhile are retried on a new one
+KILL_GRACE = 5.0  # seconds torchrun gets to stop its ranks after SIGTERM, before SIGKILL
+
+
 def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout: float = 300,
            nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
            device_type: str | None = None, echo: bool = True) -> list[dict]:
@@ -75,27 +80,60 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     if ":" not in target:
         raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.ddp:train'")
     check_world(nprocs, device_type)
+    clear_stale_extension_locks()
     out = Path(tempfile.mkdtemp(prefix="course_launch_"))
-    (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-           f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-           f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}", "--max-restarts=0",
-           "--monitor-interval=0.2", "-m", "course_lib.workers", target, str(out)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
+        deadline = time.monotonic() + timeout
+        for _ in range(PORT_TRIES):
+            # a port we picked is hosted here (is_host): taken meanwhile, torchrun fails at once instead of
+            # joining whatever listens there as a client and waiting for a rendezvous that never comes
+            endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                   f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                   f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}", "--max-restarts=0",
+                   "--monitor-interval=0.2", *([] if rdzv_endpoint else ["--rdzv-conf=is_host=1"]),
+                   "-m", "course_lib.workers", target, str(out)]
+            proc, lines, shown = _run_torchrun(cmd, _launch_env(nprocs, device_type), out, deadline, timeout, echo)
+            if rdzv_endpoint or not _port_was_taken(proc, lines, out):
+                break
+        if echo and not shown:  # torchrun's own lines, held back while a retry was possible
+            print("".join(lines), end="", flush=True)
+        return _results(proc, lines, out, target)
+    finally:  # whatever happened: no rank lives on, no folder is left behind
+        _kill_ranks(out)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _launch_env(nprocs: int, device_type: str | None) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_LAUNCH_PID": str(os.getpid())}
     # one BLAS/OpenMP thread pool per rank sized to its share of the cores, so ranks do not thrash
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     if device_type == "cpu":  # CPU ranks on a GPU machine: hide the GPUs from torch and from DeepSpeed
         env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ""
         env["DS_ACCELERATOR"] = "cpu"
-    clear_stale_extension_locks()
+    return env
+
+
+def _run_torchrun(cmd: list[str], env: dict, out: Path, deadline: float, timeout: float,
+                  echo: bool) -> tuple[subprocess.Popen, list[str], bool]:
+    """One torchrun: (its process, its output lines, whether they were shown); stopped at ``deadline``."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent)
     try:
-        lines = _stream(proc, timeout, echo)
-    except BaseException:  # an interrupted cell (KeyboardInterrupt) must not leave ranks running
-        _kill(proc)
+        return (proc, *_stream(proc, deadline, timeout, echo))
+    except BaseException:  # a timeout, or an interrupted cell (KeyboardInterrupt): no rank may keep running
+        _kill(proc, out)
         raise
+
+
+def _port_was_taken(proc: subprocess.Popen, lines: list[str], out: Path) -> bool:
+    """Whether torchrun failed because its rendezvous port was taken, before any rank started."""
+    return (proc.returncode != 0 and not any(out.glob("rank*.pid"))
+            and any("EADDRINUSE" in line or "address already in use" in line.lower() for line in lines))
+
+
+def _results(proc: subprocess.Popen, lines: list[str], out: Path, target: str) -> list[dict]:
     # the first rank to fail is the cause; the others usually fail after it, losing their peer
     errors = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
     if errors:
@@ -109,14 +147,17 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     return [json.loads(p.read_text()) for p in files]
 
 
-def _stream(proc: subprocess.Popen, timeout: float, echo: bool) -> list[str]:
-    """Print the launch's output as it comes; kill its whole process group past the timeout."""
-    deadline, lines, buf = time.monotonic() + timeout, [], b""
+def _stream(proc: subprocess.Popen, deadline: float, timeout: float, echo: bool) -> tuple[list[str], bool]:
+    """Print the launch's output as it comes; raise TimeoutError past ``deadline``. Returns (lines, shown).
+
+    torchrun's own lines are held back until a rank speaks: a launch retried on a new port then
+    shows nothing of the attempt that failed.
+    """
+    lines, buf, shown = [], b"", False
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     while True:
         if time.monotonic() > deadline:
-            _kill(proc)
             raise TimeoutError(f"the launch ran past timeout={timeout} s and was stopped; last output:\n"
                                + "".join(lines[-30:]))
         if sel.select(timeout=0.2):
@@ -126,12 +167,14 @@ def _stream(proc: subprocess.Popen, timeout: float, echo: bool) -> list[str]:
             buf += chunk
             *complete, buf = buf.split(b"\n")
             for raw in complete:
-                line = raw.decode(errors="replace") + "\n"
-                lines.append(line)
-                if echo:
-                    print(line, end="", flush=True)
+                lines.append(raw.decode(errors="replace") + "\n")
+                if echo and not shown and lines[-1].startswith("[rank"):
+                    print("".join(lines[:-1]), end="", flush=True)
+                    shown = True
+                if echo and shown:
+                    print(lines[-1], end="", flush=True)
     proc.wait()
-    return lines
+    return lines, shown
 
 
 def clear_stale_extension_locks(root: str | None = None) -> list[Path]:
@@ -142,7 +185,7 @@ def clear_stale_extension_locks(root: str | None = None) -> list[Path]:
     timeout) leaves the file behind, and every later DeepSpeed launch would hang. The process that
     holds the lock keeps it open, so a lock that no process has open is stale.
     """
-    base = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or _default_extensions_dir())
+    base = Path(root or extensions_dir())
     locks = list(base.glob("*/lock")) + list(base.glob("*/*/lock"))
     if not locks:
         return []
@@ -155,10 +198,15 @@ def clear_stale_extension_locks(root: str | None = None) -> list[Path]:
     return removed
 
 
-def _default_extensions_dir() -> str:
+def extensions_dir() -> str:
+    """Where torch keeps JIT-built extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR, else torch's default.
+
+    ``make``, the images, .ci/run and nbgrader_config.py set it to .venv/torch_extensions, where
+    ``make setup`` (``make ops``) builds DeepSpeed's CPU comm op.
+    """
     from torch.utils.cpp_extension import get_default_build_root
 
-    return get_default_build_root()
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
 def _open_files() -> set[str]:
@@ -177,23 +225,54 @@ def _open_files() -> set[str]:
 
 
 def _die_with_parent() -> None:
-    """In the torchrun child: get SIGTERM if the notebook's kernel dies, so its ranks never outlive it."""
-    try:
-        import ctypes
+    """In the torchrun child: SIGKILL when the launching kernel dies, which in turn kills its ranks.
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the timeout and _kill still apply
-        pass
+    SIGKILL, not SIGTERM: torchrun would give ranks that ignore SIGTERM 30 s, and a kernel that
+    died has nobody left to wait for. Each rank asks for SIGKILL on torchrun's end (``workers``).
+    """
+    set_parent_death_signal(signal.SIGKILL)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, out: Path) -> None:
+    """Stop torchrun (SIGTERM to its group, SIGKILL after KILL_GRACE), then any rank it left, by pid."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=5)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            proc.wait(timeout=KILL_GRACE)
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
             continue
+    _kill_ranks(out)
+
+
+def _kill_ranks(out: Path, wait: float = 5.0) -> None:
+    """SIGKILL every rank of this launch still alive (the pids they wrote to ``out``); wait until they are gone.
+
+    torchrun starts its ranks in sessions of their own, so killing its group misses them. A pid
+    counts only while its command line names ``out``: a recycled pid belongs to someone else.
+    """
+    pids = []
+    for f in out.glob("rank*.pid"):
+        try:
+            pid = int(f.read_text())
+            if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                pids.append(pid)
+        except (OSError, ValueError):  # gone already, or the pid file half written
+            continue
+    deadline = time.monotonic() + wait
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60) -> list:
@@ -233,7 +312,9 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
 
         ctx, shipped = mp.get_context("spawn"), cloudpickle.dumps(fn)  # by value: a notebook's function too
     port, queue = free_port(), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_forked_rank, args=(shipped, rank, nprocs, port, backend, queue, args), daemon=True)
+    # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
+    procs = [ctx.Process(target=_forked_rank, args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid()),
+                         daemon=True)
              for rank in range(nprocs)]
     for p in procs:
         p.start()
@@ -277,7 +358,10 @@ def fork_is_safe() -> bool:
     return torch.cuda.device_count() == 0
 
 
-def _forked_rank(fn, rank, world, port, backend, queue, args):
+def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
+    # a daemon child is only stopped by its parent's normal exit: a killed kernel would leave it running
+    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:  # the parent went before we asked
+        os._exit(1)
     spawned = isinstance(fn, bytes)
     if spawned:  # the function came by value
         import cloudpickle

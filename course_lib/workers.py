@@ -8,6 +8,11 @@ gloo on CPU), calls ``FUNCTION(**kwargs)`` with the kwargs in ``OUT_DIR/kwargs.j
 writes the returned dict, with ``rank`` and ``world_size`` added where it lacks them, to
 ``OUT_DIR/rankN.json``; or, if it raises, its traceback to ``OUT_DIR/rankN.error``.
 Then it leaves at once, without Python's shutdown (``exit_now`` says why).
+
+A rank never outlives torchrun: it asks the kernel for SIGKILL when its parent ends
+(``die_with_parent``), and writes its pid to ``OUT_DIR/rankN.pid`` so that ``launch`` can stop it
+by pid too. torchrun starts ranks in sessions of their own and gives them 30 s after its SIGTERM;
+a rank slow to die (GPU teardown, a stuck collective) would otherwise hold its GPU memory on.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib
 import io
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -49,6 +55,8 @@ def main(argv: list[str]) -> int:
     """One rank: join the group, run ``MODULE:FUNCTION(**kwargs)``, write its result or its traceback; the exit code."""
     target, out = argv[0], Path(argv[1])
     rank = int(os.environ["RANK"])
+    die_with_parent(os.environ.get("COURSE_LAUNCH_PID"))
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     sys.stdout, sys.stderr = RankPrefixed(sys.__stdout__, rank), RankPrefixed(sys.__stderr__, rank)
     # a crash below Python (SIGABRT, SIGSEGV in a C++ op) still prints where Python was
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
@@ -70,6 +78,39 @@ def main(argv: list[str]) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when the thread that started it ends; False where it cannot."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig)) == 0
+    except (OSError, AttributeError):  # not Linux (no libc.so.6 or no prctl): the launcher's kill by pid remains
+        return False
+
+
+def die_with_parent(launcher_pid: str | None = None) -> None:
+    """Get SIGKILL when torchrun, this rank's parent, ends; end now if it already has.
+
+    SIGKILL because a rank may ignore SIGTERM or be stuck in C++ where no handler runs. The
+    parent may have died before the signal was asked for (the rank imports torch first): then
+    this process was handed to init or a subreaper, whose parent is not the launching process
+    (``launcher_pid``, which ``launch`` passes). Without it (torchrun started by hand or by SLURM)
+    that check is skipped: torchrun may itself be PID 1 in a container.
+    """
+    if set_parent_death_signal(signal.SIGKILL) and launcher_pid and _parent_of(os.getppid()) != int(launcher_pid):
+        exit_now(1)
+
+
+def _parent_of(pid: int) -> int:
+    try:  # /proc/PID/stat: "pid (comm) state ppid ...", and comm may hold spaces or parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def exit_now(code: int) -> None:

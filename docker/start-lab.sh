@@ -11,6 +11,7 @@
 #   JUPYTER_TOKEN the token; when unset a random one is made and printed
 #   NBGRADER_EXCHANGE  nbgrader's exchange folder, written to ~/.jupyter/nbgrader_config.py on the
 #                 first start                           (default WORK_DIR/exchange)
+#   TORCH_EXTENSIONS_DIR  DeepSpeed's JIT-built ops         (default COURSE_DIR/.venv/torch_extensions)
 #   COURSE_ALLOW_ROOT=1  allow running as root (tests outside Docker); refused otherwise
 # Extra arguments are passed to `jupyter lab`.
 set -euo pipefail
@@ -66,7 +67,16 @@ fi
 
 # Kernels and nbgrader's commands come from the course's environment.
 export PATH="$COURSE_DIR/.venv/bin:$PATH"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"
+# DeepSpeed's CPU comm op, built by `make setup` (the images set TORCH_EXTENSIONS_DIR to it): loading it
+# takes a lock file in its folder, so a folder this user cannot write is copied to one it can.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$COURSE_DIR/.venv/torch_extensions}"
+ext="$TORCH_EXTENSIONS_DIR" own="$HOME/.cache/course_torch_extensions"
+if [ -d "$ext" ] && { [ ! -w "$ext" ] || { [ -d "$ext/deepspeed_shm_comm" ] && [ ! -w "$ext/deepspeed_shm_comm" ]; }; }; then
+  [ -e "$own" ] || { mkdir -p "$(dirname "$own")" && cp -Rp "$ext" "$own"; }
+  export TORCH_EXTENSIONS_DIR="$own"
+elif [ ! -e "$ext" ] && [ ! -w "$(dirname "$ext")" ]; then
+  export TORCH_EXTENSIONS_DIR="$own"  # nothing prebuilt: DeepSpeed builds it there on first use
+fi
 as_root=()
 [ "$(id -u)" = 0 ] && as_root=(--allow-root)  # only reached with COURSE_ALLOW_ROOT=1
 cd "$root"

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# DeepSpeed's CPU op where `make setup` built it (make and .ci/run export this; plain `pytest` gets it here)
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 TIMES: dict[str, float] = {}
 
 

@@ -86,6 +86,11 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
     assert re.search(r"\bdeepspeed==", runs) and "--no-build-isolation" in runs, "DeepSpeed rebuilt against the image's torch"
     for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1"):
         assert op in runs, f"DeepSpeed's {op} prebuilt"
+    # DeepSpeed's JIT CPU comm op, built after the reinstall into the folder grading kernels use, owned by the user
+    assert re.search(r"deepspeed==\$\{DS_VERSION\}.*\bmake ops\b", runs), "make ops after DeepSpeed's reinstall"
+    envs = " ".join(a for i, a in ins if i == "ENV")
+    assert "TORCH_EXTENSIONS_DIR=/opt/course/.venv/torch_extensions" in envs
+    assert 'chown -R "${NB_USER}:" "${TORCH_EXTENSIONS_DIR}"' in runs, "loading an op takes a lock in its folder"
     arch = "PYTORCH_ROCM_ARCH" if dockerfile.name.endswith("rocm") else "TORCH_CUDA_ARCH_LIST"
     assert arch in dockerfile.read_text(), f"ops need {arch}: no GPU is there at build time"
     users = [a for i, a in ins if i == "USER"]
@@ -235,3 +240,56 @@ def test_run_sh_cuda_and_options(tmp_path):
                          (["rocm", "--frobnicate"], "unknown option")):
         proc = _run_sh(*bad, tmp=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr
+
+
+def _argv(proc: subprocess.CompletedProcess) -> list[str]:
+    import shlex
+
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout)
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+def _fake_kfd_topology(root: Path, minors: list[int]) -> Path:
+    """A KFD topology as sysfs shows it on a ROCm host: node 0 a CPU (gpu_id 0), then one node per GPU."""
+    (root / "0").mkdir(parents=True)
+    (root / "0" / "gpu_id").write_text("0\n")
+    (root / "0" / "properties").write_text("cpu_cores_count 96\n")
+    for i, minor in enumerate(minors, start=1):
+        (root / str(i)).mkdir()
+        (root / str(i) / "gpu_id").write_text(f"{1000 + i}\n")
+        (root / str(i) / "properties").write_text(f"simd_count 1216\ndrm_render_minor {minor}\n")
+    return root
+
+
+def test_run_sh_gpus_gives_a_container_only_its_gpus(tmp_path, monkeypatch):
+    """Students sharing an 8-GPU node each get their own GPUs, numbered from 0 inside the container."""
+    # without --gpus: every GPU, as before
+    rocm, cuda = _argv(_run_sh("rocm", tmp=tmp_path)), _argv(_run_sh("cuda", tmp=tmp_path))
+    assert _flag_values(rocm, "--device") == ["/dev/kfd", "/dev/dri"] and "HIP_VISIBLE_DEVICES" not in " ".join(rocm)
+    assert _flag_values(cuda, "--gpus") == ["all"] and "CUDA_VISIBLE_DEVICES" not in " ".join(cuda)
+    # rocm: the render nodes of GPUs 2 and 3 in KFD order (not renderD130/131: the order is the topology's)
+    monkeypatch.setenv("KFD_TOPOLOGY", str(_fake_kfd_topology(tmp_path / "kfd", [128, 136, 144, 152, 160])))
+    rocm = _argv(_run_sh("rocm", "--gpus", "2,3", tmp=tmp_path))
+    assert _flag_values(rocm, "--device") == ["/dev/kfd", "/dev/dri/renderD144", "/dev/dri/renderD152"]
+    assert {"HIP_VISIBLE_DEVICES=0,1", "ROCR_VISIBLE_DEVICES=0,1"} <= set(_flag_values(rocm, "-e"))
+    proc = _run_sh("rocm", "--gpus", "4,5", tmp=tmp_path)
+    assert proc.returncode == 2 and "no GPU 5 (found 5" in proc.stderr, proc.stderr
+    # no topology (not a ROCm host): the documented assumption, said on stderr
+    monkeypatch.setenv("KFD_TOPOLOGY", str(tmp_path / "none"))
+    proc = _run_sh("rocm", "--gpus", "1", tmp=tmp_path)
+    assert _flag_values(_argv(proc), "--device") == ["/dev/kfd", "/dev/dri/renderD129"]
+    assert "assuming GPU i is /dev/dri/renderD(128+i)" in proc.stderr
+    # cuda: docker's device request, quoted as docker wants it for a list
+    cuda = _argv(_run_sh("cuda", "--gpus", "0,1", tmp=tmp_path))
+    assert _flag_values(cuda, "--gpus") == ['"device=0,1"'] and "CUDA_VISIBLE_DEVICES=0,1" in _flag_values(cuda, "-e")
+    for bad, message in ((["--gpus", "x"], "give GPU indices separated by commas"),
+                         (["--gpus", "0,,1"], "give GPU indices"), (["--gpus", "1,1"], "names a GPU twice"),
+                         (["--gpus", "0", "--", "--privileged"], "would still show every GPU")):
+        for platform in ("rocm", "cuda"):
+            proc = _run_sh(platform, *bad, tmp=tmp_path)
+            assert proc.returncode == 2 and message in proc.stderr, (platform, bad, proc.stderr)
+            assert not proc.stdout, "no docker command for bad input"
