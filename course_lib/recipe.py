@@ -16,8 +16,14 @@
   by ``plan_micro_batch`` from the device's memory and ``course_lib.memory``'s estimates.
 
 ``BASELINE`` is what a plain script does: ``LlamaForCausalLM(..., labels=labels).loss``,
-``torch.optim.AdamW`` with default settings, bf16 autocast over fp32 weights, no compile,
-transformers' default attention. A recipe goes into the course's one step as
+``torch.optim.AdamW`` with default settings, bf16 autocast over fp32 trainable weights, no compile,
+transformers' default attention (which is SDPA too: "sdpa" since transformers 4.36). Under LoRA
+its frozen base linear weights are stored in bf16, as in a plain LoRA script that loads the base
+with ``dtype=torch.bfloat16`` (peft then keeps the adapters in fp32): a baseline with an fp32 base
+would pay twice the memory and weight traffic no user pays, and flatter the recipe. So under LoRA
+the recipe's gains are the ones a user does not already have: the fused optimizer, the compiled
+layers, the chunked loss, a fused attention kernel guaranteed, and the memory plan. A recipe goes
+into the course's one step as
 ``train_step(model, optimizer, batch, loss_fn=recipe.loss, amp_dtype=recipe.amp_dtype)``.
 """
 
@@ -57,8 +63,10 @@ class Recipe:
         return lm_loss(model, batch, chunk_tokens=self.loss_chunk_tokens, fused=self.compile)
 
 
+# frozen_weights_bf16: a plain LoRA script loads its frozen base in bf16 (it changes nothing under full fine-tune,
+# where no weight is frozen)
 BASELINE = Recipe(name="baseline", amp_dtype=torch.bfloat16, fused_optimizer=False, attn_implementation=None,
-                  compile=False, chunked_loss=False, frozen_weights_bf16=False, checkpointing=False)
+                  compile=False, chunked_loss=False, frozen_weights_bf16=True, checkpointing=False)
 
 
 def recipe_for(device: torch.device | str, *, compile: bool | None = None, checkpointing: bool = False) -> Recipe:
@@ -111,7 +119,7 @@ def prepare(model: nn.Module, recipe: Recipe) -> nn.Module:
 # ------------------------------------------------------------------------------ memory planning
 def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = False, checkpointing: bool = False,
                         chunked_loss: bool = True, frozen_bytes: int = 2, chunk_tokens: int = LOSS_CHUNK_TOKENS,
-                        lora_params: int = 0) -> dict[str, int]:
+                        lora_params: int = 0, trainable_head: bool | None = None) -> dict[str, int]:
     """Bytes one training step needs, from ``course_lib.memory``'s estimates.
 
     Model state: full fine-tune, fp32 weights, gradients and AdamW's two states (16 bytes per
@@ -119,6 +127,11 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
     parameter. Activations: ``llama_activation_bytes`` in bf16, and the logits as the loss keeps
     them: the chunked loss one chunk's (fp32 and bf16) and the hidden states' gradient; the plain
     loss bf16 logits, their fp32 copy and its gradient (about 10 bytes per vocabulary entry and token).
+
+    "lm head gradient": the chunked loss computes the LM head's weight gradient in its forward
+    and keeps it, fp32 V×d, alive through the whole backward, on top of the gradient the model
+    state counts (2 GiB at 8B: 128256 × 4096 × 4 bytes). Only where the head trains:
+    ``trainable_head`` defaults to full fine-tune; LoRA (peft) freezes the head with the base.
     """
     n = llama_num_parameters(config)
     if lora:
@@ -134,7 +147,10 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
         logits = min(tokens, chunk_tokens) * config.vocab_size * (4 + 2) + tokens * config.hidden_size * 4
     else:
         logits = tokens * config.vocab_size * (2 + 4 + 4)
-    return {"model state": state, "activations": acts, "logits": logits, "total": state + acts + logits}
+    trainable_head = not lora if trainable_head is None else trainable_head
+    head_grad = config.vocab_size * config.hidden_size * 4 if chunked_loss and trainable_head else 0
+    return {"model state": state, "activations": acts, "logits": logits, "lm head gradient": head_grad,
+            "total": state + acts + logits + head_grad}
 
 
 def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = None, *, micro_batch: int | None = None,

@@ -52,10 +52,23 @@ def peak_bf16_flops(device: torch.device | str | None = None) -> float | None:
     return None
 
 
+def matmul_parameters(n_params: int, vocab_size: int, d_model: int, tied_head: bool) -> int:
+    """The parameter count N that MFU's 6·N uses: every parameter but the input embedding.
+
+    The embedding is a lookup (a gather, no FLOPs); the LM head is a V×d matmul. A tied head
+    shares the embedding's matrix, which ``n_params`` (each shared tensor once) counts once:
+    as the head, so nothing is subtracted. Norm weights stay in (d per norm: negligible).
+    """
+    return n_params if tied_head else n_params - vocab_size * d_model
+
+
 def transformer_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int, frozen_base: bool = False) -> float:
     """Training FLOPs per token: 6·N (forward 2N, backward 4N) plus 12·L·d·T for attention.
 
-    With frozen base weights (LoRA) the weight gradients are not computed: 4·N.
+    N is the matmul parameter count (``matmul_parameters``). With frozen base weights (LoRA) the
+    weight gradients are not computed: 4·N (the adapters' own FLOPs are left out, under 1%).
+    12·L·d·T counts every query-key pair, as PaLM's MFU does, though causal and document masks
+    skip some: the same convention for every run compared.
     """
     return (4 if frozen_base else 6) * n_params + 12 * n_layers * d_model * seq_len
 
@@ -87,3 +100,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device 
             times[name].append(time.perf_counter() - t0)
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "times": t}
             for name, t in times.items()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min, median and max of repeated measurements (of tokens/s, say): how far one figure can be trusted."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
