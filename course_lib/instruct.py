@@ -8,8 +8,10 @@ have exactly one right answer, so a model's greedy output is either right or wro
 - ``add``:     "Add: 12 + 7"                         → "19"
 - ``lookup``:  "a=3 b=7 c=1. What is b?"             → "7"
 
-Every example is a prompt and a response, formatted with a chat-like template
-(``format_prompt``). Training sees prompt and response as one sequence, but the loss is taken
+Every example is a prompt and a response, formatted with the tokenizer's own chat template where it
+has one (``tokenizer.chat_template``: Llama 3's ``<|start_header_id|>user<|end_header_id|>...``, through
+``apply_chat_template``), else with the package's chat-like template (``format_prompt``).
+Training sees prompt and response as one sequence, but the loss is taken
 on the response only: ``tokenize_example`` sets ``labels = -100`` on every prompt position
 (and ``pad_batch`` on every padding position), the index PyTorch's cross-entropy ignores.
 Labels follow the transformers convention: ``labels[t]`` is the token at position ``t``, and
@@ -27,14 +29,21 @@ Two ways to make batches of examples of different lengths:
   alone. Packing pays off when lengths vary a lot (real instruction data); with short examples
   of similar length, as here, padding wastes little and keeps the batches simpler.
 
+Real data has examples longer than a training row. ``fit_to_length`` does what fine-tuning
+libraries do (TRL truncates, axolotl drops): an example whose prompt leaves room for at least
+``min_response`` response tokens keeps its whole prompt and as much of its response as fits (it loses
+its EOS, since it did not end there); one whose prompt alone fills the row is dropped, as it has
+nothing left to learn from. It returns the counts, and the CLI prints them.
+
 ``load_instruction_data`` gives a train and a held-out split: the package's own task by
-default, or a Hugging Face data set by name (``datasets`` is imported only then).
+default, or a Hugging Face data set by name, or a local JSON-lines file (``datasets`` is imported only then).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -75,6 +84,8 @@ def make_example(task: str, rng: random.Random, n_words: int = 3) -> Example:
 def make_examples(task: str = "reverse", n: int = 1000, seed: int = 0, n_words: int = 3,
                   exclude: set[str] | None = None) -> list[Example]:
     """``n`` distinct examples of ``task`` (none whose instruction is in ``exclude``)."""
+    if n == 0:
+        return []
     rng, seen, out = random.Random(seed), set(exclude or ()), []
     for _ in range(200 * n):
         ex = make_example(task, rng, n_words)
@@ -86,27 +97,95 @@ def make_examples(task: str = "reverse", n: int = 1000, seed: int = 0, n_words: 
     raise ValueError(f"task={task!r} has fewer than {n} distinct examples with n_words={n_words}: ask for fewer")
 
 
-def format_prompt(instruction: str) -> str:
-    """The chat-like template: the text the model sees before its answer."""
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` brings its own chat template (Llama 3 Instruct's does; the package's does not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(instruction: str, tokenizer=None) -> str:
+    """The text the model sees before its answer: the tokenizer's chat template with the generation prompt
+    (``apply_chat_template``) where it has one, else the package's template."""
+    if tokenizer is not None and has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                             add_generation_prompt=True)
     return PROMPT_TEMPLATE.format(instruction=instruction)
 
 
 def example_texts(examples: list[Example]) -> list[str]:
-    """Each example as the model sees it in training: the formatted prompt and the response (to train a tokenizer on)."""
+    """Each example as the model sees it in training with the package's template: the formatted prompt and the
+    response (to train a tokenizer on)."""
     return [format_prompt(e.instruction) + e.response for e in examples]
+
+
+def prompt_ids(tokenizer, instruction: str) -> list[int]:
+    """The token ids of the formatted prompt, BOS first: what training masks and what generation starts from.
+
+    A chat template writes its own BOS (Llama 3's ``<|begin_of_text|>``) into the text, so none is added then.
+    """
+    text = format_prompt(instruction, tokenizer)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and not (ids and ids[0] == bos):
+        ids = [bos] + ids
+    return ids
+
+
+def _response_text(tokenizer, example: Example) -> str:
+    """The text after the prompt: the response, plus the template's end of turn (Llama 3's ``<|eot_id|>``)."""
+    if not has_chat_template(tokenizer):
+        return example.response
+    prompt = format_prompt(example.instruction, tokenizer)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": example.instruction},
+                                          {"role": "assistant", "content": example.response}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the tokenizer's chat template renders the prompt differently with and without the answer, so "
+                         "the prompt/response boundary is not exact: use a template whose generation prompt is a "
+                         "prefix of the full conversation, or set tokenizer.chat_template = None for the package's template")
+    return full[len(prompt):]
 
 
 def tokenize_example(tokenizer, example: Example) -> dict[str, list[int]]:
     """``input_ids`` of prompt + response + EOS, and ``labels`` with -100 on every prompt position.
 
     Prompt and response are tokenized separately, so the boundary between them is exact
-    whatever the tokenizer merges. The EOS is a label: the model must learn to stop.
+    whatever the tokenizer merges. The EOS (and a chat template's end of turn) is a label: the model
+    must learn to stop.
     """
-    prompt = tokenizer(format_prompt(example.instruction), add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        prompt = [tokenizer.bos_token_id] + prompt
-    response = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompt = prompt_ids(tokenizer, example.instruction)
+    response = tokenizer(_response_text(tokenizer, example), add_special_tokens=False)["input_ids"]
+    if not response or response[-1] != tokenizer.eos_token_id:
+        response = response + [tokenizer.eos_token_id]
     return {"input_ids": prompt + response, "labels": [IGNORE_INDEX] * len(prompt) + response}
+
+
+def fit_to_length(features: list[dict], seq_len: int, *, long: str = "truncate",
+                  min_response: int = 1) -> tuple[list[dict], dict[str, int]]:
+    """Make every tokenized example fit in ``seq_len`` tokens; the kept examples and the counts.
+
+    ``long="truncate"`` keeps the whole prompt and the first ``seq_len - len(prompt)`` tokens of the response,
+    and drops an example whose prompt leaves fewer than ``min_response`` response tokens; ``"drop"`` drops
+    every example that is too long; ``"error"`` raises on the first. Counts: ``kept`` (as they were),
+    ``truncated``, ``dropped``.
+    """
+    if long not in ("truncate", "drop", "error"):
+        raise ValueError(f"long={long!r} is unknown; choose 'truncate', 'drop' or 'error'")
+    out, counts = [], {"kept": 0, "truncated": 0, "dropped": 0}
+    for f in features:
+        n = len(f["input_ids"])
+        if n <= seq_len:
+            out.append(f)
+            counts["kept"] += 1
+            continue
+        if long == "error":
+            raise ValueError(f"an example has {n} tokens, more than seq_len={seq_len}: raise seq_len, or pass "
+                             "long='truncate' or long='drop'")
+        n_prompt = next((i for i, l in enumerate(f["labels"]) if l != IGNORE_INDEX), n)
+        if long == "drop" or seq_len - n_prompt < min_response:
+            counts["dropped"] += 1
+            continue
+        out.append({k: v[:seq_len] for k, v in f.items()})
+        counts["truncated"] += 1
+    return out, counts
 
 
 def pad_batch(features: list[dict], pad_id: int, length: int | None = None) -> dict[str, torch.Tensor]:
@@ -141,7 +220,8 @@ def pack_examples(features: list[dict], seq_len: int, pad_id: int) -> dict[str, 
     for f in features:
         n = len(f["input_ids"])
         if n > seq_len:
-            raise ValueError(f"an example has {n} tokens, more than seq_len={seq_len}")
+            raise ValueError(f"an example has {n} tokens, more than seq_len={seq_len}: pass the examples through "
+                             "fit_to_length first (truncate or drop), or raise seq_len")
         if used[-1] + n > seq_len:
             rows.append([])
             used.append(0)
@@ -168,9 +248,15 @@ def pack_examples(features: list[dict], seq_len: int, pad_id: int) -> dict[str, 
     return out
 
 
-def pack_for_training(examples: list[Example], tokenizer, seq_len: int) -> dict[str, torch.Tensor]:
-    """Tokenize ``examples`` (prompts masked) and pack them into rows of ``seq_len`` tokens."""
-    return pack_examples([tokenize_example(tokenizer, e) for e in examples], seq_len, tokenizer.pad_token_id)
+def pack_for_training(examples: list[Example], tokenizer, seq_len: int, *,
+                      long: str = "truncate") -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Tokenize ``examples`` (prompts masked), fit them to ``seq_len`` (``fit_to_length``) and pack them
+    into rows of ``seq_len`` tokens; the packed rows and the counts of kept, truncated and dropped examples."""
+    features, counts = fit_to_length([tokenize_example(tokenizer, e) for e in examples], seq_len, long=long)
+    if not features:
+        raise ValueError(f"all {counts['dropped']} examples are longer than seq_len={seq_len} in their prompt "
+                         "alone: raise seq_len")
+    return pack_examples(features, seq_len, tokenizer.pad_token_id), counts
 
 
 def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -229,7 +315,9 @@ def load_instruction_data(dataset_name: str | None = None, *, task: str = "rever
     """``{"train": [...], "test": [...]}`` examples, the test split held out (no instruction in both).
 
     With ``dataset_name=None`` (the default) the package makes the examples of ``task``. With a
-    name, ``datasets.load_dataset(dataset_name, split=split, **load_kwargs)`` loads it and each
+    name, ``datasets.load_dataset(dataset_name, split=split, **load_kwargs)`` loads it (a path ending in
+    ``.json``/``.jsonl`` is read as ``load_dataset("json", data_files=path)``, as is ``"json"`` with
+    ``data_files``) and each
     row becomes an ``Example`` from its instruction (``instruction``/``prompt``/``question``,
     plus ``input`` if present) and its response (``output``/``response``/``answer``).
     """
@@ -242,7 +330,20 @@ def load_instruction_data(dataset_name: str | None = None, *, task: str = "rever
     except ImportError as err:
         raise ImportError(f"dataset_name={dataset_name!r} needs the datasets package: pip install datasets "
                           "(or leave dataset_name=None to use the package's own task)") from err
+    if Path(dataset_name).suffix in (".json", ".jsonl") and "data_files" not in load_kwargs:
+        if not Path(dataset_name).exists():
+            raise FileNotFoundError(f"{dataset_name} does not exist: give the path of a JSON-lines file")
+        dataset_name, load_kwargs = "json", {**load_kwargs, "data_files": str(dataset_name)}
     rows = datasets.load_dataset(dataset_name, split=split, **load_kwargs).shuffle(seed=seed)
+    examples = _rows_to_examples(rows, n_train + n_test)
+    if len(examples) < n_test + 1:
+        raise ValueError(f"{dataset_name!r} gave {len(examples)} usable rows: it needs instruction/prompt/question "
+                         f"and output/response/answer columns, and more than n_test={n_test} rows")
+    return {"train": examples[n_test:], "test": examples[:n_test]}
+
+
+def _rows_to_examples(rows, limit: int) -> list[Example]:
+    """Up to ``limit`` examples from a data set's rows; rows without an instruction or a response are skipped."""
     examples = []
     for row in rows:
         instruction = _pick(row, ("instruction", "prompt", "question", "query"))
@@ -252,9 +353,6 @@ def load_instruction_data(dataset_name: str | None = None, *, task: str = "rever
         if row.get("input"):
             instruction += "\n" + str(row["input"])
         examples.append(Example(instruction, response))
-        if len(examples) == n_train + n_test:
+        if len(examples) == limit:
             break
-    if len(examples) < n_test + 1:
-        raise ValueError(f"{dataset_name!r} gave {len(examples)} usable rows: it needs instruction/prompt/question "
-                         "and output/response/answer columns")
-    return {"train": examples[n_test:], "test": examples[:n_test]}
+    return examples

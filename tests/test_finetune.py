@@ -268,3 +268,229 @@ def test_peft_lora_layer_reference_freezes_the_base_and_adds_the_scaled_update()
     b.data.normal_()
     x = torch.randn(4, 8)
     assert torch.allclose(layer(x), x @ (w + 3.0 * b @ a).T + base.bias, atol=1e-5)  # alpha / r = 3
+
+
+# ------------------------------------------- a node run: real loading, data, loss, schedule, ranks
+import json
+import math
+import os
+import subprocess
+import types
+from pathlib import Path
+
+LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
+                   "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+SEQ = 64
+
+
+def _long_rows():
+    """Instruction rows, some longer than SEQ tokens: responses too long (truncated), prompts too long (dropped)."""
+    rows = [{"instruction": e.instruction, "output": e.response} for e in ins.make_examples("reverse", 40, seed=9)]
+    words = ins.WORDS * 4
+    rows += [{"instruction": f"Repeat the words: {' '.join(words[:6 + i])}", "output": " ".join(words[:40 + i])}
+             for i in range(4)]
+    rows += [{"instruction": "Sort the words: " + " ".join(words), "output": "apple"}]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A local 'checkpoint' as from_pretrained reads it: a tiny Llama, a tokenizer with a Llama 3 chat
+    template, and a JSON-lines instruction file."""
+    root = tmp_path_factory.mktemp("hub")
+    rows = _long_rows()
+    texts = [f"{r['instruction']}\n{r['output']}" for r in rows] + ins.example_texts(ins.make_examples("sort", 50))
+    tok = ft.load_tokenizer(None, texts, vocab_size=300)
+    tok.add_tokens(["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"], special_tokens=True)
+    tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tok.chat_template = LLAMA3_TEMPLATE
+    model = ft.load_model(None, preset="tiny", seed=3)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": root / "model", "data": root / "train.jsonl", "cache": root / "cache", "weights": model,
+            "n": len(rows)}
+
+
+def test_llama3_chat_template_keeps_the_boundary_exact(hub, tok):
+    chat = ft.load_tokenizer(str(hub["model"]))
+    assert ins.has_chat_template(chat) and not ins.has_chat_template(tok)
+    ex = ins.Example("Reverse the words: lamp kite coin", "coin kite lamp")
+    f = ins.tokenize_example(chat, ex)
+    rendered = chat.apply_chat_template([{"role": "user", "content": ex.instruction}], tokenize=False,
+                                        add_generation_prompt=True)
+    assert rendered.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nReverse")
+    n = f["labels"].count(ins.IGNORE_INDEX)
+    assert f["input_ids"][:n] == chat(rendered, add_special_tokens=False)["input_ids"]
+    assert f["input_ids"].count(chat.bos_token_id) == 1 and f["input_ids"][0] == chat.bos_token_id
+    assert chat.decode(f["input_ids"][n:]) == "coin kite lamp<|eot_id|>"  # the end of turn is a label
+    assert f["labels"][n:] == f["input_ids"][n:] and f["labels"][-1] == chat.eos_token_id
+    full = chat.apply_chat_template([{"role": "user", "content": ex.instruction},
+                                     {"role": "assistant", "content": ex.response}], tokenize=False)
+    assert chat.decode(f["input_ids"]) == full
+    # the package's tokenizer keeps the package's template
+    assert ins.format_prompt(ex.instruction, tok) == ins.PROMPT_TEMPLATE.format(instruction=ex.instruction)
+    assert ins.prompt_ids(tok, ex.instruction)[0] == tok.bos_token_id
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted(tok):
+    short = ins.tokenize_example(tok, ins.Example("Add: 1 + 2", "3"))
+    long_answer = ins.tokenize_example(tok, ins.Example("Add: 1 + 2", " ".join(["kite lamp"] * 30)))
+    long_prompt = ins.tokenize_example(tok, ins.Example(" ".join(["kite lamp"] * 30), "3"))
+    n_prompt = long_answer["labels"].count(ins.IGNORE_INDEX)
+    with pytest.raises(ValueError, match="fit_to_length"):
+        ins.pack_examples([short, long_answer], 32, tok.pad_token_id)
+    kept, counts = ins.fit_to_length([short, long_answer, long_prompt], 32)
+    assert counts == {"kept": 1, "truncated": 1, "dropped": 1} and len(kept) == 2
+    cut = kept[1]
+    assert len(cut["input_ids"]) == 32 and cut["input_ids"] == long_answer["input_ids"][:32]
+    assert cut["labels"][:n_prompt] == [ins.IGNORE_INDEX] * n_prompt and cut["labels"][-1] != tok.eos_token_id
+    assert ins.fit_to_length([short, long_answer], 32, long="drop")[1] == {"kept": 1, "truncated": 0, "dropped": 1}
+    with pytest.raises(ValueError, match="raise seq_len"):
+        ins.fit_to_length([long_answer], 32, long="error")
+    assert ins.pack_examples(kept, 32, tok.pad_token_id)["input_ids"].shape[1] == 32
+
+
+def test_notebook_loaders_read_a_local_checkpoint_and_jsonl(hub):
+    model = ft.load_model(str(hub["model"]))
+    for (n, p), (_, q) in zip(model.named_parameters(), hub["weights"].named_parameters()):
+        assert torch.equal(p, q), n
+    data = ins.load_instruction_data(str(hub["data"]), n_train=1000, n_test=3, cache_dir=str(hub["cache"]))
+    assert len(data["test"]) == 3 and len(data["train"]) == hub["n"] - 3
+    again = ins.load_instruction_data("json", data_files=str(hub["data"]), n_train=1000, n_test=3,
+                                      cache_dir=str(hub["cache"]))
+    assert again == data
+    assert any(e.response.startswith("apple book coin") for e in data["train"] + data["test"])
+    with pytest.raises(FileNotFoundError, match="JSON-lines"):
+        ins.load_instruction_data(str(hub["data"].with_name("missing.jsonl")))
+
+
+def _expected_lrs(lr, warmup, steps):
+    """Warm-up from 0, then half a cosine down to 0: written out, not taken from transformers."""
+    return [lr * s / warmup if s < warmup else lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+            for s in range(steps)]
+
+
+def _cli_args(hub, micro_batch):
+    return ["--model-name", str(hub["model"]), "--dataset-name", str(hub["data"]), "--seq-len", str(SEQ),
+            "--steps", "5", "--warmup-steps", "2", "--lr", "3e-3", "--micro-batch", str(micro_batch),
+            "--timing-warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_process(hub):
+    """The CLI in this process on a global batch of 4 rows: the reference the 2-rank run must reproduce."""
+    os.environ.setdefault("HF_DATASETS_CACHE", str(hub["cache"]))
+    return ft.main(_cli_args(hub, 4))
+
+
+def test_cli_reads_local_model_and_jsonl_counts_truncation_and_follows_the_schedule(hub, one_process):
+    res = one_process
+    chat = ft.load_tokenizer(str(hub["model"]))
+    feats = [ins.tokenize_example(chat, ins.Example(r["instruction"], r["output"])) for r in _long_rows()]
+    long = [f for f in feats if len(f["input_ids"]) > SEQ]
+    dropped = sum(f["labels"].count(ins.IGNORE_INDEX) >= SEQ for f in long)
+    assert res["examples"] == {"kept": len(feats) - len(long), "truncated": len(long) - dropped, "dropped": dropped}
+    assert res["examples"]["truncated"] >= 3 and res["examples"]["dropped"] >= 1
+    assert res["lrs"] == pytest.approx(_expected_lrs(3e-3, 2, 5), rel=1e-6)
+    assert res["lrs"][0] == 0 and max(res["lrs"]) == pytest.approx(3e-3)
+    assert res["world_size"] == 1 and res["timed_steps"] == 4 and not res["model_on_meta"]
+    assert 0 < res["real_tokens_per_s"] < res["tokens_per_s"]  # packed rows end in padding
+    assert res["losses"][-1] < res["losses"][0] and all(g is not None for g in res["grad_norms"])
+
+
+def test_loss_over_ranks_is_normalised_by_global_scored_tokens(hub, tok):
+    """Two 'ranks' with different numbers of scored tokens: their averaged gradients equal one process's on
+    the whole batch only with the global count; the mean of per-rank means gives other gradients."""
+    model = ft.load_model(None, preset="tiny", seed=1)
+    feats = [ins.tokenize_example(tok, e) for e in ins.make_examples("add", 2, seed=2)]
+    feats += [ins.tokenize_example(tok, e) for e in ins.make_examples("reverse", 2, seed=2, n_words=5)]
+    batch = ins.pad_batch(feats, tok.pad_token_id)  # rank 0: two short answers, rank 1: two long ones
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    counts = [int(losses.scored_tokens(h)) for h in halves]
+    assert counts[0] != counts[1]
+    whole = twin(model)
+    ft.global_token_loss(whole, batch, sum(counts), 1).backward()
+    assert abs(losses.forward_loss(twin(model), batch).item() * sum(counts)
+               - ft.global_token_loss(twin(model), batch, 1, 1).item()) < 1e-3  # sum of token losses
+    ranks, means = twin(model), twin(model)
+    for h in halves:
+        ft.global_token_loss(ranks, h, sum(counts), 2).backward()
+        losses.forward_loss(means, h).backward()
+    averaged = {n: g / 2 for n, g in grads(ranks).items()}  # what DDP's all-reduce does
+    assert max_rel_diff(averaged, grads(whole)) < 1e-5
+    assert max_rel_diff({n: g / 2 for n, g in grads(means).items()}, grads(whole)) > 1e-2
+
+
+def test_fsdp_ranks_other_than_0_build_on_meta(hub):
+    from accelerate.utils import DistributedType
+
+    def rank(main: bool, kind=DistributedType.FSDP):
+        plugin = types.SimpleNamespace(cpu_ram_efficient_loading=True)
+        return types.SimpleNamespace(distributed_type=kind, is_main_process=main,
+                                     state=types.SimpleNamespace(fsdp_plugin=plugin))
+
+    full = ft.node_model(rank(True), str(hub["model"]))
+    empty = ft.node_model(rank(False), str(hub["model"]))
+    assert not any(p.is_meta for p in full.parameters()) and all(p.is_meta for p in empty.parameters())
+    assert [(n, p.shape, p.dtype) for n, p in full.named_parameters()] == \
+           [(n, p.shape, p.dtype) for n, p in empty.named_parameters()]
+    for (n, b), (_, c) in zip(full.named_buffers(), empty.named_buffers()):
+        assert not c.is_meta and torch.equal(b, c), n  # RoPE frequencies are computed, not broadcast
+    assert all(p.is_meta for p in ft.node_model(rank(False), preset="tiny").parameters())
+    ddp = ft.node_model(rank(False, DistributedType.MULTI_CPU), preset="tiny")
+    assert not any(p.is_meta for p in ddp.parameters())  # DDP needs the whole model on every rank
+
+
+WORKER = '''
+import json, sys, types, torch
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from course_lib import finetune as ft
+from course_lib.distributed import param_digest, rank_and_world
+
+result = ft.main(sys.argv[2:])  # the CLI, one rank of an accelerate launch
+# then accelerate's FSDP2 preparation on the same gloo group: rank 1 builds on meta, gets rank 0's weights
+rank, _ = rank_and_world()
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True,
+                                        auto_wrap_policy="transformer_based_wrap",
+                                        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+acc = types.SimpleNamespace(distributed_type=DistributedType.FSDP, state=types.SimpleNamespace(fsdp_plugin=plugin),
+                            is_main_process=rank == 0, mixed_precision="no", device=torch.device("cpu"),
+                            torch_device_mesh=None)
+model = ft.node_model(acc, sys.argv[1])
+meta = all(p.is_meta for p in model.parameters())
+digest = param_digest(fsdp2_prepare_model(acc, model))
+json.dump({**result, "fsdp_meta_before": meta, "fsdp_digest": digest}, open(f"{sys.argv[1]}/../rank{rank}.json", "w"))
+'''
+
+
+def test_two_ranks_under_accelerate_launch_equal_one_process(hub, one_process, tmp_path):
+    from course_lib.distributed import free_port, param_digest
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(hub["cache"]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(script), str(hub["model"]), *_cli_args(hub, 2)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((hub["model"].parent / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ref = one_process
+    for res in ranks:
+        assert res["world_size"] == 2 and res["examples"] == ref["examples"]
+        assert res["scored_tokens"] == ref["scored_tokens"] and res["lrs"] == pytest.approx(ref["lrs"])
+        # later steps depend on the earlier updates: equal losses mean equal gradients and clipping
+        assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert res["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
+    # the ranks scored different numbers of tokens, so a per-rank mean would have changed the losses
+    assert ranks[0]["local_scored_tokens"] != ranks[1]["local_scored_tokens"]
+    assert [a + b for a, b in zip(ranks[0]["local_scored_tokens"], ranks[1]["local_scored_tokens"])] == \
+           ref["scored_tokens"]
+    assert not ranks[0]["fsdp_meta_before"] and ranks[1]["fsdp_meta_before"]
+    want = param_digest(hub["weights"])
+    assert ranks[0]["fsdp_digest"] == pytest.approx(want, rel=1e-9) == ranks[1]["fsdp_digest"]
+    assert "1 processes" not in run.stdout and "truncated" in run.stdout
