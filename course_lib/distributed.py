@@ -15,6 +15,8 @@
 - **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces;
   ``CollectiveLog`` records every ``dist.all_reduce`` Python code issues (when, how big, async or
   not, waited on or not), beside marks of your own (a gradient arriving): the timeline of overlap.
+  ``CollectiveBytes`` counts every collective a block runs and its bytes, per kind: ``torch.distributed``
+  calls (DDP's reducer and FSDP2 included) and DTensor's functional collectives (``parallelize_module``) alike.
 
 Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course's one counter.
 """
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.device import backend_for, default_device
@@ -225,3 +228,92 @@ class _LoggedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+_C10D, _FUNCOL = torch.ops.c10d, torch.ops._c10d_functional
+# kind of each collective op, and which argument holds the full tensor(s) its bytes are counted on:
+# the tensor an all-reduce reduces, the gathered output of an all-gather, the unscattered input of a reduce-scatter
+_COLLECTIVES = {
+    _C10D.allreduce_: ("all_reduce", 0), _C10D.allreduce_coalesced_: ("all_reduce", 0),
+    _C10D.allgather_: ("all_gather", 0), _C10D._allgather_base_: ("all_gather", 0),
+    _C10D.allgather_coalesced_: ("all_gather", 0), _C10D.allgather_into_tensor_coalesced_: ("all_gather", 0),
+    _C10D.reduce_scatter_: ("reduce_scatter", 1), _C10D._reduce_scatter_base_: ("reduce_scatter", 1),
+    _C10D.reduce_scatter_tensor_coalesced_: ("reduce_scatter", 1),
+    _C10D.broadcast_: ("broadcast", 0), _C10D.reduce_: ("reduce", 0), _C10D.send: ("send", 0), _C10D.recv_: ("recv", 0),
+    _C10D.alltoall_: ("all_to_all", 1), _C10D.alltoall_base_: ("all_to_all", 1),
+    _C10D.gather_: ("gather", 0), _C10D.scatter_: ("scatter", 1),
+    _FUNCOL.all_reduce: ("all_reduce", 0), _FUNCOL.all_reduce_: ("all_reduce", 0),
+    _FUNCOL.all_reduce_coalesced: ("all_reduce", 0), _FUNCOL.all_to_all_single: ("all_to_all", 0),
+    _FUNCOL.broadcast: ("broadcast", 0),
+    _FUNCOL.all_gather_into_tensor: ("all_gather", "out"), _FUNCOL.all_gather_into_tensor_coalesced: ("all_gather", "out"),
+    _FUNCOL.reduce_scatter_tensor: ("reduce_scatter", 0), _FUNCOL.reduce_scatter_tensor_coalesced: ("reduce_scatter", 0),
+}
+
+# the share of a collective's full tensor that each rank sends in a ring algorithm (N ranks in the group)
+_RING_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or lists of them)."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    return sum(_nbytes(o) for o in obj) if isinstance(obj, (list, tuple)) else 0
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the collectives run inside a ``with`` block and their bytes, per kind.
+
+    ``with CollectiveBytes() as c: step()``; then ``c.calls_by_kind`` ({"all_reduce": 2, ...}) and
+    ``c.bytes_by_kind``; ``c.bytes_by_group`` splits them by process group (named by ``groups``, e.g.
+    ``{"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}``). Bytes are those of the full tensor of
+    each call, on this rank: the tensor an all-reduce reduces, the gathered result of an all-gather, the
+    input of a reduce-scatter, what a send sends. ``c.sent_bytes_by_kind`` is what each rank sends over the wire in a ring algorithm:
+    2(N-1)/N of that for an all-reduce (a reduce-scatter then an all-gather), (N-1)/N for the others.
+
+    It sees what goes through torch's dispatcher: ``torch.distributed`` calls (``c10d`` ops, FSDP2's
+    all-gathers and reduce-scatters among them) and the functional collectives DTensor issues
+    (``_c10d_functional``: ``parallelize_module``'s redistributions). DDP's C++ reducer is seen too (its
+    bucket all-reduces go through the c10d op; its second step also broadcasts the rebuilt bucket layout).
+    ``CollectiveLog``, which patches the Python function, does not see the reducer.
+    """
+
+    def __init__(self, groups: dict | None = None):
+        super().__init__()
+        self.calls_by_kind: dict[str, int] = {}
+        self.bytes_by_kind: dict[str, int] = {}
+        self.sent_bytes_by_kind: dict[str, int] = {}  # what a ring algorithm sends from each rank
+        self.bytes_by_group: dict[str, dict[str, int]] = {}  # {group: {kind: bytes}}, e.g. the "dp" and "tp" dims
+        self._names = {pg.group_name: name for name, pg in (groups or {}).items()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives first: we count those
+        out = func(*args, **(kwargs or {}))
+        found = _COLLECTIVES.get(getattr(func, "_overloadpacket", None))
+        if found:
+            kind, where = found
+            size = _nbytes(out) if where == "out" else _nbytes(args[where])
+            self.calls_by_kind[kind] = self.calls_by_kind.get(kind, 0) + 1
+            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + size
+            name, n = self._group(args)
+            group = self.bytes_by_group.setdefault(self._names.get(name, name), {})
+            group[kind] = group.get(kind, 0) + size
+            sent = size * _RING_SHARE.get(kind, lambda n: 1.0)(n)
+            self.sent_bytes_by_kind[kind] = self.sent_bytes_by_kind.get(kind, 0) + round(sent)
+        return out
+
+    @staticmethod
+    def _group(args) -> tuple[str, int]:
+        """The name and size of the process group a collective runs on."""
+        name = next((a for a in reversed(args) if isinstance(a, str)), None)  # functional ops: group_name last
+        if name is not None:
+            return name, dist.distributed_c10d._resolve_process_group(name).size()
+        pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)  # c10d ops: the group, then the op
+        pg = dist.ProcessGroup.unbox(pg) if pg is not None else dist.group.WORLD
+        return pg.group_name, pg.size()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all the collectives counted."""
+        return sum(self.bytes_by_kind.values())
