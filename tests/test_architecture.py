@@ -15,7 +15,7 @@ LAYERS = {
              "grading"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
-    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero"},
+    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "tp", "pp"},
     "application": {"notebook", "finetune", "benchmark", "accelerate_configs", "cluster", "run_all", "release",
                     "__init__"},
 }

@@ -1,0 +1,475 @@
+"""Known submissions of 08_model_parallelism and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+BIAS_EVERY_RANK = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias
+'''
+
+NO_F_BACKWARD = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # wrong: each rank keeps only its part of the input's gradient
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+ALL_REDUCE_BOTH = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.contiguous().clone()
+        dist.all_reduce(out)  # wrong: f all-reduces in forward too
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+NO_SIZE_CHECK = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+GATHER_NO_BACKWARD = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())  # wrong: no backward, as in seed 002
+        return torch.cat(parts, -1)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        n = x.shape[-1] // dist.get_world_size()
+        x = x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n]
+        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+GATHER_THEN_SLICE = '''
+class GatherTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local):
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[-1] // dist.get_world_size()
+        return grad[..., dist.get_rank() * n:(dist.get_rank() + 1) * n].contiguous()
+
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        n = x.shape[-1] // dist.get_world_size()
+        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+CALLS_LIBRARY_PAIR = '''
+from course_lib import tp as _tp
+
+CopyToTP, ReduceFromTP = None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp.ColumnParallelLinear.from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp.RowParallelLinear.from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+'''
+
+GPIPE_ORDER = '''
+def one_f_one_b_order(p, m):
+    # wrong: GPipe's order, every forward then every backward: m micro-batches in flight
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+'''
+
+BACKWARD_TOO_SOON = '''
+def one_f_one_b_order(p, m):
+    orders = []
+    for r in range(p):
+        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank starts with a backward
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        order += [("B", i) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+'''
+
+SAME_WARMUP_EVERY_RANK = '''
+def one_f_one_b_order(p, m):
+    orders = []
+    for r in range(p):
+        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later ranks too full
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        order += [("B", i) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+'''
+
+WARMUP_PAST_M = '''
+def one_f_one_b_order(p, m):
+    orders = []
+    for r in range(p):
+        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        order += [("B", i) for i in range(max(m - warmup, 0), m)]
+        orders.append(order)
+    return orders
+'''
+
+CALLS_LIBRARY_ORDER = '''
+def one_f_one_b_order(p, m):
+    from course_lib.pp import one_f_one_b_order as order
+    return order(p, m)
+'''
+
+FULL = {"test_tensor_parallel_pair": 3, "test_tensor_parallel_pair_collectives": 2, "test_tensor_parallel_pair_hidden": 4,
+        "test_one_f_one_b_order": 3, "test_one_f_one_b_order_measured": 3, "test_one_f_one_b_order_hidden": 4}
+PAIR = ("test_tensor_parallel_pair", "test_tensor_parallel_pair_collectives", "test_tensor_parallel_pair_hidden")
+ORDER = ("test_one_f_one_b_order", "test_one_f_one_b_order_measured", "test_one_f_one_b_order_hidden")
+
+
+def scores(*lost) -> dict:
+    """Full marks except the named test cells, which score 0."""
+    return {**FULL, **{k: 0 for k in lost}}
+
+
+CASES = {
+    "bias_every_rank": {"cells": {"tensor_parallel_pair": BIAS_EVERY_RANK},  # the collectives are right
+                        "scores": scores("test_tensor_parallel_pair", "test_tensor_parallel_pair_hidden")},
+    "no_f_backward": {"cells": {"tensor_parallel_pair": NO_F_BACKWARD}, "scores": scores(*PAIR)},
+    "all_reduce_both": {"cells": {"tensor_parallel_pair": ALL_REDUCE_BOTH}, "scores": scores(*PAIR)},
+    "no_size_check": {"cells": {"tensor_parallel_pair": NO_SIZE_CHECK}, "scores": scores("test_tensor_parallel_pair_hidden")},
+    "gather_without_backward": {"cells": {"tensor_parallel_pair": GATHER_NO_BACKWARD}, "scores": scores(*PAIR)},
+    "gather_then_slice": {  # right numbers, one collective too many
+        "cells": {"tensor_parallel_pair": GATHER_THEN_SLICE}, "scores": scores("test_tensor_parallel_pair_collectives")},
+    "calls_library_tensor_parallel_pair": {"cells": {"tensor_parallel_pair": CALLS_LIBRARY_PAIR}, "scores": scores(*PAIR)},
+    "gpipe_order": {"cells": {"one_f_one_b_order": GPIPE_ORDER}, "scores": scores(*ORDER)},
+    "backward_too_soon": {"cells": {"one_f_one_b_order": BACKWARD_TOO_SOON}, "scores": scores(*ORDER)},
+    "same_warmup_every_rank": {"cells": {"one_f_one_b_order": SAME_WARMUP_EVERY_RANK}, "scores": scores(*ORDER)},
+    "warmup_past_m": {"cells": {"one_f_one_b_order": WARMUP_PAST_M}, "scores": scores("test_one_f_one_b_order_hidden")},
+    "calls_library_one_f_one_b_order": {"cells": {"one_f_one_b_order": CALLS_LIBRARY_ORDER}, "scores": scores(*ORDER)},
+}
+
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "one_f_one_b_order"
+CELL_TIMEOUT = 60  # test cells fork 2 to 4 ranks: a few seconds each, more on a busy machine
