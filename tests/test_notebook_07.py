@@ -54,6 +54,8 @@ def test_recipe_matches_baseline_loss(executed):
     speedup = value(res, "bench_tokens_per_s_recipe") / value(res, "bench_tokens_per_s_baseline")
     assert value(res, "bench_speedup") == pytest.approx(speedup, rel=1e-9)  # recorded, not asserted: a CPU
     assert math.isfinite(value(res, "cli_final_loss"))
+    examples = value(res, "cli_examples")  # 400 examples and one too long for --seq-len 64, read from JSON lines
+    assert sum(examples.values()) == 401 and examples["kept"] == 400 and examples["dropped"] == 1  # its prompt alone fills the row
     assert 15 < value(res, "node_8b_full_state_gb_per_gpu") < 17  # 8.03e9 params x 16 bytes / 8 GPUs
 
 
