@@ -32,11 +32,11 @@ from course_lib.distributed import step_batches
 from course_lib.instruct import (IGNORE_INDEX, example_texts, exact_match, load_instruction_data, pack_for_training,
                                  pad_batch, prompt_ids)
 from course_lib.lora import apply_lora
-from course_lib.loss import model_inputs, scored_tokens
+from course_lib.loss import scored_tokens
 from course_lib.models import build_llama, llama_config
 from course_lib.precision import autocast
 from course_lib.recipe import BASELINE, Recipe, make_optimizer
-from course_lib.train import fit
+from course_lib.train import fit, train_step
 
 
 def load_model(model_name: str | None = None, *, preset: str = "tiny", dtype: torch.dtype = torch.float32,
@@ -237,24 +237,14 @@ def empty_model(model_name: str | None = None, *, preset: str = "tiny",
     return model
 
 
-def global_token_loss(model: nn.Module, batch: dict, global_scored: torch.Tensor | int,
-                      world_size: int) -> torch.Tensor:
-    """This rank's share of the global batch's mean token loss: (sum of its token losses) × world / global count.
-
-    Summed over ranks and divided by ``world_size`` (what DDP, FSDP and ZeRO do to gradients) it is
-    sum of all token losses / ``global_scored``, the loss one process computes on the whole batch.
-    """
-    per_rank = torch.as_tensor(global_scored).clamp(min=1).float() / world_size
-    return model(**model_inputs(batch), labels=batch["labels"], num_items_in_batch=per_rank).loss
-
-
 def node_step(model: nn.Module, optimizer, scheduler, batch: dict, accelerator, *,
               clip_norm: float | None = 1.0) -> dict:
     """One optimizer step of this rank on its local share of a global batch; the global batch's numbers.
 
-    The loss is normalised by the scored (label != -100) tokens of the GLOBAL batch, summed over all ranks:
-    each rank backpropagates (sum of its token losses) / (global count) × world size (transformers'
-    ``num_items_in_batch``), and DDP, FSDP and ZeRO average the gradients over ranks, so the step's gradient
+    The step is the course's one ``train_step`` with ``token_weighted``: the loss is normalised by the scored
+    (label != -100) tokens of the GLOBAL batch, summed over all ranks: each rank backpropagates (sum of its
+    token losses) / (global count) × world size (``train.token_weights``), and DDP, FSDP and ZeRO average
+    the gradients over ranks, so the step's gradient
     is that of the whole batch's mean token loss, what one process computes on it. A per-rank mean would
     give a rank with few scored tokens the weight of one with many. Clipping is the accelerator's
     (``accelerator.clip_grad_norm_``): the norm over all shards under FSDP and DDP; under DeepSpeed the
@@ -266,18 +256,14 @@ def node_step(model: nn.Module, optimizer, scheduler, batch: dict, accelerator, 
     batch = to_device(batch, accelerator.device)
     real = (batch["document_ids"] >= 0).sum() if "document_ids" in batch else batch["attention_mask"].sum()
     counts = accelerator.reduce(torch.stack([scored_tokens(batch), real]).to(accelerator.device), reduction="sum")
-    world = accelerator.num_processes
     lr = scheduler.get_last_lr()[0]
-    loss = global_token_loss(model, batch, counts[0], world)
-    accelerator.backward(loss)
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm) if clip_norm else None
-    optimizer.step()
+    # token_weighted: this rank's mean loss × its scored tokens × world / the global count (train.token_weights)
+    out = train_step(model, optimizer, batch, token_weighted=True, backward=accelerator.backward, clip_norm=clip_norm,
+                     clip_grad_norm=accelerator.clip_grad_norm_)
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    total = accelerator.reduce(loss.detach().float(), reduction="sum") / world  # sum of token losses / global count
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2 may give a DTensor norm
-        grad_norm = grad_norm.full_tensor()
-    return {"loss": float(total), "grad_norm": None if grad_norm is None else float(grad_norm), "lr": lr,
+    world = accelerator.num_processes  # the global loss: the mean over ranks of their weighted shares
+    total = accelerator.reduce(torch.tensor(out["loss"], device=accelerator.device), reduction="sum") / world
+    return {"loss": float(total), "grad_norm": out["grad_norm"], "lr": lr,
             "scored": int(counts[0]), "real": int(counts[1]), "local_scored": int(scored_tokens(batch))}
 
 

@@ -86,7 +86,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
                loss_fn: Callable[[nn.Module, object], torch.Tensor] = forward_loss, accum_steps: int = 1,
                amp_dtype: str | torch.dtype = torch.float32, scaler: torch.amp.GradScaler | None = None,
                clip_norm: float | None = None, sync_grads: Callable[[nn.Module], None] | None = None,
-               backward: Callable[[torch.Tensor], None] | None = None, token_weighted: bool = False) -> dict:
+               backward: Callable[[torch.Tensor], None] | None = None, token_weighted: bool = False,
+               clip_grad_norm: Callable = nn.utils.clip_grad_norm_) -> dict:
     """One optimizer step on ``batch``; returns its mean loss, the gradient norm and whether it was skipped.
 
     ``loss_fn(model, micro_batch)`` gives a micro-batch's mean loss (default: ``forward_loss``); each
@@ -96,6 +97,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
     hand-written data parallelism averages the gradients over ranks. ``backward(loss)`` replaces
     ``loss.backward()`` (``accelerator.backward`` under accelerate). The gradient norm is computed
     (and the gradients clipped) only when ``clip_norm`` is given; otherwise it is None.
+    ``clip_grad_norm(parameters, clip_norm)`` does the clipping (``accelerator.clip_grad_norm_`` under
+    accelerate, which knows where DeepSpeed keeps the gradients).
     """
     device = next(model.parameters()).device
     amp_dtype = resolve_dtype(amp_dtype)
@@ -114,7 +117,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
     if sync_grads is not None:
         sync_grads(model)
     scaler.unscale_(optimizer)  # gradients back in true units before clipping
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_norm) if clip_norm else None
+    grad_norm = clip_grad_norm(model.parameters(), clip_norm) if clip_norm else None
     if hasattr(grad_norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor norm
         grad_norm = grad_norm.full_tensor()
     scale_before = scaler.get_scale() if scaler.is_enabled() else 1.0

@@ -400,9 +400,24 @@ def test_cli_reads_local_model_and_jsonl_counts_truncation_and_follows_the_sched
     assert res["losses"][-1] < res["losses"][0] and all(g is not None for g in res["grad_norms"])
 
 
+def _rank_grads(rank, world, model, halves):
+    """On 2 real ranks: this rank's half weighted by train.token_weights (what node_step's train_step uses), and
+    its plain per-rank mean; the gradients of both, and the weight."""
+    from course_lib.train import token_weights
+
+    ranks, means = twin(model), twin(model)
+    (weight,) = token_weights([halves[rank]])
+    (losses.forward_loss(ranks, halves[rank]) * weight).backward()
+    losses.forward_loss(means, halves[rank]).backward()
+    as_lists = lambda m: {n: g.tolist() for n, g in grads(m).items()}  # plain data through the result queue
+    return weight, as_lists(ranks), as_lists(means)
+
+
 def test_loss_over_ranks_is_normalised_by_global_scored_tokens(hub, tok):
-    """Two 'ranks' with different numbers of scored tokens: their averaged gradients equal one process's on
+    """Two ranks with different numbers of scored tokens: their averaged gradients equal one process's on
     the whole batch only with the global count; the mean of per-rank means gives other gradients."""
+    from course_lib.launch import run_forked
+
     model = ft.load_model(None, preset="tiny", seed=1)
     feats = [ins.tokenize_example(tok, e) for e in ins.make_examples("add", 2, seed=2)]
     feats += [ins.tokenize_example(tok, e) for e in ins.make_examples("reverse", 2, seed=2, n_words=5)]
@@ -411,16 +426,14 @@ def test_loss_over_ranks_is_normalised_by_global_scored_tokens(hub, tok):
     counts = [int(losses.scored_tokens(h)) for h in halves]
     assert counts[0] != counts[1]
     whole = twin(model)
-    ft.global_token_loss(whole, batch, sum(counts), 1).backward()
-    assert abs(losses.forward_loss(twin(model), batch).item() * sum(counts)
-               - ft.global_token_loss(twin(model), batch, 1, 1).item()) < 1e-3  # sum of token losses
-    ranks, means = twin(model), twin(model)
-    for h in halves:
-        ft.global_token_loss(ranks, h, sum(counts), 2).backward()
-        losses.forward_loss(means, h).backward()
-    averaged = {n: g / 2 for n, g in grads(ranks).items()}  # what DDP's all-reduce does
+    losses.forward_loss(whole, batch).backward()  # one process: the whole batch's token mean
+    out = [(w, *({n: torch.tensor(g) for n, g in d.items()} for d in ds))
+           for w, *ds in run_forked(_rank_grads, 2, model, halves)]
+    for r, (weight, _, _) in enumerate(out):  # rank r's mean loss counts as its share of the sum of token losses
+        assert abs(weight - counts[r] * 2 / sum(counts)) < 1e-9
+    averaged = {n: (out[0][1][n] + out[1][1][n]) / 2 for n in out[0][1]}  # what DDP's all-reduce does
     assert max_rel_diff(averaged, grads(whole)) < 1e-5
-    assert max_rel_diff({n: g / 2 for n, g in grads(means).items()}, grads(whole)) > 1e-2
+    assert max_rel_diff({n: (out[0][2][n] + out[1][2][n]) / 2 for n in out[0][2]}, grads(whole)) > 1e-2
 
 
 def test_fsdp_ranks_other_than_0_build_on_meta(hub):
