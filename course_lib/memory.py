@@ -21,6 +21,7 @@ shard this rank holds).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -76,7 +77,9 @@ class SavedTensorMeter:
     ``meter.by_dtype`` splits it by dtype, and ``meter.by_part`` by the ``parts`` given:
     ``(label, module)`` pairs (several modules may share a label, all the MLPs, say), each
     storage charged to the innermost listed module running when autograd first saved it, and
-    to ``"other"`` (embedding, loss, ...) when none was.
+    to ``"other"`` (embedding, loss, ...) when none was. ``meter.live`` is what autograd holds for
+    backward right now and ``meter.peak`` the most it held at once (whole storages, each counted from
+    its first save until backward frees the last saved view of it), over every block the meter watched.
     """
 
     def __init__(self, exclude: nn.Module | None = None, parts: Iterable[tuple[str, nn.Module]] = ()):
@@ -85,6 +88,8 @@ class SavedTensorMeter:
         self._running = ["other"]
         self._span: dict[int, tuple[int, int, int]] = {}  # storage -> (first byte, end byte, storage size)
         self._owner: dict[int, tuple[str, str]] = {}  # storage -> (dtype, part) of its first saver
+        self.live = self.peak = 0
+        self._saved: dict[int, int] = {}  # storage -> saved views autograd still holds
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
@@ -96,7 +101,18 @@ class SavedTensorMeter:
         lo, hi, _ = self._span.get(ptr, (start, start, 0))
         self._span[ptr] = (min(lo, start), max(hi, start + span * t.element_size()), s.nbytes())
         self._owner.setdefault(ptr, (str(t.dtype).removeprefix("torch."), self._running[-1]))
+        if ptr not in self._saved:
+            self.live += s.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._saved[ptr] = self._saved.get(ptr, 0) + 1
+        weakref.finalize(t, self._release, ptr, s.nbytes())  # fires when autograd drops what it saved
         return t
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._saved[ptr] -= 1
+        if not self._saved[ptr]:
+            del self._saved[ptr]
+            self.live -= nbytes
 
     def _enter(self, label: str):
         def hook(module, args) -> None:

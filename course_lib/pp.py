@@ -16,7 +16,7 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
   stage by stage, backward in reverse.
 - ``Recorder``: wall-clock start and end of every forward and backward of every micro-batch on every
   rank, on a time base shared through a barrier; ``bubble_fraction``, ``in_flight_peak`` and
-  ``plot_timeline`` read it. ``LiveSavedBytes`` measures the bytes autograd keeps for backward.
+  ``plot_timeline`` read it; ``memory.SavedTensorMeter``'s peak is the bytes autograd keeps for backward.
 - ``train``: the worker for ``launch("course_lib.pp:train", p, {...})``, naive or one of torch's
   schedules (``torch.distributed.pipelining``); ``reference_losses``: the one-process run it must equal.
 
@@ -34,7 +34,6 @@ import socket
 import statistics
 import time
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from torch import nn
 from course_lib.data import lm_batch
 from course_lib.distributed import rank_and_world, rank_device, worker_result
 from course_lib.loss import forward_loss, next_token_loss
+from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
 from course_lib.train import train_step
 
@@ -327,45 +327,6 @@ def plot_timeline(timeline: list[dict], ax=None, title: str | None = None):
     return ax.figure
 
 
-class LiveSavedBytes:
-    """Bytes autograd holds for backward right now (``live``) and at most (``peak``), inside a ``with`` block.
-
-    A saved tensor counts from the moment autograd saves it until its graph is freed by backward; a
-    storage saved several times counts once. ``exclude``'s parameters are weights, not activations.
-    """
-
-    def __init__(self, exclude: nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in exclude.parameters()}
-        self.live = self.peak = 0
-        self._refs: dict[int, int] = {}
-
-    def _release(self, ptr: int, nbytes: int) -> None:
-        self._refs[ptr] -= 1
-        if not self._refs[ptr]:
-            del self._refs[ptr]
-            self.live -= nbytes
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr in self.params or t.device.type == "meta":
-            return t
-        if ptr not in self._refs:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self._refs[ptr] = self._refs.get(ptr, 0) + 1
-        weakref.finalize(t, self._release, ptr, nbytes)  # fires when autograd drops what it saved
-        return t
-
-    def __enter__(self) -> LiveSavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
 # ---------------------------------------------------------------- the naive split, by hand
 
 def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
@@ -487,7 +448,7 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
     recorder = Recorder(rank, rank_device())
     mine, run, planned = _build(schedule, model, m, v, batch, seq, recorder, simulate_ms)
     opt = torch.optim.AdamW(mine.parameters(), lr=lr)
-    losses, bubbles, times, meter = [], [], [], LiveSavedBytes(mine)  # the stages' weights are not activations
+    losses, bubbles, times, meter = [], [], [], SavedTensorMeter(exclude=mine)  # the stages' weights are not activations
     for step in range(steps):
         tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed).to(recorder.device)
         recorder.start_step(step)

@@ -240,6 +240,21 @@ def test_one_meter_splits_the_same_bytes_by_dtype_and_by_part():
     del loss
 
 
+def test_the_meter_follows_what_autograd_holds_until_backward_frees_it():
+    model = models.build_llama("tiny", num_hidden_layers=2)
+    ids = data.random_tokens(2, 32, 512)
+    meter = memory.SavedTensorMeter(exclude=model)
+    with meter:
+        loss = forward_loss(model, ids)
+    held = meter.live
+    assert held >= meter.bytes > 0 and meter.peak == held  # whole storages, at least the spans they cover
+    loss.backward()  # backward frees the graph and with it every saved tensor but the one this test still holds
+    assert meter.live == ids.nbytes and meter.peak == held  # the token ids, which the embedding saved
+    with meter:  # a second, half-size step: the peak stays the first one's
+        forward_loss(model, ids[:1]).backward()
+    assert meter.live == ids.nbytes and meter.peak == held
+
+
 def test_course_setup_picks_sizes_device_and_results(tmp_path, monkeypatch, capsys):
     from course_lib import course_setup
 
