@@ -4,7 +4,8 @@ Each case replaces the named solution cells of the solution notebook; every othe
 keeps the reference solution. ``scores`` gives the expected points of every graded cell.
 """
 
-BIAS_EVERY_RANK = '''
+# The reference pair of the solution notebook; each mistake below changes it in one or two places.
+PAIR_SOLUTION = '''
 class CopyToTP(torch.autograd.Function):
     """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
 
@@ -58,243 +59,57 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x):
-        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias
-'''
-
-NO_F_BACKWARD = '''
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad  # wrong: each rank keeps only its part of the input's gradient
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.out_features % world:
-            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.in_features % world:
-            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-
-    def forward(self, x):
         out = ReduceFromTP.apply(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
 '''
 
-ALL_REDUCE_BOTH = '''
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
 
-    @staticmethod
-    def forward(ctx, x):
+def changed(*edits: tuple[str, str], reference: str = PAIR_SOLUTION, before: str = "") -> str:
+    """``reference`` with each (old, new) edit made (every old text found exactly once), after ``before``."""
+    out = reference
+    for old, new in edits:
+        assert out.count(old) == 1, old
+        out = out.replace(old, new)
+    return before + out
+
+
+BIAS_EVERY_RANK = changed(('''        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank''',
+                           '''        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias'''))
+
+NO_F_BACKWARD = changed(('''        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad''', '''        return grad  # wrong: each rank keeps only its part of the input's gradient'''))
+
+ALL_REDUCE_BOTH = changed(('''    def forward(ctx, x):
+        return x.view_as(x)''', '''    def forward(ctx, x):
         out = x.contiguous().clone()
         dist.all_reduce(out)  # wrong: f all-reduces in forward too
-        return out
+        return out'''))
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.out_features % world:
+NO_SIZE_CHECK = changed(('''        if linear.out_features % world:
             raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.in_features % world:
+''', ''), ('''        if linear.in_features % world:
             raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+''', ''))
 
-    def forward(self, x):
-        out = ReduceFromTP.apply(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
-'''
-
-NO_SIZE_CHECK = '''
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        out = ReduceFromTP.apply(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
-'''
-
-GATHER_NO_BACKWARD = '''
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.out_features % world:
-            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
+# seed 002's layer: the column layer gathers its output with a plain all_gather, the row layer slices it again
+GATHER_NO_BACKWARD = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+                              '''        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local.contiguous())  # wrong: no backward, as in seed 002
-        return torch.cat(parts, -1)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.in_features % world:
-            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        n = x.shape[-1] // dist.get_world_size()
+        return torch.cat(parts, -1)'''), ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
+                                           '''        n = x.shape[-1] // dist.get_world_size()
         x = x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n]
-        out = ReduceFromTP.apply(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
-'''
+        out = ReduceFromTP.apply(F.linear(x, self.weight))'''))
 
-GATHER_THEN_SLICE = '''
+# right numbers, a needless collective: a gather with a backward, and the row layer slices again
+GATHER_THEN_SLICE = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+                             '''        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather'''),
+                            ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
+                             '''        n = x.shape[-1] // dist.get_world_size()
+        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))'''),
+                            before='''
 class GatherTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local):
@@ -306,64 +121,7 @@ class GatherTP(torch.autograd.Function):
     def backward(ctx, grad):
         n = grad.shape[-1] // dist.get_world_size()
         return grad[..., dist.get_rank() * n:(dist.get_rank() + 1) * n].contiguous()
-
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.out_features % world:
-            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.in_features % world:
-            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        n = x.shape[-1] // dist.get_world_size()
-        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))
-        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
-'''
+''')
 
 CALLS_LIBRARY_PAIR = '''
 from course_lib import tp as _tp
@@ -397,44 +155,30 @@ def one_f_one_b_order(p, m):
     return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
 '''
 
-BACKWARD_TOO_SOON = '''
+# The reference 1F1B order of the solution notebook; each mistake below changes its warm-up.
+ORDER_SOLUTION = '''
 def one_f_one_b_order(p, m):
     orders = []
     for r in range(p):
-        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank starts with a backward
+        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it
         order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
+        for i in range(m - warmup):  # steady state: the oldest backward, then the next forward
             order += [("B", i), ("F", warmup + i)]
-        order += [("B", i) for i in range(m - warmup, m)]
+        order += [("B", i) for i in range(m - warmup, m)]  # drain
         orders.append(order)
     return orders
 '''
+WARMUP = "        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it"
 
-SAME_WARMUP_EVERY_RANK = '''
-def one_f_one_b_order(p, m):
-    orders = []
-    for r in range(p):
-        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later ranks too full
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("B", i), ("F", warmup + i)]
-        order += [("B", i) for i in range(m - warmup, m)]
-        orders.append(order)
-    return orders
-'''
+BACKWARD_TOO_SOON = changed((WARMUP, "        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank "
+                                     "starts with a backward"), reference=ORDER_SOLUTION)
 
-WARMUP_PAST_M = '''
-def one_f_one_b_order(p, m):
-    orders = []
-    for r in range(p):
-        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("B", i), ("F", warmup + i)]
-        order += [("B", i) for i in range(max(m - warmup, 0), m)]
-        orders.append(order)
-    return orders
-'''
+SAME_WARMUP_EVERY_RANK = changed((WARMUP, "        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later "
+                                          "ranks too full"), reference=ORDER_SOLUTION)
+
+WARMUP_PAST_M = changed((WARMUP, "        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist"),
+                        ('''        order += [("B", i) for i in range(m - warmup, m)]  # drain''',
+                         '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''), reference=ORDER_SOLUTION)
 
 CALLS_LIBRARY_ORDER = '''
 def one_f_one_b_order(p, m):
