@@ -236,19 +236,25 @@ def test_a_timed_out_launch_leaves_no_rank_alive_and_no_folder(tmp_path, monkeyp
     assert not list((tmp_path / "tmp").iterdir()), "launch left its temporary folder behind"
 
 
+def _ranks_die_with_a_killed_kernel(script: str, folder) -> bool:
+    """Run ``script`` (a kernel that starts 2 ranks writing their pids to ``folder``) in a process, SIGKILL that
+    process once both ranks run, and say whether the ranks were gone within 5 s."""
+    kernel = subprocess.Popen([sys.executable, "-c", script], cwd=folder)
+    try:
+        pids = _wait_for_pids(folder, 2, 60, kernel)
+    finally:
+        kernel.kill()
+        kernel.wait()
+    return _gone_within(pids, 5)
+
+
 def test_ranks_die_with_the_kernel_that_launched_them(tmp_path):
     """Kill the launching process outright (a kernel that died or was killed): its ranks must not live on,
     even ranks that ignore SIGTERM (torchrun would wait 30 s for them)."""
     (tmp_path / "stubborn_worker.py").write_text(STUBBORN)
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from course_lib.launch import launch; "
               f"launch('stubborn_worker:stubborn', 2, {{'folder': {str(tmp_path)!r}}}, echo=False, timeout=300)")
-    kernel = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
-    try:
-        pids = _wait_for_pids(tmp_path, 2, 60, kernel)
-    finally:
-        kernel.kill()
-        kernel.wait()
-    assert _gone_within(pids, 5), "ranks outlived the process that launched them"
+    assert _ranks_die_with_a_killed_kernel(script, tmp_path), "ranks outlived the process that launched them"
 
 
 def test_forked_ranks_die_with_a_killed_kernel_and_a_timeout(tmp_path):
@@ -267,13 +273,7 @@ def test_forked_ranks_die_with_a_killed_kernel_and_a_timeout(tmp_path):
         sys.modules.pop("stubborn_forked", None)
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from course_lib.launch import run_forked; "
               f"from stubborn_forked import forked_stubborn; run_forked(forked_stubborn, 2, {str(tmp_path)!r})")
-    kernel = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
-    try:
-        pids = _wait_for_pids(tmp_path, 2, 60, kernel)
-    finally:
-        kernel.kill()
-        kernel.wait()
-    assert _gone_within(pids, 5), "forked ranks outlived the process that forked them"
+    assert _ranks_die_with_a_killed_kernel(script, tmp_path), "forked ranks outlived the process that forked them"
 
 
 def test_a_launch_whose_port_was_taken_meanwhile_retries_on_a_new_one(tmp_path, monkeypatch, capsys):
