@@ -199,7 +199,8 @@ def _summarise(runs: list[dict], flops_per_token: float, peak: float | None) -> 
     row = {k: first[k] for k in ("recipe", "attn_implementation", "attention_kernels", "losses", "checkpointing",
                                  "plan", "compile", "trainable_parameters", "weight_dtypes")}
     mems = [r["peak_memory_bytes"] for r in runs if r["peak_memory_bytes"] is not None]
-    row.update(tokens_per_s=spread(tps)["median"], tokens_per_s_spread=spread(tps), tokens_per_s_runs=tps,
+    tps_spread = spread(tps)
+    row.update(tokens_per_s=tps_spread["median"], tokens_per_s_spread=tps_spread, tokens_per_s_runs=tps,
                step_s=spread([r["step_s"] for r in runs])["median"], flops_per_token=flops_per_token,
                peak_memory_bytes=max(mems) if mems else None, loss=first["losses"][-1],
                loss_curves_of_repeats=[r["losses"] for r in runs])
