@@ -101,7 +101,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
             print("".join(lines), end="", flush=True)
         return _results(proc, lines, out, target)
     finally:  # whatever happened: no rank lives on, no folder is left behind
-        _kill_ranks(out)
+        _kill_ranks(out, expected=nprocs)
         shutil.rmtree(out, ignore_errors=True)
 
 
@@ -247,23 +247,31 @@ def _kill(proc: subprocess.Popen, out: Path) -> None:
     _kill_ranks(out)
 
 
-def _kill_ranks(out: Path, wait: float = 5.0) -> None:
+def _kill_ranks(out: Path, expected: int = 0, wait: float = 5.0) -> None:
     """SIGKILL every rank of this launch still alive (the pids they wrote to ``out``); wait until they are gone.
 
     torchrun starts its ranks in sessions of their own, so killing its group misses them. A pid
-    counts only while its command line names ``out``: a recycled pid belongs to someone else.
+    counts only while its command line names ``out``: a recycled pid belongs to someone else. Until
+    ``expected`` ranks have written their pid (or ``wait`` seconds pass) the folder is read again: a
+    rank still starting up (importing torch on a busy machine) writes its pid after the first look.
     """
-    pids = []
-    for f in out.glob("rank*.pid"):
-        try:
-            pid = int(f.read_text())
-            if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
-                pids.append(pid)
-        except (OSError, ValueError):  # gone already, or the pid file half written
-            continue
+    seen: set[int] = set()
     deadline = time.monotonic() + wait
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while True:
+        for f in out.glob("rank*.pid"):
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):  # the pid file half written: read it on the next look
+                continue
+            if pid not in seen:
+                seen.add(pid)
+                try:
+                    if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGKILL)
+                except OSError:  # gone already
+                    pass
+        if time.monotonic() >= deadline or (len(seen) >= expected and not any(_running(pid) for pid in seen)):
+            return
         time.sleep(0.05)
 
 
