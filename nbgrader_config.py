@@ -27,7 +27,19 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 # A cell that runs longer than this is interrupted and the notebook goes on: a submission that
 # loops forever loses that exercise's points, not the whole notebook. Under nbgrader the
 # notebooks pick the 'smoke' tier (tiny sizes), so no honest cell comes near it.
-c.Execute.timeout = int(os.environ.get("COURSE_CELL_TIMEOUT", "60"))
+CELL_TIMEOUT = int(os.environ.get("COURSE_CELL_TIMEOUT", "60"))
+# A solution cell only defines the student's functions and classes (the test cells after it run
+# them), so it gets a shorter limit: a loop written at its top level costs 20 s, not the full limit.
+SOLUTION_CELL_TIMEOUT = min(20, CELL_TIMEOUT)
+
+
+def cell_timeout(cell) -> int:
+    """Seconds a cell may run under autograde: the solution cells' limit or the general one."""
+    return SOLUTION_CELL_TIMEOUT if cell.metadata.get("nbgrader", {}).get("solution") else CELL_TIMEOUT
+
+
+c.Execute.timeout = CELL_TIMEOUT
+c.Execute.timeout_func = cell_timeout
 c.Execute.interrupt_on_timeout = True
 c.Execute.allow_errors = True
 
