@@ -12,10 +12,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
 LAYERS = {
     "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput", "results", "plots",
-             "grading"},
+             "grading", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
-    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "tp", "pp"},
+    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "tp", "pp", "fp8", "nf4"},
     "application": {"notebook", "finetune", "benchmark", "accelerate_configs", "cluster", "run_all", "release",
                     "__init__"},
 }
