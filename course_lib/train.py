@@ -92,7 +92,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
 
     ``loss_fn(model, micro_batch)`` gives a micro-batch's mean loss (default: ``forward_loss``); each
     is weighted by ``1 / accum_steps``, or, with ``token_weighted`` (dict batches with labels), by
-    its share of the scored tokens (``token_weights``), and a micro-batch that scores none is skipped.
+    its share of the scored tokens (``token_weights``), and a micro-batch that scores none is skipped
+    (under a process group it runs with a zero loss, so that every rank runs the same collectives).
     ``sync_grads(model)`` runs once after the last backward, before unscaling and clipping: where a
     hand-written data parallelism averages the gradients over ranks. ``backward(loss)`` replaces
     ``loss.backward()`` (``accelerator.backward`` under accelerate). The gradient norm is computed
@@ -105,12 +106,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     micro = split_batch(to_device(batch, device, non_blocking=True), accum_steps)
     weights = token_weights(micro) if token_weighted else [1.0 / accum_steps] * accum_steps
-    micro = [(mb, w) for mb, w in zip(micro, weights) if w > 0]
+    # A micro-batch that scores no token adds nothing. Alone, skip it; under a process group run it anyway,
+    # with a zero loss: every rank must run as many forwards and backwards as the others (DDP's all-reduce,
+    # FSDP's gathers), or the ranks wait for each other forever.
+    together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    micro = [(mb, w) for mb, w in zip(micro, weights) if w > 0 or together]
     total = torch.zeros((), device=device)
     for i, (micro_batch, weight) in enumerate(micro):
         with grad_sync_context(model, last=i == len(micro) - 1):
             with autocast(device, amp_dtype):
-                loss = loss_fn(model, micro_batch) * weight
+                loss = loss_fn(model, micro_batch)
+                # its mean over no token is nan (0/0); nan_to_num's gradient there is 0, so nothing flows back
+                loss = torch.nan_to_num(loss, nan=0.0) * weight if weight == 0 else loss * weight
             scaled = scaler.scale(loss)
             backward(scaled) if backward is not None else scaled.backward()
         total += loss.detach().float()

@@ -93,6 +93,37 @@ def test_train_with_accumulation_matches_ddp(mode):
     assert runs[mode]["digest"] == pytest.approx(runs["ddp"]["digest"], rel=1e-6)
 
 
+def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
+    """Token-weighted DDP where rank 1's whole batch is masked: no hang, and the gradients of the global batch."""
+    from course_lib import models, train
+    from course_lib.loss import forward_loss
+
+    torch.manual_seed(0)
+    base = models.build_llama("tiny")
+    ids = torch.randint(0, base.config.vocab_size, (4, 12))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    labels[2:] = -100  # the second half of the global batch (rank 1's rows) scores nothing
+    whole = copy.deepcopy(base)
+    forward_loss(whole, {"input_ids": ids, "labels": labels}).backward()
+    want = {n: p.grad.clone() for n, p in whole.named_parameters()}
+
+    def step(rank, world_size):
+        model = DDP(copy.deepcopy(base))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        seen = {}
+        opt.register_step_pre_hook(lambda *a: seen.update({n.removeprefix("module."): p.grad.clone()
+                                                            for n, p in model.named_parameters()}))
+        rows = slice(2 * rank, 2 * rank + 2)
+        train.train_step(model, opt, {"input_ids": ids[rows], "labels": labels[rows]}, accum_steps=2,
+                         token_weighted=True)
+        # plain numbers back: tensors would travel as shared memory that dies with the rank
+        return all(bool(torch.isfinite(g).all()) for g in seen.values()), max((seen[n] - want[n]).abs().max().item() for n in want)
+
+    for finite, diff in run_forked(step, 2, timeout=60):
+        assert finite and diff < 1e-5
+
+
 def test_throughput_times_every_data_parallel_mode_and_refuses_unknown_ones():
     def modes(rank, world_size):
         out = {m: ddp.throughput(global_batch=8, width=8, steps=1, mode=m)["samples_per_s"]
