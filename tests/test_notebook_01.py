@@ -74,3 +74,52 @@ def test_pure_bf16_weights_lose_small_updates(executed):
     assert math.isclose(value(res, "model_state_ratio_master_vs_pure"), 2.0, rel_tol=1e-6)
     assert claim(res, "If you use .bf16() weights")["held"]
     assert len(res["figures"]) >= 5
+
+
+def test_fp8_formats_are_read_from_torch_and_casts_measured(executed):
+    res = executed("01_mixed_precision")
+    assert (value(res, "e4m3_max"), value(res, "e5m2_max")) == (448.0, 57344.0)
+    assert value(res, "e4m3_smallest_subnormal") == 2.0**-9 and value(res, "e5m2_smallest_subnormal") == 2.0**-16
+    assert (value(res, "e4m3_mantissa_bits"), value(res, "e5m2_mantissa_bits")) == (3, 2)
+    assert value(res, "e5m2_cast_of_2x_max") == "inf"
+    assert value(res, "e4m3_cast_of_2x_max") in ("saturates to 448", "nan")  # e4m3fn has no inf: torch decides
+    assert value(res, "e4m3_of_2^-10") == 0.0 and value(res, "e5m2_of_1e5") is None  # None: inf, stored as JSON
+    assert value(res, "e4m3_of_0.02") == 0.01953125  # a subnormal: 5 × 2^-8
+
+
+def test_fp8_matmul_error_and_the_need_for_a_scale(executed):
+    res = executed("01_mixed_precision")
+    err = {k: value(res, f"matmul_error_{k}") for k in ("fp16", "bf16", "e4m3_unscaled", "e4m3_scaled", "e5m2_e4m3_scaled")}
+    assert err["fp16"] < err["bf16"] < 0.005 < err["e4m3_scaled"] < 0.06 and err["e4m3_scaled"] < err["e5m2_e4m3_scaled"]
+    assert err["e4m3_unscaled"] > 1.3 * err["e4m3_scaled"]
+    assert 8 < value(res, "e4m3_scaled_vs_bf16_error_ratio") < 32, "3 mantissa bits against 7: about 16x coarser"
+    assert value(res, "e4m3_weights_zero_unscaled") > 0.01 and value(res, "e4m3_weights_subnormal_unscaled") > 0.3
+    unscaled, scaled = value(res, "sweep_e4m3_unscaled"), value(res, "sweep_e4m3_scaled")
+    assert unscaled[0] > 0.9 and unscaled[-1] > 0.9 and min(unscaled) < 2 * min(scaled)  # flushed, saturated, fine between
+    assert max(scaled) < 1.1 * min(scaled) and max(value(res, "sweep_bf16")) < 0.005
+    assert value(res, "matmul_error_path") in ("torch._scaled_mm", "emulated: dequantized to float32, float32 matmul")
+    assert claim(res, "FP8: 8 bits, range limited")["held"]
+    assert claim(res, "FP8 comes at a cost of precision")["held"]
+
+
+def test_fp8_speed_claim_follows_the_timing(executed):
+    res = executed("01_mixed_precision")
+    ratio = value(res, "fp8_matmul_speedup_vs_bf16")
+    assert ratio == pytest.approx(value(res, "bf16_matmul_ms") / value(res, "fp8_matmul_ms"), rel=1e-9)
+    speed = claim(res, "FP8 can help speed up training some; cutting edge")
+    assert speed["held"] == (ratio >= 1.2) and value(res, "fp8_matmul_speed_path") in speed["measured"]
+
+
+def test_the_notebooks_delayed_scaler_saturates_on_the_spike(executed):
+    res = executed("01_mixed_precision")
+    assert value(res, "your_delayed_scaler_matches_library") is True
+    assert value(res, "delayed_saturated_at_spike") > 0.3 and value(res, "delayed_all_finite") is True
+    assert value(res, "delayed_error_at_spike") > 10 * value(res, "current_error_at_spike")
+    assert value(res, "current_saturated_max") == 0.0 and value(res, "delayed_fill_after_spike") < 0.5
+
+
+def test_fp8_training_is_recorded_only_where_it_ran(executed):
+    res = executed("01_mixed_precision")  # the CPU tier: the torchao comparison needs an FP8 GPU
+    assert not [k for k in res["values"] if k.startswith("llama_")]
+    assert not [c for c in res["claims"] if "Llama 3.1 8B shape" in c["claim"]]
+    assert len(res["figures"]) >= 7

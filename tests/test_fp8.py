@@ -1,0 +1,166 @@
+"""course_lib.fp8: the formats' facts, per-tensor and delayed scaling against torch's own float8 casts, the FP8
+matmul (torch._scaled_mm where it runs) against its float32 emulation, and the GPU path's refusals on a CPU."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from course_lib import fp8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def torch_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The independent reference: torch's cast of x·scale, clamped to the format's max first."""
+    fmax = torch.finfo(dtype).max
+    return (x * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def test_format_facts_are_the_formats_bits():
+    rows = {r["type"]: r for r in fp8.format_table()}
+    e4, e5 = rows["fp8 e4m3"], rows["fp8 e5m2"]
+    assert (e4["exponent bits"], e4["mantissa bits"], e4["max"]) == (4, 3, 448.0)
+    assert (e5["exponent bits"], e5["mantissa bits"], e5["max"]) == (5, 2, 57344.0)
+    assert e4["smallest normal"] == 2.0**-6 and e4["smallest subnormal"] == 2.0**-9
+    assert e5["smallest normal"] == 2.0**-14 and e5["smallest subnormal"] == 2.0**-16
+    assert (rows["fp16"]["mantissa bits"], rows["bf16"]["mantissa bits"], rows["fp32"]["mantissa bits"]) == (10, 7, 23)
+    assert rows["bf16"]["exponent bits"] == rows["fp32"]["exponent bits"] == 8
+    # the smallest subnormal is representable and half of it rounds (to even) to zero, in every format
+    for name, dt in fp8.TABLE_DTYPES.items():
+        tiny = rows[name]["smallest subnormal"]
+        assert torch.tensor(tiny).to(dt).float().item() == tiny and torch.tensor(tiny / 2).to(dt).float().item() == 0.0
+
+
+def test_what_a_cast_past_max_gives_is_what_torch_does():
+    assert fp8.cast_past_max(E5M2) == {"2*max": math.inf, "inf": math.inf}
+    assert fp8.overflow_threshold(E4M3) == 464.0 and fp8.overflow_threshold(E5M2) == 61440.0
+    for dt in (E4M3, E5M2):  # just below the threshold a value rounds down to max like any other
+        assert torch.tensor(fp8.overflow_threshold(dt) * (1 - 1e-6)).to(dt).float() == torch.finfo(dt).max
+    assert torch.tensor(fp8.overflow_threshold(E5M2)).to(E5M2).float() == math.inf  # at it, e5m2 overflows
+    past = fp8.cast_past_max(E4M3)["2*max"]  # e4m3fn has no inf: torch saturates (2.13) or gives nan (older)
+    assert past == 448.0 or math.isnan(past)
+    assert fp8.format_facts(E4M3)["cast of 2*max"] == ("saturates to 448" if past == 448.0 else "nan")
+    assert fp8.format_facts(E5M2)["cast of 2*max"] == "inf"
+
+
+def test_round_trip_shows_what_flushes_and_what_saturates():
+    rows = {r["value"]: r for r in fp8.round_trip([2.0**-10, 2.0**-9, 1e5, 1.0 + 2.0**-4])}
+    assert rows[2.0**-10]["fp8 e4m3"] == 0.0 and rows[2.0**-10]["fp8 e5m2"] == 2.0**-10
+    assert rows[2.0**-9]["fp8 e4m3"] == 2.0**-9
+    assert rows[1e5]["fp8 e5m2"] == math.inf and rows[1e5]["fp16"] == math.inf and rows[1e5]["bf16"] > 9e4
+    assert rows[1.0 + 2.0**-4]["fp8 e4m3"] == 1.0  # halfway to 1 + 2^-3 rounds to even
+
+
+def test_quantize_clamps_then_casts_and_dequantize_undoes_the_scale():
+    x = torch.tensor([0.5, -3.0, 1000.0, -1e6, 2.0**-12])
+    for dt in (E4M3, E5M2):
+        fmax = torch.finfo(dt).max
+        q = fp8.quantize(x, 4.0, dt)
+        assert q.dtype == dt and torch.isfinite(q.float()).all(), "saturate, never inf or nan"
+        assert torch.equal(q.float(), torch_cast(x, 4.0, dt).float())
+        assert q.float().abs().max().item() == fmax
+        assert torch.equal(fp8.dequantize(q, 4.0), q.float() / 4.0)
+    assert fp8.quantize(x, 4.0, E4M3).float()[0].item() == 2.0  # exact values stay exact
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        fp8.quantize(x, 1.0, torch.float16)
+
+
+def test_scale_for_maps_amax_to_max_and_keeps_the_old_scale_on_zero_or_inf():
+    assert fp8.scale_for(4.0, E4M3) == 112.0 and fp8.scale_for(4.0, E5M2) == 14336.0
+    assert fp8.scale_for(4.0, E4M3, margin=2) == 28.0
+    assert fp8.scale_for(0.0, E4M3, fallback=3.0) == 3.0 and fp8.scale_for(math.inf, E4M3) == 1.0
+
+
+def test_delayed_scaler_takes_its_scale_from_the_previous_amaxes():
+    torch.manual_seed(0)
+    stream = [torch.randn(32, 32) * m for m in (4.0, 1.0, 0.25, 16.0, 2.0, 0.0, 1.0)]
+    for dt, hist, margin in ((E4M3, 2, 0), (E5M2, 3, 1), (E4M3, 1, 0)):
+        mine, fmax = fp8.DelayedScaler(dt, history_len=hist, margin=margin), torch.finfo(dt).max
+        amaxes, scale = [], 1.0
+        for x in stream:
+            q, used = mine(x)
+            assert used == scale, "the scale of a step comes from earlier steps only (1.0 at the first)"
+            assert torch.equal(q.float(), torch_cast(x, scale, dt).float())
+            assert torch.isfinite(q.float()).all()
+            amaxes = (amaxes + [x.abs().max().item()])[-hist:]
+            if max(amaxes) > 0:
+                scale = fmax / max(amaxes) / 2**margin
+            assert mine.amax_history == amaxes and mine.scale == pytest.approx(scale, rel=1e-12)
+    with pytest.raises(ValueError, match="history_len"):
+        fp8.DelayedScaler(E4M3, history_len=0)
+
+
+def test_delayed_scaling_saturates_on_an_amax_jump_where_current_scaling_does_not():
+    stream = fp8.drifting_stream(12, 32, spike_at=6)
+    delayed = fp8.scaling_trace(fp8.DelayedScaler(E4M3, history_len=4), stream, E4M3)
+    current = fp8.scaling_trace(fp8.current_scaler(E4M3), stream, E4M3)
+    assert delayed["saturated"][6] > 0.3 and delayed["error"][6] > 10 * current["error"][6]
+    assert max(current["saturated"]) == 0 and current["fill"] == pytest.approx([1.0] * 12)
+    assert all(delayed["finite"]) and all(current["finite"])
+    assert delayed["scale"][0] == 1.0 and delayed["fill"][7] < 0.5, "after the spike the history keeps the scale low"
+
+
+def test_fp8_matmul_kernel_and_emulation_agree():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 48), torch.randn(48, 32) * 0.02
+    res = fp8.fp8_matmul(a, b)
+    assert res.path == (fp8.SCALED_MM if fp8.scaled_mm_runs("cpu", E4M3, E4M3) is None else fp8.EMULATED)
+    sa, sb = 448 / a.abs().max().item(), 448 / b.abs().max().item()
+    emulated = (torch_cast(a, sa, E4M3).float() / sa) @ (torch_cast(b, sb, E4M3).float() / sb)
+    assert torch.allclose(res.out, emulated, rtol=1e-4, atol=1e-6)
+    odd = fp8.fp8_matmul(a[:, :40], b[:40])  # 40 is no multiple of 16: _scaled_mm is not asked
+    assert odd.path == fp8.EMULATED and fp8.relative_error(odd.out, a[:, :40] @ b[:40]) < 0.1
+    with pytest.raises(ValueError, match="matrices"):
+        fp8.fp8_matmul(a, a)
+
+
+def test_matmul_errors_order_the_formats_by_their_mantissa():
+    x, w = fp8.outlier_operands(128)
+    err = {k: v["error"] for k, v in fp8.matmul_errors(x, w).items()}
+    assert err["fp16"] < err["bf16"] < 0.01 < err["e4m3_scaled"] < err["e5m2_e4m3_scaled"] < 0.1
+    assert err["e4m3_unscaled"] > err["e4m3_scaled"]
+    low = fp8.flushed_fraction(w, E4M3)
+    assert low["zero"] > 0.01 and low["subnormal"] > 0.3, "weights of std 0.02 sit at e4m3's bottom without a scale"
+    assert fp8.flushed_fraction(w, E4M3, fp8.scale_for(fp8.amax(w), E4M3))["zero"] == 0.0
+
+
+def test_magnitude_sweep_unscaled_fp8_fails_at_both_ends_scaled_does_not():
+    x, w = fp8.outlier_operands(64)
+    sweep = fp8.magnitude_sweep(x, w, [-20, -6, 12])
+    assert sweep["e4m3, no scaling"][0] > 0.9 and sweep["e4m3, no scaling"][2] > 0.9  # flushed; saturated
+    assert sweep["e4m3, no scaling"][1] < 0.1
+    assert max(sweep["e4m3, per-tensor scale"]) < 1.01 * min(sweep["e4m3, per-tensor scale"])
+    assert max(sweep["bf16"]) < 0.01
+
+
+def test_matmul_speed_says_which_kernel_ran():
+    out = fp8.matmul_speed(32, "cpu", repeat=1)
+    assert out["bf16_s"] > 0 and out["fp8_s"] > 0
+    assert out["path"] == fp8.SCALED_MM or out["path"].startswith(fp8.EMULATED)
+
+
+def test_gpu_training_path_refuses_a_cpu_with_what_it_needs():
+    why = fp8.fp8_training_support("cpu")
+    assert "H100" in why and "MI300X" in why
+    with pytest.raises(RuntimeError, match="H100"):
+        fp8.compare_training("tiny", steps=4, batch=1, seq=16, device="cpu")
+    with pytest.raises(ValueError, match="warmup"):
+        fp8.train_llama("tiny", fp8=False, steps=2, batch=1, seq=16, device="cpu")
+
+
+def test_without_torchao_the_error_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what a machine without torchao sees: the import fails
+    with pytest.raises(ImportError, match="pip install torchao"):
+        fp8.convert_to_fp8_training(torch.nn.Linear(16, 16))
+
+
+def test_torchao_converts_the_llama_but_its_head_and_trains():
+    from course_lib.models import build_llama
+
+    model = fp8.convert_to_fp8_training(build_llama("tiny"))
+    kinds = {type(m).__name__ for name, m in model.named_modules() if name.endswith("_proj")}
+    assert kinds == {"Float8Linear"} and type(model.lm_head).__name__ == "Linear"
+    run = fp8.train_llama("tiny", fp8=True, steps=5, batch=2, seq=32, device="cpu", compile=False, warmup=1)
+    assert all(math.isfinite(v) for v in run["losses"]) and run["tokens_per_s"] > 0
