@@ -54,7 +54,7 @@ def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
     return [[int(i) for i in batch] for batch in loader]
 '''
 
-# --- Exercise 3, BucketedDDP: the reference, and the mistakes students make, each a small edit of it
+# --- Exercise 4, BucketedDDP: the reference, and the mistakes students make, each a small edit of it
 
 BUCKETED = '''
 class BucketedDDP(torch.nn.Module):
@@ -166,6 +166,72 @@ def average_gradients(model):
     all_reduce_gradients(model)   # course_lib's all-reduce
 '''
 
+# --- Exercise 2, Prefetcher: the reference, and the mistakes students make, each a small edit of it
+
+PREFETCHER = '''
+class Prefetcher:
+    def __init__(self, iterable, depth=2, device=None):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth={depth!r}: keep at least one item ahead (an int >= 1)")
+        self.iterable, self.depth, self.device = iterable, depth, device
+
+    def __iter__(self):
+        q, end = queue.Queue(maxsize=self.depth), object()
+
+        def produce():
+            try:
+                for item in self.iterable:
+                    if self.device is not None:
+                        item = to_device(item, self.device, non_blocking=True)
+                    q.put((item, None))
+                q.put((end, None))
+            except Exception as err:
+                q.put((end, err))
+
+        threading.Thread(target=produce, daemon=True).start()
+        while True:
+            item, err = q.get()
+            if err is not None:
+                raise err
+            if item is end:
+                return
+            yield item
+'''
+
+
+def _edit_prefetcher(old: str, new: str) -> str:
+    assert PREFETCHER.count(old) == 1, old
+    return PREFETCHER.replace(old, new)
+
+
+# no maxsize: the thread reads the whole iterable ahead (every batch in host memory at once)
+PREFETCHER_UNBOUNDED = _edit_prefetcher("queue.Queue(maxsize=self.depth)", "queue.Queue()")
+# no try/except in the thread: the exception ends the thread, and the loop waits for an item that never comes
+PREFETCHER_LOSES_THE_ERROR = _edit_prefetcher(
+    "            try:\n"
+    "                for item in self.iterable:\n"
+    "                    if self.device is not None:\n"
+    "                        item = to_device(item, self.device, non_blocking=True)\n"
+    "                    q.put((item, None))\n"
+    "                q.put((end, None))\n"
+    "            except Exception as err:\n"
+    "                q.put((end, err))\n",
+    "            for item in self.iterable:\n"
+    "                if self.device is not None:\n"
+    "                    item = to_device(item, self.device, non_blocking=True)\n"
+    "                q.put((item, None))\n"
+    "            q.put((end, None))\n")
+
+CALLS_LIBRARY_PREFETCHER = '''
+from course_lib.dataloader import Prefetcher as _Theirs
+
+class Prefetcher(_Theirs):   # course_lib's answer
+    pass
+'''
+
+_PREFETCHER_FULL = {"test_Prefetcher": 1, "test_Prefetcher_overlap": 2, "test_Prefetcher_depth": 2,
+                    "test_Prefetcher_errors": 1}
+
 CASES = {
     "no_set_epoch": {  # shards fine, but the same order every epoch
         "cells": {"rank_batches": NO_SET_EPOCH},
@@ -211,7 +277,22 @@ CASES = {
          dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
         ("calls_torch_ddp", CALLS_TORCH_DDP, dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
     ]},
+    "prefetcher_unbounded": {  # overlaps, but runs the whole iterable ahead
+        "cells": {"Prefetcher": PREFETCHER_UNBOUNDED},
+        "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **_PREFETCHER_FULL, "test_Prefetcher_depth": 0},
+    },
+    "prefetcher_loses_the_error": {  # the thread dies with the exception; the loop would wait forever
+        "cells": {"Prefetcher": PREFETCHER_LOSES_THE_ERROR},
+        "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **_PREFETCHER_FULL, "test_Prefetcher_errors": 0},
+    },
+    "calls_library_Prefetcher": {
+        "cells": {"Prefetcher": CALLS_LIBRARY_PREFETCHER},
+        "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **{k: 0 for k in _PREFETCHER_FULL}},
+    },
 }
+# every other case leaves the Prefetcher exercise alone: full marks there
+for _case in CASES.values():
+    _case["scores"] = {**_PREFETCHER_FULL, **_case["scores"]}
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "average_gradients"
