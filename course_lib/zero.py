@@ -11,24 +11,40 @@ stepping only its 1/N slice of every parameter and all-gathering the result (``e
 
 On every device ``torch_adam`` keeps DeepSpeed from JIT-compiling its fused Adam, and with
 optimizer offload ``zero_force_ds_cpu_optimizer: false`` lets torch's AdamW run on the
-offloaded states: nothing compiles at run time (DeepSpeed's CPU Adam is faster on a big
-model, and is one config line away).
+offloaded states: nothing compiles at run time. ``cpu_adam=True`` asks for DeepSpeed's CPU Adam
+instead (``make setup`` prebuilds its op), which ``time_cpu_adam`` times against torch's AdamW.
+
+ZeRO-Offload and ZeRO-Infinity, how much bigger: ``offload_plan`` says where each model state lives
+and ``link_bytes_per_step`` what crosses the GPU-host link per step; ``engine_placement`` reads what
+a real engine holds. ``predict_largest`` is the memory arithmetic of the largest trainable Llama per
+strategy, and the size sweep measures it on a GPU: ``search_largest`` grows the model, then the
+micro-batch, until ``torch.OutOfMemoryError`` (freed, and recorded), with ``train_trial`` as the real
+step; ``python -m course_lib.zero sweep`` prints the table.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import gc
+import importlib
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.data import synthetic_images, to_device
+from course_lib import attention
+from course_lib.data import random_tokens, synthetic_images, to_device
+from course_lib.device import device_memory_bytes, host_memory_bytes
 from course_lib.distributed import (gather_slices, mean_over_ranks, param_digest, rank_and_world, rank_device,
                                     rank_slice, step_batches, worker_result)
+from course_lib.launch import launch
 from course_lib.loss import forward_loss
-from course_lib.memory import optimizer_state_bytes
-from course_lib.models import SmallCNN
+from course_lib.memory import llama_activation_bytes, optimizer_state_bytes, tensor_bytes
+from course_lib.models import SmallCNN, llama_config, llama_num_parameters
+from course_lib.throughput import (matmul_parameters, peak_bf16_flops, time_interleaved, time_step,
+                                   transformer_flops_per_token)
 from course_lib.train import split_batch, train_step
 
 
@@ -52,12 +68,14 @@ def micro_batch_for(train_batch: int, accum_steps: int, world_size: int) -> int:
 
 def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
               offload_optimizer: bool = False, offload_param: bool = False, mixed_precision: str | None = None,
-              nvme_path: str | None = None, clip_norm: float = 1.0) -> dict:
+              nvme_path: str | None = None, clip_norm: float = 1.0, cpu_adam: bool = False) -> dict:
     """A DeepSpeed config for ZeRO ``stage``: the global batch ``train_batch`` split into ``accum_steps``
     micro-batches on each of ``world_size`` ranks.
 
     ``clip_norm`` is written out because DeepSpeed's default is not "off": it clips the
     gradient norm at 1.0 unless told otherwise, where plain PyTorch and DDP never clip.
+    ``cpu_adam=True`` (with ``offload_optimizer``) lets DeepSpeed step the offloaded states with its
+    own CPU Adam, the optimizer ZeRO-Offload's speed rests on, instead of torch's AdamW.
     """
     micro = micro_batch_for(train_batch, accum_steps, world_size)
     if stage not in (0, 1, 2, 3):
@@ -66,6 +84,8 @@ def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int
         raise ValueError(f"offload_param=True needs stage=3 (only stage 3 shards the weights), not stage={stage}")
     if offload_optimizer and stage == 0:
         raise ValueError("offload_optimizer=True needs stage >= 1: stage 0 has no sharded optimizer to offload")
+    if cpu_adam and not offload_optimizer:
+        raise ValueError("cpu_adam=True needs offload_optimizer=True: DeepSpeed's CPU Adam steps states on the CPU")
     zero: dict = {"stage": stage}
     target = {"device": "nvme", "nvme_path": nvme_path} if nvme_path else {"device": "cpu"}
     if offload_optimizer:
@@ -76,16 +96,16 @@ def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int
         "train_batch_size": train_batch,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum_steps,
-        # torch's AdamW on every device: DeepSpeed's fused and CPU Adam are JIT-compiled C++/CUDA ops, and
-        # their build can fail where torch's own arch list is newer than DeepSpeed's parser (sm_90a, 0.19.8)
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
+        # torch's AdamW on every device unless cpu_adam: DeepSpeed's fused and CPU Adam are JIT-compiled C++/CUDA
+        # ops, and their build can fail where torch's own arch list is newer than DeepSpeed's parser (sm_90a, 0.19.8)
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": not cpu_adam}},
         "zero_optimization": zero,
         "gradient_clipping": clip_norm,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if offload_optimizer:  # the offloaded step then runs torch's AdamW on the CPU copy of the states
+    if offload_optimizer and not cpu_adam:  # the offloaded step then runs torch's AdamW on the CPU copy of the states
         config["zero_force_ds_cpu_optimizer"] = False
     if mixed_precision == "bfloat16":
         config["bf16"] = {"enabled": True}
@@ -119,8 +139,8 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     All see the same weights, batches and AdamW; ``make_optimizer(params)`` replaces the DDP
     engines' optimizer (a sharded optimizer of your own, say). ``stop_after=k`` saves a DeepSpeed checkpoint to
     ``checkpoint_dir`` after step k and stops; ``resume=True`` loads it and runs the remaining
-    steps. Returns the global-batch losses, a digest of the final weights, and the optimizer-state
-    bytes this rank held.
+    steps. Returns the global-batch losses, a digest of the final weights, the optimizer-state bytes this
+    rank held and, for DeepSpeed, what its engine held where (``engine_placement``).
     """
     if engine not in ("deepspeed", "ddp", "zero1"):
         raise ValueError(f"engine={engine!r}: use 'deepspeed', 'ddp' or 'zero1'")
@@ -156,6 +176,7 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     module = getattr(net, "module", net)
     return worker_result(losses, start_step=start, digest=_full_digest(module, stage if engine == "deepspeed" else 0),
                          optimizer_state_bytes=optimizer_state_bytes(optimizer), device=str(device),
+                         placement=engine_placement(net) if engine == "deepspeed" else None,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
                          peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
 
@@ -218,14 +239,17 @@ def _full_digest(module, stage: int) -> float:
 
 
 def build_deepspeed_ops() -> None:
-    """Compile DeepSpeed's shared-memory comm op now (about a minute on a CPU, once per machine).
+    """Compile DeepSpeed's shared-memory comm op and its CPU Adam now (about a minute each on a CPU, once per machine).
 
-    DeepSpeed builds it inside its first ``deepspeed.initialize``; doing it up front keeps that
-    minute out of any cell or test that is timed. ``TORCH_EXTENSIONS_DIR`` says where it is kept.
+    DeepSpeed builds the first inside its first ``deepspeed.initialize`` and the second when an offloaded
+    optimizer (or ``time_cpu_adam``) first needs it; doing it up front keeps those minutes out of any cell
+    or test that is timed. ``TORCH_EXTENSIONS_DIR`` says where they are kept.
     """
     from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder import CPUAdamBuilder
 
     build_shm_op()
+    CPUAdamBuilder().load()
 
 
 def nvme_offload_available() -> bool:
@@ -254,3 +278,473 @@ def zero_bytes_per_param(stage: int, world_size: int, k: int = 12) -> float:
     if stage >= 3:
         weights /= n
     return weights + grads + states
+
+
+# ------------------------------------------------------------------ ZeRO-Offload and ZeRO-Infinity: how much bigger
+# Where each model state lives on one GPU (world_size 1) with bf16 mixed precision, in bytes per parameter, as
+# DeepSpeed 0.19.8 keeps it. "pytorch" is plain PyTorch: fp32 weights and gradients under bf16 autocast, AdamW's m, v.
+# ZeRO-2 with the optimizer offloaded keeps only the bf16 weights on the GPU: each gradient bucket is reduced,
+# copied into an fp32 buffer on the CPU and freed during the backward (the ZeRO-Offload paper's design).
+OFFLOAD_STRATEGIES = {
+    "pytorch": {"fp32 weights": "GPU", "fp32 gradients": "GPU", "Adam m and v": "GPU"},
+    "zero2_offload": {"16-bit weights": "GPU", "fp32 gradients": "CPU", "fp32 master weights": "CPU",
+                      "Adam m and v": "CPU"},
+    "zero3_offload": {"16-bit weights": "CPU", "fp32 gradients": "CPU", "fp32 master weights": "CPU",
+                      "Adam m and v": "CPU"},
+    "zero3_nvme": {"16-bit weights": "NVMe", "fp32 gradients": "NVMe", "fp32 master weights": "NVMe",
+                   "Adam m and v": "NVMe"},
+}
+STRATEGY_NAMES = {"pytorch": "PyTorch (AdamW, bf16 autocast)", "zero2_offload": "ZeRO-2 + optimizer offload",
+                  "zero3_offload": "ZeRO-3 + parameter offload", "zero3_nvme": "ZeRO-Infinity (NVMe)"}
+_STATE_BYTES = {"16-bit weights": 2, "fp32 weights": 4, "fp32 gradients": 4, "fp32 master weights": 4, "Adam m and v": 8}
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in OFFLOAD_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: use one of {sorted(OFFLOAD_STRATEGIES)}")
+
+
+def offload_plan(strategy: str, n_params: int, world_size: int = 1, low_bytes: int = 2) -> list[dict]:
+    """Each model state of ``strategy``: where it lives and the bytes one rank holds between steps.
+
+    ``low_bytes`` is the size of DeepSpeed's "16-bit" copy (2 for bf16; 4 when it runs in fp32, as the
+    notebook's CPU runs do). The ZeRO strategies shard everything but ZeRO-2's weights over ``world_size``;
+    the gradients they keep are the fp32 partition the optimizer steps (the 16-bit ones are transient).
+    """
+    _check_strategy(strategy)
+    rows = []
+    for state, where in OFFLOAD_STRATEGIES[strategy].items():
+        per = low_bytes if state == "16-bit weights" else _STATE_BYTES[state]
+        whole = strategy == "pytorch" or (strategy == "zero2_offload" and state == "16-bit weights")
+        rows.append({"state": state, "lives on": where, "bytes per parameter": per,
+                     "bytes on this rank": per * n_params // (1 if whole else world_size)})
+    return rows
+
+
+def link_bytes_per_step(strategy: str, n_params: int) -> dict[str, int]:
+    """Bytes of model state that cross the GPU-host link (and the NVMe drive) in one optimizer step, one GPU.
+
+    ZeRO-2 offload: each gradient goes down once, converted to fp32 on the GPU before the copy (DeepSpeed
+    copies into its fp32 CPU buffer; the ZeRO-Offload paper sends 16-bit: 2 bytes), and the updated bf16
+    weights come up once. ZeRO-3 offload: the bf16 weights come up twice (forward and backward each gather
+    them), the gradients go down in fp32, and the update stays on the CPU. ZeRO-Infinity adds the NVMe
+    drive: fp32 master weights, m and v read and written back, bf16 weights read twice and written once.
+    Activations and the batch are not counted.
+    """
+    _check_strategy(strategy)
+    up, down, nvme_read, nvme_write = {"pytorch": (0, 0, 0, 0), "zero2_offload": (2, 4, 0, 0),
+                                       "zero3_offload": (4, 4, 0, 0), "zero3_nvme": (4, 4, 12 + 4, 12 + 2)}[strategy]
+    return {"host to GPU": up * n_params, "GPU to host": down * n_params, "NVMe read": nvme_read * n_params,
+            "NVMe write": nvme_write * n_params}
+
+
+def tokens_to_hide(bytes_per_param: float, link_bytes_per_s: float, optimizer_params_per_s: float,
+                   gpu_flops: float) -> dict[str, float]:
+    """Tokens per step at which the GPU's compute (6 FLOPs per parameter and token) takes as long as the
+    offload's link traffic, and as long as the CPU's optimizer step.
+
+    Both costs grow with the parameters N, as the compute does, so N cancels: below these batch sizes
+    offload is bound by the link or the CPU, above them by the GPU. This is why offload needs the large
+    batch that the memory it frees makes possible (seed 004: "by enabling larger batch sizes").
+    """
+    return {"link": bytes_per_param / link_bytes_per_s * gpu_flops / 6,
+            "CPU optimizer": gpu_flops / (6 * optimizer_params_per_s)}
+
+
+class OffloadedAdamW:
+    """ZeRO-Offload's optimizer on one device, by hand: the model keeps its (16-bit) weights and, from the
+    backward to the step, their gradients; the fp32 master weights and AdamW's m and v live on ``offload_device``.
+
+    ``step`` sends each gradient down in fp32, steps the masters there with torch's AdamW, copies them back up in
+    the model's dtype and frees the gradients. Updates too small for bf16 accumulate in the fp32 masters, so bf16
+    weights keep learning (notebook 01). ``master`` and ``optimizer`` are public: they are what offload moved.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.01, offload_device: str = "cpu", **adamw):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, **adamw)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if m.grad is not None:
+                    p.copy_(m)  # up, cast to the model's dtype
+                    p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def engine_placement(engine) -> list[dict]:
+    """What a DeepSpeed engine holds between steps on this rank, read from its tensors: state, device, dtype, bytes.
+
+    ZeRO-1/2 (``DeepSpeedZeroOptimizer``) keep the whole 16-bit model and flat fp32 partitions; ZeRO-3 keeps
+    each weight's partition (``ds_tensor``), and whole weights only while they are gathered for a forward or
+    backward (between steps, none: empty tensors are not counted). The gradients are the fp32 partition
+    the optimizer steps (kept between steps only with offload). Adam's states come from the wrapped optimizer.
+    """
+    opt, module = engine.optimizer, engine.module
+    params = list(module.parameters())
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # stage 3
+        groups = {"16-bit weights": [p.ds_tensor for p in params],  # this rank's partition of each
+                  "16-bit weights gathered whole": [p.data for p in params],
+                  "fp32 master weights": list(opt.fp32_partitioned_groups_flat)}
+    else:
+        groups = {"16-bit weights": [p.data for p in params],
+                  "fp32 master weights": list(getattr(opt, "single_partition_of_fp32_groups", []))}
+    groups["fp32 gradients"] = [t.grad for t in groups["fp32 master weights"] if t.grad is not None]
+    inner = getattr(opt, "optimizer", opt)
+    groups["Adam m and v"] = [v for s in inner.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    rows = []
+    for state, tensors in groups.items():
+        tensors = [t for t in tensors if t is not None and t.numel()]
+        rows.append({"state": state, "device": sorted({t.device.type for t in tensors}),
+                     "dtype": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+                     "bytes": tensor_bytes(tensors), "optimizer": type(inner).__name__})
+    return rows
+
+
+def time_cpu_adam(n_params: int = 8_000_000, repeat: int = 3, pieces: int = 4, lr: float = 1e-3) -> dict:
+    """One optimizer step over ``n_params`` fp32 parameters on the CPU: DeepSpeed's CPU Adam against torch's AdamW.
+
+    This is the step ZeRO-Offload runs on the host. torch's AdamW is timed two ways: its default on the CPU
+    (``foreach``: each op over the whole tensor list, one op after the other) and ``fused=True`` (one kernel).
+    Every optimizer starts from the same weights and gradients and takes the same steps, taking turns
+    (``time_interleaved``), so the final weights also say whether they computed the same update. If DeepSpeed's
+    ``cpu_adam`` op cannot build or load here, its entry is None and ``error`` says why.
+    """
+    if n_params < pieces:
+        raise ValueError(f"n_params={n_params} must be at least pieces={pieces}")
+    torch.manual_seed(0)
+    weights = [torch.randn(n_params // pieces) for _ in range(pieces)]
+    grads = [torch.randn_like(w) * 1e-2 for w in weights]
+
+    def params():
+        ps = [nn.Parameter(w.clone()) for w in weights]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        return ps
+
+    kw = dict(lr=lr, weight_decay=0.01)
+    opts = {"torch AdamW (foreach, default)": torch.optim.AdamW(params(), **kw),
+            "torch AdamW (fused=True)": torch.optim.AdamW(params(), fused=True, **kw)}
+    error = None
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # loads (or JIT-builds) the cpu_adam op
+
+        opts["DeepSpeed CPU Adam"] = DeepSpeedCPUAdam(params(), adamw_mode=True, **kw)
+    except Exception as err:  # a missing compiler, an op built for another torch: say so, time the rest
+        error = f"DeepSpeed's cpu_adam op did not build or load: {type(err).__name__}: {err}"
+    times = time_interleaved({name: opt.step for name, opt in opts.items()}, warmup=1, repeat=repeat)
+    reference = [p.detach() for p in opts["torch AdamW (foreach, default)"].param_groups[0]["params"]]
+    out = {"n_params": n_params - n_params % pieces, "error": error, "seconds": {}, "max_abs_diff_vs_torch": {}}
+    for name in ("torch AdamW (foreach, default)", "torch AdamW (fused=True)", "DeepSpeed CPU Adam"):
+        out["seconds"][name] = times[name]["median_s"] if name in times else None
+        out["max_abs_diff_vs_torch"][name] = (max((p.detach() - r).abs().max().item() for p, r in
+                                                     zip(opts[name].param_groups[0]["params"], reference))
+                                                 if name in opts else None)
+    return out
+
+
+# ------------------------------------------------------------------ the size sweep: the largest Llama that trains
+# Llama-shaped models from 0.5B to 431B parameters: hidden size and layers (heads of 128, 8 KV heads, an MLP of
+# 3.5 × the hidden size, Llama 3's vocabulary, untied head). (4096, 32) is Llama-3.1-8B's shape, (8192, 80) 70B's.
+SWEEP_SHAPES = [(1024, 16), (1536, 16), (2048, 16), (2048, 24), (2560, 24), (3072, 28), (4096, 24), (4096, 32),
+                (4096, 48), (5120, 40), (5120, 60), (6144, 60), (7168, 64), (8192, 80), (10240, 88), (12288, 96),
+                (16384, 126)]
+MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+# fixed GPU working sets of DeepSpeed's defaults: two bf16 reduce buckets of 5e8 elements (ZeRO-2), and at most
+# stage3_max_live_parameters = 1e9 bf16 weights gathered at once plus a prefetch bucket of 5e7 (ZeRO-3)
+_GPU_WORKING_SET = {"pytorch": 0, "zero2_offload": 2 * 5e8 * 2, "zero3_offload": (1e9 + 5e7) * 2,
+                    "zero3_nvme": (1e9 + 5e7) * 2}
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_config(hidden: int, layers: int, vocab_size: int = 128256, seq_len: int = 1024, heads_dim: int = 128):
+    """A Llama config of the sweep's shape: ``hidden`` wide, ``layers`` deep, Llama 3's other proportions."""
+    if hidden % heads_dim or hidden < heads_dim or layers < 1:
+        raise ValueError(f"hidden={hidden}, layers={layers}: hidden must be a multiple of {heads_dim} and layers >= 1")
+    heads = hidden // heads_dim
+    return llama_config("8b", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=int(3.5 * hidden) // 256 * 256,
+                        num_attention_heads=heads, num_key_value_heads=min(8, heads), vocab_size=vocab_size,
+                        max_position_embeddings=max(seq_len, 128))
+
+
+def predicted_bytes(strategy: str, config, micro_batch: int, seq_len: int, checkpointing: bool = False) -> dict[str, float]:
+    """Bytes a training step of ``strategy`` needs on the GPU, in host memory and on NVMe (a prediction).
+
+    Model state from ``offload_plan`` (plus DeepSpeed's pinned bf16 copy of the weights on the host with
+    ZeRO-2 offload, and its fixed buffers); activations from ``memory.llama_activation_bytes`` in bf16, with the
+    plain loss's logits (bf16, their fp32 copy and its gradient: 10 bytes per vocabulary entry and token);
+    with ``checkpointing`` each layer keeps only its input, and one layer's activations exist again at a time.
+    """
+    n = llama_num_parameters(config)
+    where = {"GPU": 0.0, "CPU": 0.0, "NVMe": 0.0}
+    for row in offload_plan(strategy, n):
+        where[row["lives on"]] += row["bytes on this rank"]
+    if strategy == "zero2_offload":
+        where["CPU"] += 2 * n  # the pinned bf16 buffer the updated weights go up from
+    if strategy == "zero3_nvme":
+        where["CPU"] += 4 * 2**30  # pinned swap buffers
+    tokens = micro_batch * seq_len
+    acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing, logits_bytes=0)
+    if checkpointing:
+        acts += tokens * (10 * config.hidden_size + 4 * config.intermediate_size) * 2
+    acts += tokens * config.vocab_size * 10
+    where["GPU"] += acts + min(_GPU_WORKING_SET[strategy], 2 * n)
+    return where
+
+
+def predict_largest(strategy: str, gpu_bytes: float, host_bytes: float, nvme_bytes: float = 0.0, *,
+                    seq_len: int = 1024, micro_batch: int = 1, shapes=SWEEP_SHAPES, headroom: float = 0.9,
+                    checkpointing: bool = False) -> dict:
+    """The largest sweep shape whose predicted step fits: ``headroom`` × the GPU, 0.8 × the host RAM, the NVMe space.
+
+    A prediction from memory arithmetic, not a measurement. Returns the shape, its parameters and which
+    memory stopped the next shape ("GPU", "CPU", "NVMe"), or ``n_params`` 0 when not even the first fits.
+    """
+    _check_strategy(strategy)
+    limits = {"GPU": headroom * gpu_bytes, "CPU": 0.8 * host_bytes, "NVMe": nvme_bytes}
+    best = {"strategy": strategy, "shape": None, "n_params": 0, "limited by": None}
+    for hidden, layers in shapes:
+        config = sweep_config(hidden, layers, seq_len=seq_len)
+        need = predicted_bytes(strategy, config, micro_batch, seq_len, checkpointing)
+        over = [k for k, v in need.items() if v > limits[k]]
+        if over:
+            best["limited by"] = over[0]
+            break
+        best.update(shape=(hidden, layers), n_params=llama_num_parameters(config))
+    return best
+
+
+def free_memory() -> None:
+    """Give back what a failed trial held: collect the reference cycles its traceback and engine left, then
+    return the allocator's cached blocks to the GPU."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """An out-of-memory error: torch's ``OutOfMemoryError``, or a RuntimeError saying so (a pinned host allocation)."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
+def attempt(trial: Callable[[tuple, int], dict], shape: tuple, micro_batch: int) -> dict:
+    """Run ``trial(shape, micro_batch)``; an out-of-memory error becomes ``fits=False`` with the memory freed."""
+    try:
+        return {"shape": tuple(shape), "micro_batch": micro_batch, "fits": True, **trial(shape, micro_batch)}
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):
+            raise
+        message = str(err).strip().splitlines()[0][:200]
+    free_memory()  # outside the except block: the traceback (and every tensor its frames hold) is gone by now
+    return {"shape": tuple(shape), "micro_batch": micro_batch, "fits": False, "error": message}
+
+
+def search_largest(trial: Callable[[tuple, int], dict], shapes=SWEEP_SHAPES, micro_batches=MICRO_BATCHES,
+                   batch_shapes: tuple = ()) -> dict:
+    """Grow the model through ``shapes`` at the smallest micro-batch until a trial runs out of memory; then grow
+    the micro-batch of the largest shape that trained (and of each of ``batch_shapes`` that trained) until it does.
+
+    Returns every attempt (``rows``), the largest shape that trained (``largest``: its row at the largest
+    micro-batch that fitted), and that best row for each shape whose batch was grown (``best_by_shape``).
+    """
+    if not shapes or not micro_batches or sorted(micro_batches) != list(micro_batches):
+        raise ValueError(f"shapes={shapes}, micro_batches={micro_batches}: give at least one of each, batches ascending")
+    rows, fitted = [], {}
+    for shape in shapes:
+        rows.append(attempt(trial, shape, micro_batches[0]))
+        if not rows[-1]["fits"]:
+            break
+        fitted[tuple(shape)] = rows[-1]
+    largest = list(fitted)[-1] if fitted else None
+    best = {}
+    for shape in dict.fromkeys([*map(tuple, batch_shapes), *([largest] if largest else [])]):
+        if shape not in fitted:
+            continue
+        best[shape] = fitted[shape]
+        for mb in micro_batches[1:]:
+            rows.append(attempt(trial, shape, mb))
+            if not rows[-1]["fits"]:
+                break
+            best[shape] = rows[-1]
+    return {"rows": rows, "largest": best.get(largest), "best_by_shape": best}
+
+
+def _build_llama_in(config, device: torch.device, dtype: torch.dtype):
+    """A random-weight Llama built directly on ``device`` in ``dtype`` (no fp32 copy first: the sweep's sizes
+    are at the edge of memory). Inside ``deepspeed.zero.Init`` each layer is partitioned as it is built."""
+    from transformers import LlamaForCausalLM
+
+    attention.register()
+    config._attn_implementation = attention.IMPLEMENTATION
+    config.use_cache = False
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _refuse_if_too_big(strategy: str, config, micro_batch: int, seq_len: int, device: torch.device,
+                       checkpointing: bool) -> None:
+    """Raise ``OutOfMemoryError`` before building what cannot fit: host RAM exhausted is not an exception but
+    the kernel's OOM killer, and fp32 weights beyond the GPU fail slowly."""
+    need = predicted_bytes(strategy, config, micro_batch, seq_len, checkpointing)
+    if need["CPU"] > 0.9 * host_memory_bytes():
+        raise torch.OutOfMemoryError(f"host memory: {strategy} needs about {need['CPU'] / 2**30:.0f} GiB of the "
+                                     f"{host_memory_bytes() / 2**30:.0f} GiB here (predicted, not tried)")
+    weights = 4 * llama_num_parameters(config) if strategy == "pytorch" else 0
+    if device.type == "cuda" and weights > 0.9 * device_memory_bytes(device):
+        raise torch.OutOfMemoryError(f"GPU memory: the fp32 weights alone need {weights / 2**30:.0f} GiB")
+
+
+def train_trial(strategy: str, config, micro_batch: int, seq_len: int, steps: int = 3, warmup: int = 1,
+                nvme_path: str | None = None, cpu_adam: bool = True, checkpointing: bool = False) -> dict:
+    """Train a Llama of ``config`` with ``strategy`` for ``warmup`` + ``steps`` steps on random tokens, on this
+    rank's device: tokens/s, TFLOP/s (6·N + attention per token, ``course_lib.throughput``) and peak GPU memory.
+
+    "pytorch": fp32 weights, torch's AdamW, bf16 autocast (``train_step``). The ZeRO strategies: DeepSpeed's
+    engine in bf16 with the optimizer offloaded (``cpu_adam`` picks DeepSpeed's CPU Adam, else torch's AdamW), and
+    for ZeRO-3 the weights too, to the CPU or to ``nvme_path`` ("zero3_nvme"). ``checkpointing`` recomputes
+    each decoder layer in the backward (transformers' non-reentrant checkpointing). Out of memory raises.
+    """
+    _check_strategy(strategy)
+    if strategy == "zero3_nvme" and not nvme_path:
+        raise ValueError("strategy='zero3_nvme' needs nvme_path: a folder on the NVMe drive (and libaio)")
+    device = rank_device()
+    _refuse_if_too_big(strategy, config, micro_batch, seq_len, device, checkpointing)
+    tokens = random_tokens(micro_batch, seq_len, config.vocab_size).to(device)
+    batch = {"input_ids": tokens, "labels": tokens}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = None
+    try:
+        if strategy == "pytorch":
+            model = _checkpointed(_build_llama_in(config, device, torch.float32), checkpointing)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            step = lambda: train_step(model, optimizer, batch, amp_dtype=torch.bfloat16)  # noqa: E731
+        else:
+            engine = _offload_engine(strategy, config, micro_batch, device, nvme_path, cpu_adam, checkpointing)
+            optimizer = engine.optimizer.optimizer  # the torch or DeepSpeed optimizer inside ZeRO's
+            step = lambda: deepspeed_step(engine, batch, 1)  # noqa: E731
+        timing = time_step(step, device, warmup=warmup, repeat=steps)
+    finally:
+        if engine is not None:
+            engine.destroy()
+    n = llama_num_parameters(config)
+    tokens_per_s = micro_batch * seq_len / timing["median_s"]
+    flops = transformer_flops_per_token(matmul_parameters(n, config.vocab_size, config.hidden_size, False),
+                                        config.num_hidden_layers, config.hidden_size, seq_len)
+    peak = peak_bf16_flops(device)
+    return {"n_params": n, "seq_len": seq_len, "optimizer": type(optimizer).__name__, "step_s": timing["median_s"],
+            "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def _checkpointed(model: nn.Module, checkpointing: bool) -> nn.Module:
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _offload_engine(strategy: str, config, micro_batch: int, device: torch.device, nvme_path: str | None,
+                    cpu_adam: bool, checkpointing: bool):
+    """A DeepSpeed engine for one of the offload strategies, its model built where that strategy keeps it."""
+    import deepspeed
+
+    stage = 2 if strategy == "zero2_offload" else 3
+    cfg = ds_config(train_batch=micro_batch, accum_steps=1, world_size=1, stage=stage, offload_optimizer=True,
+                    offload_param=stage == 3, mixed_precision="bfloat16", cpu_adam=cpu_adam,
+                    nvme_path=nvme_path if strategy == "zero3_nvme" else None)
+    if stage == 3:  # never whole anywhere: each layer goes to the CPU (or NVMe) as it is built
+        # zero.Init patches torch.Tensor.__new__: a module that transformers imports lazily (torch._dynamo
+        # through its masking utilities) fails to import inside it, so both are imported first
+        importlib.import_module("torch._dynamo")
+        importlib.import_module("transformers.models.llama.modeling_llama")
+        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+            model = _build_llama_in(config, device, torch.bfloat16)
+    else:
+        model = _build_llama_in(config, device, torch.bfloat16)
+    model = _checkpointed(model, checkpointing)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def sweep(strategy: str = "pytorch", shapes: list | None = None, micro_batches: list | None = None, seq_len: int = 1024,
+          steps: int = 3, warmup: int = 1, batch_shapes: list | None = None, nvme_path: str | None = None,
+          cpu_adam: bool = True, checkpointing: bool = False, vocab_size: int = 128256) -> dict:
+    """The worker the size sweep launches, one process per strategy (a clean slate: no engine's leftovers): the
+    largest ``SWEEP_SHAPES`` model ``strategy`` trains on this rank's device, and its best micro-batch."""
+    shapes = [tuple(s) for s in (shapes or SWEEP_SHAPES)]
+
+    def trial(shape, micro_batch):
+        config = sweep_config(*shape, vocab_size=vocab_size, seq_len=seq_len)
+        return train_trial(strategy, config, micro_batch, seq_len, steps, warmup, nvme_path, cpu_adam, checkpointing)
+
+    found = search_largest(trial, shapes, micro_batches or MICRO_BATCHES, [tuple(s) for s in batch_shapes or ()])
+    return {"strategy": strategy, "cpu_adam": cpu_adam, "checkpointing": checkpointing, "rows": found["rows"],
+            "largest": found["largest"],
+            "best_by_shape": list(found["best_by_shape"].values())}
+
+
+def sweep_table(results: list[dict]) -> list[dict]:
+    """One row per sweep result: the largest model that trained, at its largest micro-batch, and how fast."""
+    rows = []
+    for r in results:
+        best = r["largest"] or {}
+        name = STRATEGY_NAMES[r["strategy"]] + ("" if r["strategy"] == "pytorch" else
+                                                 " (DeepSpeed CPU Adam)" if r["cpu_adam"] else " (torch AdamW)")
+        rows.append({"strategy": name, "largest model": f"{best.get('n_params', 0) / 1e9:.2f}B",
+                     "shape (hidden, layers)": best.get("shape"), "micro-batch": best.get("micro_batch"),
+                     "tokens/s": best.get("tokens_per_s"), "TFLOP/s": best.get("tflops"),
+                     "peak GPU GiB": (best.get("peak_gpu_bytes") or 0) / 2**30,
+                     "stopped by": next((x["error"] for x in r["rows"] if not x["fits"]), "nothing: the list ended")})
+    return rows
+
+
+def sweep_all(strategies=("pytorch", "zero2_offload", "zero3_offload"), shapes=SWEEP_SHAPES, *, seq_len: int = 1024,
+              steps: int = 3, micro_batches=MICRO_BATCHES, batch_shapes=(), nvme_path: str | None = None,
+              cpu_adam: bool = True, checkpointing: bool = False, timeout: float = 24 * 3600) -> list[dict]:
+    """``sweep`` for each strategy, each in a fresh one-rank process (``launch``) on this machine's first GPU."""
+    return [launch("course_lib.zero:sweep", 1, {"strategy": s, "shapes": [list(x) for x in shapes], "seq_len": seq_len,
+                                                "steps": steps, "micro_batches": list(micro_batches),
+                                                "batch_shapes": [list(x) for x in batch_shapes], "nvme_path": nvme_path,
+                                                "cpu_adam": cpu_adam, "checkpointing": checkpointing},
+                   timeout=timeout, echo=False)[0]
+            for s in strategies]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m course_lib.zero sweep``: the size sweep on this machine's first GPU, printed as a table."""
+    parser = argparse.ArgumentParser(prog="python -m course_lib.zero", description=main.__doc__)
+    parser.add_argument("command", choices=["sweep"])
+    parser.add_argument("--strategies", nargs="+", default=["pytorch", "zero2_offload", "zero3_offload"],
+                        choices=sorted(OFFLOAD_STRATEGIES))
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-params", type=float, default=None, help="skip shapes above this many parameters")
+    parser.add_argument("--nvme-path", default=None, help="a folder on an NVMe drive, for zero3_nvme (needs libaio)")
+    parser.add_argument("--checkpointing", action="store_true", help="recompute each layer in the backward")
+    parser.add_argument("--torch-adam", action="store_true", help="torch's AdamW on the CPU instead of DeepSpeed's CPU Adam")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SWEEP_SHAPES if not args.max_params or
+              llama_num_parameters(sweep_config(*s, seq_len=args.seq_len)) <= args.max_params]
+    results = sweep_all(args.strategies, shapes, seq_len=args.seq_len, steps=args.steps, nvme_path=args.nvme_path,
+                        cpu_adam=not args.torch_adam, checkpointing=args.checkpointing)
+    for row in sweep_table(results):
+        print(" | ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -140,8 +140,51 @@ def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimiz
                      world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's config
 '''
 
+# --- Exercise 3, OffloadedAdamW (ZeRO-Offload's step by hand): the reference, and the mistakes students make
+
+OFFLOADED = '''
+class OffloadedAdamW:
+    def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if m.grad is not None:
+                    p.copy_(m)
+                    p.grad = None
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+'''
+
+
+def _offload_edit(old: str, new: str) -> str:
+    assert OFFLOADED.count(old) == 1, old
+    return OFFLOADED.replace(old, new)
+
+
+OFFLOAD_MASTER_IN_MODEL_DTYPE = _offload_edit(  # the "master" keeps the model's bf16: the small updates are lost
+    "p.detach().to(offload_device, torch.float32, copy=True)", "p.detach().to(offload_device, copy=True)").replace(
+    "p.grad.detach().to(m.device, torch.float32)", "p.grad.detach().to(m.device)")
+OFFLOAD_ZERO_GRAD_FOR_MISSING = _offload_edit(  # a parameter without a gradient gets a zero one: weight decay moves it
+    "m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)",
+    "m.grad = torch.zeros_like(m) if p.grad is None else p.grad.detach().to(m.device, torch.float32)").replace(
+    "                if m.grad is not None:\n                    p.copy_(m)\n                    p.grad = None\n",
+    "                p.copy_(m)\n                p.grad = None\n")
+
+CALLS_LIBRARY_OFFLOADED = '''
+from course_lib.zero import OffloadedAdamW   # course_lib's
+'''
+
 FULL = {"test_ShardedOptimizer": 3, "test_ShardedOptimizer_state": 3, "test_ShardedOptimizer_hidden": 4,
-        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2}
+        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2, "test_OffloadedAdamW": 3, "test_OffloadedAdamW_hidden": 3}
 NO_SHARDED = dict(test_ShardedOptimizer=0, test_ShardedOptimizer_state=0, test_ShardedOptimizer_hidden=0)
 
 CASES = {
@@ -165,6 +208,12 @@ CASES = {
     "no_clipping": {"cells": {"make_ds_config": NO_CLIPPING}, "scores": {**FULL, "test_make_ds_config": 0}},
     "offload_at_top_level": {"cells": {"make_ds_config": OFFLOAD_AT_TOP_LEVEL},
                              "scores": {**FULL, "test_make_ds_config_hidden": 0}},
+    "offload_master_in_model_dtype": {"cells": {"OffloadedAdamW": OFFLOAD_MASTER_IN_MODEL_DTYPE},
+                                      "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
+    "offload_zero_grad_for_missing": {"cells": {"OffloadedAdamW": OFFLOAD_ZERO_GRAD_FOR_MISSING},  # right until a
+                                      "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},          # layer gets none
+    "calls_library_OffloadedAdamW": {"cells": {"OffloadedAdamW": CALLS_LIBRARY_OFFLOADED},
+                                     "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
                                      "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
 }
