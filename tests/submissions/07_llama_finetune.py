@@ -120,7 +120,8 @@ CALLS_PEFT_LORA_LAYER = CALLS_LIBRARY_LORA_LINEAR.replace(
 assert "course_lib" not in CALLS_PEFT_LORA_LAYER
 
 FULL = {"test_response_labels": 2, "test_response_labels_hidden": 2, "test_LoRALinear": 3, "test_LoRALinear_llama": 3,
-        "test_LoRALinear_hidden": 4, "test_lora_params": 2, "test_lora_params_hidden": 2}
+        "test_LoRALinear_hidden": 4, "test_lora_params": 2, "test_lora_params_hidden": 2, "test_nf4_quantize": 3,
+        "test_nf4_quantize_hidden": 3}
 
 CALLS_LIBRARY_LABELS = '''
 def response_labels(input_ids, prompt_lengths, lengths):
@@ -134,6 +135,50 @@ CALLS_LIBRARY_LORA = '''
 def lora_params(config, r, target_modules):
     from course_lib.lora import lora_trainable_parameters
     return lora_trainable_parameters(config, r, target_modules)   # course_lib's count
+'''
+
+# --- Exercise 4, NF4: the reference's structure with the two mistakes students make, and the library's answer
+
+NF4_ONE_ABSMAX = '''
+def nf4_quantize(w, blocksize=64):
+    flat = w.reshape(-1).float()
+    absmax = flat.abs().max()                       # one scale for the whole tensor, not one per block
+    scaled = flat / absmax if absmax > 0 else flat
+    codes = (scaled[:, None] - NF4).abs().argmin(dim=1)
+    return codes, absmax.reshape(1)
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    return (NF4[codes.long()] * absmax).reshape(shape)
+'''
+
+NF4_UNIFORM_GRID = '''
+def nf4_quantize(w, blocksize=64):
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    codes = (torch.round(scaled * 7) + 7).long().reshape(-1)[:n]   # evenly spaced levels k/7: int4, not NF4
+    return codes, absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    n = codes.numel()
+    values = torch.nn.functional.pad((codes.float() - 7) / 7, (0, -n % blocksize)).view(-1, blocksize)
+    return (values * absmax[:, None]).reshape(-1)[:n].reshape(shape)
+'''
+
+CALLS_LIBRARY_NF4 = '''
+def nf4_quantize(w, blocksize=64):
+    from course_lib.nf4 import quantize_nf4, unpack_4bit
+    packed, absmax = quantize_nf4(w, blocksize)                   # course_lib's quantiser, unpacked
+    return unpack_4bit(packed, w.numel()), absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    from course_lib.nf4 import dequantize_nf4, pack_4bit
+    return dequantize_nf4(pack_4bit(codes), absmax, shape, blocksize)
 '''
 
 CASES = {
@@ -160,6 +205,12 @@ CASES = {
            ("calls_library_LoRALinear", CALLS_LIBRARY_LORA_LINEAR, ["", "_llama", "_hidden"]),
            ("calls_peft_lora_layer", CALLS_PEFT_LORA_LAYER, ["", "_llama", "_hidden"]),
        ]},
+    "nf4_one_absmax": {"cells": {"nf4_quantize": NF4_ONE_ABSMAX},             # right on one block, wrong on many
+                       "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
+    "nf4_uniform_grid": {"cells": {"nf4_quantize": NF4_UNIFORM_GRID},         # blocks right, levels int4's
+                         "scores": {**FULL, "test_nf4_quantize": 0}},
+    "calls_library_nf4_quantize": {"cells": {"nf4_quantize": CALLS_LIBRARY_NF4},
+                                   "scores": {**FULL, "test_nf4_quantize": 0, "test_nf4_quantize_hidden": 0}},
 }
 
 # The submission that loops forever in this solution cell loses only its own tests.

@@ -1,0 +1,222 @@
+"""course_lib.nf4: QLoRA's NF4 code book, block-wise quantisation, double quantisation, memory table.
+
+bitsandbytes is not a dependency of the course: its outputs for fixed inputs are written here (computed
+with bitsandbytes 0.50.2's quantize_4bit / quantize_blockwise on CPU), and where it is installed the
+last tests compare with it live as well.
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from course_lib import nf4
+from course_lib.lora import ALL_LINEAR, lora_trainable_parameters
+from course_lib.models import build_llama, llama_config, llama_num_parameters
+
+# QLoRA's NF4 levels as published (bitsandbytes' get_4bit_type("nf4"), the paper's Appendix E).
+PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                 -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                 0.7229568362236023, 1.0]
+# bitsandbytes' quantize_4bit(W, blocksize=64, quant_type="nf4") of W below: the packed bytes, in hex.
+W_GOLDEN = (torch.sin(torch.arange(150) * 0.37) * torch.linspace(0.5, 3, 150)).reshape(5, 30)
+PACKED_GOLDEN = ("79abbbba86433234579bcddcb8642112347aceeedc9531101247bdeffec9521022357acdeddb8532111247bdeeedc85311"
+                 "11247bdefeec9521001148cefffec9521001248befffec942100")
+# bitsandbytes' quantize_blockwise(X - X.mean(), blocksize=256) (its dynamic code book) of X below.
+X_GOLDEN = 1 + 0.5 * torch.sin(torch.arange(300) * 0.9)
+ABSMAX_CODES_GOLDEN = (
+    "75effdd6270110a1f0fcd5260110a7f1fcd4250111adf1fcd2240012b3f2fbd1230013b9f3fbd0220014bef3fbcf210014c0f4face20"
+    "0015c1f4facd1f0016c2f5f9cc1e0017c3f6f9cb1d0018c4f6f8c91c0019c6f7f8c81b001ac7f7f7c71a001bc8f8f7c619001cc9f8f6"
+    "c518001dcaf9f6c417001ecbf9f5c216001fcdfaf5c1160020cefaf4c0150021cffbf3bf140022d0fbf3ba130023d1fbf2b412002"
+    "4d2fcf1ae110125d3fcf1a8110126d4fcf0a2100127d5fdef940f0128d7fdee5f0e0229d8fdee590e022ad9fded530d022bdafdec4d"
+    "0c032cdbfeeb470c032ddcfeeb410b032fddfeea3f0a0430defee93d0a0431dffee83c090432e0ffe73b080533e1ffe63a080534e2"
+    "ffe539070635e3ffe437070637e4ffe336060738e5ffe335060739e6ffe2340508")
+
+
+def reference_round_trip(w: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
+    """Brute force, one block at a time: each value goes to the NF4 level nearest to value / block absmax."""
+    levels = torch.tensor(PUBLISHED_NF4)
+    flat, out = w.reshape(-1).float(), torch.empty(w.numel())
+    for start in range(0, flat.numel(), blocksize):
+        block = flat[start:start + blocksize]
+        scale = block.abs().max()
+        if scale == 0:
+            out[start:start + blocksize] = 0
+            continue
+        nearest = (block[:, None] / scale - levels[None, :]).abs().argmin(dim=1)
+        out[start:start + blocksize] = levels[nearest] * scale
+    return out.reshape(w.shape)
+
+
+def test_the_code_book_derived_from_normal_quantiles_is_the_published_one():
+    code = nf4.nf4_code()
+    assert torch.allclose(code, torch.tensor(PUBLISHED_NF4), atol=3e-7, rtol=0)
+    assert code[7] == 0 and code[0] == -1 and code[15] == 1 and bool((code.diff() > 0).all())
+    # 8 levels above zero and 7 below: the asymmetric split that makes room for an exact zero
+    assert int((code > 0).sum()) == 8 and int((code < 0).sum()) == 7
+
+
+def test_dynamic_code_is_bitsandbytes_double_quantisation_code():
+    code = nf4.dynamic_code()
+    assert code.shape == (256,) and bool((code.diff() >= 0).all())
+    golden = {0: -0.992968738079071, 1: -0.9789062738418579, 100: -0.0074687497690320015, 126: -5.500000384017767e-07,
+              127: 0.0, 128: 5.500000384017767e-07, 129: 3.250000190746505e-06, 200: 0.23359374701976776,
+              254: 0.992968738079071, 255: 1.0}
+    assert {i: float(code[i]) for i in golden} == golden
+
+
+def test_packed_layout_and_scales_are_bitsandbytes():
+    packed, absmax = nf4.quantize_nf4(W_GOLDEN)  # 150 values: blocks of 64, 64 and 22
+    assert packed.dtype == torch.uint8 and bytes(packed.tolist()).hex() == PACKED_GOLDEN
+    flat = W_GOLDEN.reshape(-1)
+    assert torch.equal(absmax, torch.stack([flat[i:i + 64].abs().max() for i in (0, 64, 128)]))
+    assert torch.equal(nf4.unpack_4bit(packed, 150), torch.tensor([int(c, 16) for c in PACKED_GOLDEN])[:150])
+
+
+@pytest.mark.parametrize("shape,blocksize", [((7, 50), 64), ((96, 64), 64), ((3, 33), 32), ((1001,), 128)])
+def test_round_trip_is_the_nearest_level_of_each_block(shape, blocksize):
+    torch.manual_seed(sum(shape))
+    w = torch.randn(shape) * 0.02
+    packed, absmax = nf4.quantize_nf4(w, blocksize)
+    assert packed.numel() == math.ceil(w.numel() / 2) and absmax.numel() == math.ceil(w.numel() / blocksize)
+    out = nf4.dequantize_nf4(packed, absmax, w.shape, blocksize)
+    assert out.shape == w.shape and torch.allclose(out, reference_round_trip(w, blocksize), atol=1e-9, rtol=1e-6)
+    # what QLoRA computes with is the same up to the 8-bit scales of double quantisation
+    assert torch.allclose(nf4.nf4_round_trip(w, blocksize), out, rtol=0.02, atol=0)
+
+
+def test_zeros_stay_zero_and_an_all_zero_block_gives_no_nan():
+    w = torch.randn(3, 64)
+    w[1] = 0          # a whole block of zeros: absmax 0, which must not divide
+    w[2, 5] = 0.0     # an exact zero among other values
+    packed, absmax = nf4.quantize_nf4(w)
+    idx = nf4.unpack_4bit(packed, w.numel()).view(3, 64)
+    assert absmax[1] == 0 and bool((idx[1] == 7).all()) and idx[2, 5] == 7
+    out = nf4.dequantize_nf4(packed, absmax, w.shape)
+    assert torch.isfinite(out).all() and bool((out[1] == 0).all()) and out[2, 5] == 0
+
+
+def test_an_outlier_spoils_only_its_own_block():
+    torch.manual_seed(0)
+    w = torch.randn(2, 64) * 1e-3
+    w[0] *= 1e7       # block 0 holds values ten million times larger than block 1
+    out = nf4.nf4_round_trip(w, double_quant=False)
+    assert nf4.relative_rms_error(out[1], w[1]) < 0.15 and nf4.relative_rms_error(out[0], w[0]) < 0.15
+    # one scale for the whole tensor would round every value of block 1 to zero
+    assert torch.equal(nf4.dequantize_nf4(*nf4.quantize_nf4(w.reshape(1, -1), 128), (1, 128), 128)[0, 64:],
+                       torch.zeros(64))
+    # double quantisation stores each scale to 8 bits of the largest scale near it: a scale ten million times
+    # smaller is lost (bitsandbytes does the same); trained weights' scales differ by a few times, not millions
+    assert nf4.relative_rms_error(nf4.nf4_round_trip(w)[1], w[1]) > 1
+
+
+def test_nf4_beats_uniform_int4_on_normal_weights_and_not_on_uniform_ones():
+    torch.manual_seed(0)
+    normal, uniform = torch.randn(256, 256) * 0.02, torch.rand(256, 256) * 0.04 - 0.02
+    err = {name: {f: nf4.relative_rms_error(rt(w), w) for f, rt in
+                  (("nf4", nf4.nf4_round_trip), ("int4", nf4.int4_round_trip), ("bf16", nf4.bf16_round_trip))}
+           for name, w in (("normal", normal), ("uniform", uniform))}
+    assert err["normal"]["nf4"] < 0.9 * err["normal"]["int4"]        # about 0.092 against 0.108
+    assert err["uniform"]["int4"] < err["uniform"]["nf4"]            # the levels fit the distribution they assume
+    assert err["normal"]["bf16"] < 0.05 * err["normal"]["nf4"]
+
+
+def test_double_quantisation_matches_bitsandbytes_and_costs_a_quarter_bit():
+    c = nf4.compress_absmax(X_GOLDEN)
+    assert bytes(c.codes.tolist()).hex() == ABSMAX_CODES_GOLDEN
+    assert c.scales.shape == (2,) and torch.allclose(c.offset, X_GOLDEN.mean())
+    assert nf4.relative_rms_error(nf4.decompress_absmax(c), X_GOLDEN) < 0.01
+    assert nf4.bits_per_parameter(double_quant=False) == 4.5
+    assert nf4.bits_per_parameter() == pytest.approx(4.127, abs=1e-3)
+    # measured on the stored tensors: 2 blocks of 256 scales, 32768 weights (+ one float32 offset)
+    w = torch.randn(128, 256)
+    assert nf4.stored_bytes(w, double_quant=False) == w.numel() * 4.5 / 8
+    assert nf4.stored_bytes(w) == w.numel() * nf4.bits_per_parameter() / 8 + 4
+
+
+def test_bad_input_says_what_to_change():
+    with pytest.raises(ValueError, match="positive even integer"):
+        nf4.quantize_nf4(torch.randn(10), blocksize=63)
+    packed, absmax = nf4.quantize_nf4(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="pass the shape and blocksize"):
+        nf4.dequantize_nf4(packed, absmax, (4, 64), blocksize=128)
+    with pytest.raises(ValueError, match="not linear layers"):
+        nf4.memory_table(llama_config("8b"), targets=("embed_tokens",))
+
+
+def test_memory_table_of_the_llama_shapes():
+    for preset in ("1b", "8b", "70b"):
+        cfg = llama_config(preset)
+        table = nf4.memory_table(cfg)
+        bf16, qlora = table["bf16 LoRA"], table["QLoRA (NF4)"]
+        assert bf16["base weights"] == 2 * llama_num_parameters(cfg)
+        assert bf16["adapters (fp32)"] == qlora["adapters (fp32)"] == 4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
+        assert qlora["base weights"] < 0.45 * bf16["base weights"]
+        assert bf16["total"] == pytest.approx(sum(v for k, v in bf16.items() if k != "total"))
+    eight, seventy = nf4.memory_table(llama_config("8b")), nf4.memory_table(llama_config("70b"))
+    assert 5.5e9 < eight["QLoRA (NF4)"]["base weights"] < 6e9   # the embeddings and LM head stay in bf16 (2.1 GB)
+    assert seventy["bf16 LoRA"]["total"] > 140e9 and seventy["QLoRA (NF4)"]["total"] < 48e9
+
+
+def test_a_tiny_llama_in_nf4_matches_its_table_and_still_computes():
+    cfg = llama_config("tiny")
+    model = build_llama(cfg, seed=0)
+    linears = nf4.quantized_linears(model)
+    assert len(linears) == 7 * cfg.num_hidden_layers and "lm_head" not in linears
+    measured = sum(nf4.stored_bytes(m.weight) for m in linears.values())
+    others = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears.values())
+    predicted = nf4.memory_table(cfg)["QLoRA (NF4)"]["base weights"] - 2 * others
+    assert measured == pytest.approx(predicted, rel=0.01)   # per-tensor offsets and partial scale blocks: < 1%
+    quantized = nf4.round_trip_model(model)
+    assert torch.equal(quantized.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(quantized.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    rows = nf4.layer_errors(model, {"nf4": nf4.nf4_round_trip})
+    assert all(0.05 < r["nf4"] < 0.15 for r in rows), rows
+    for name, layer in nf4.quantized_linears(quantized).items():
+        assert nf4.relative_rms_error(layer.weight, linears[name].weight) == pytest.approx(
+            next(r["nf4"] for r in rows if r["layer"] == name))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, quantized(input_ids=ids).logits
+    assert 0 < nf4.relative_rms_error(b, a) < 0.2
+
+
+def test_the_lora_run_without_quantisation_trains_here(tmp_path):
+    # the GPU comparison's bf16-LoRA half, run on this CPU: save, reload through from_pretrained, peft, train
+    path = nf4.save_random_llama("tiny", str(tmp_path / "tiny"), seed=0)
+    run = nf4.lora_run(path, quantize=False, steps=3, batch=2, seq=16, device="cpu", warmup=1, r=4, alpha=8)
+    assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"])
+    assert run["tokens_per_s"] > 0 and run["peak_bytes"] is None and run["weights_bytes"] is None
+
+
+def test_qlora_says_it_needs_a_gpu_with_bitsandbytes():
+    assert "needs a GPU" in nf4.qlora_support("cpu")
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        nf4.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cpu")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert "pip install bitsandbytes" in nf4.bitsandbytes_error()
+        with pytest.raises(ImportError, match="pip install bitsandbytes"):
+            nf4.bnb_config()
+
+
+def test_the_same_as_bitsandbytes_live():
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is optional; the golden values above stand in for it")
+    from bitsandbytes import functional as F
+
+    torch.manual_seed(0)
+    for shape in ((96, 64), (1000, 70), (3,)):
+        w = torch.randn(shape)
+        packed, absmax = nf4.quantize_nf4(w)
+        q, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+        assert torch.equal(packed, q.reshape(-1)) and torch.equal(absmax, state.absmax)
+        assert torch.allclose(nf4.dequantize_nf4(packed, absmax, w.shape), F.dequantize_4bit(q, state), atol=1e-6)
+        q2, state2 = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+        c = nf4.compress_absmax(absmax)
+        assert torch.equal(c.scales, state2.state2.absmax) and torch.equal(c.offset, state2.offset)
+        assert torch.allclose(nf4.nf4_round_trip(w), F.dequantize_4bit(q2, state2), rtol=0.02, atol=1e-6)
+        if absmax.numel() > 1:  # (one scale is its own mean: any code stands for 0 times a zero scale)
+            # bitsandbytes' C kernel breaks near-ties of the 8-bit code differently: a neighbouring code, rarely
+            diff = (c.codes.int() - state2.absmax.int()).abs()
+            assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
