@@ -118,3 +118,31 @@ def outputs(course: Path, assignment: str, student: str, grade_ids) -> str:
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def bundle(cases: dict[str, dict], solution: dict, points: dict[str, float]) -> dict[str, dict]:
+    """Known-wrong submissions packed several to one autograded notebook (each autograde is a whole execution).
+
+    A case that replaces some exercises' cells and loses points only on those exercises' own test cells
+    shares a notebook with such cases that replace other exercises; that notebook must score each member's
+    losses and full marks elsewhere. A case that moves another exercise's scores (its tests use this code)
+    grades alone. Returns ``{name: {"cells": ..., "scores": ...}}``, a bundle named by its members joined by "__".
+    """
+    def alone(case):
+        own = {t for cell in case["cells"] for t in tests_of(solution, cell)}
+        return any(v != points[k] for k, v in case["scores"].items() if k not in own)
+
+    packed: list[list[str]] = []
+    for name, case in cases.items():
+        home = None if alone(case) else next(
+            (b for b in packed if not any(alone(cases[m]) or set(cases[m]["cells"]) & set(case["cells"]) for m in b)),
+            None)
+        packed.append([name]) if home is None else home.append(name)
+    out = {}
+    for members in packed:
+        scores = dict(points)
+        for m in members:
+            scores.update({k: v for k, v in cases[m]["scores"].items() if v != points[k]})
+        out["__".join(members)] = {"cells": {k: v for m in members for k, v in cases[m]["cells"].items()},
+                                   "scores": scores}
+    return out

@@ -5,11 +5,12 @@ release (zero on every test cell), each known-wrong submission of tests/submissi
 expected partial scores), a submission whose test cell was edited to pass (restored, so it
 scores as the wrong code deserves), and one that loops forever in one exercise (loses only
 that exercise's cells, within the cell timeout). Grading never changes a submitted file.
-Each autograded notebook costs a whole execution, so two checks ride on known-wrong submissions
-instead of adding their own: the tampered one is the first wrong submission with its failed test
-cell edited (graded only in that form: restoring the cell must give that submission's scores),
-and the looping one is another wrong submission with the loop written into an exercise it leaves
-alone (its scores, less the looping exercise's cells; with one exercise, the solution).
+Each autograded notebook costs a whole execution, so known-wrong submissions of different exercises share
+one notebook where each loses points only on its own exercise's tests (``nbgrading.bundle``), and two
+checks ride on them instead of adding their own: the tampered one is the first wrong notebook with a failed
+test cell edited (graded only in that form: restoring the cell must give its scores), and the looping one is
+another wrong notebook with the loop written into an exercise it leaves alone (its scores, less the looping
+exercise's cells; with one exercise, the solution).
 
 The course graded here is exercise-only: cells tagged ``demo`` (long demonstrations that no test
 cell reads, such as notebook 06's seven DeepSpeed launches) are left out of it, because autograde
@@ -58,12 +59,14 @@ def test_autograde_known_submissions(course, assignment):
     subs = {"solution": g.submission(release, solution), "release": g.submission(release, solution, blank=True)}
     for name, case in known.CASES.items():
         assert set(case["scores"]) == set(points), f"{name}: scores must list every test cell {sorted(points)}"
+    bundles = g.bundle(known.CASES, solution, points)
+    for name, case in bundles.items():
         subs[name] = g.submission(release, solution, replace=case["cells"])
         expected[name] = case["scores"]
 
     # Tamper: a wrong submission with a test cell it fails replaced by one that always passes; graded only
     # in this form (autograde restores the cell, so it must score what the wrong code deserves).
-    name, case = next((n, c) for n, c in known.CASES.items() if 0 in c["scores"].values())
+    name, case = next((n, c) for n, c in bundles.items() if 0 in c["scores"].values())
     failed = next(k for k, v in case["scores"].items() if v == 0)
     subs["tampered_" + name] = g.submission(release, solution, replace=case["cells"],
                                             tamper={failed: "print('all tests passed')\n"})
@@ -75,7 +78,7 @@ def test_autograde_known_submissions(course, assignment):
     loses = g.tests_of(solution, known.LOOP_CELL)
     assert loses, f"LOOP_CELL {known.LOOP_CELL!r} has no test cells after it"
     # (A notebook with one exercise has no such submission: its loop rides on the reference solution.)
-    name, case = next(((n, c) for n, c in known.CASES.items()
+    name, case = next(((n, c) for n, c in bundles.items()
                        if n in subs and known.LOOP_CELL not in c["cells"]
                        and any(v for k, v in c["scores"].items() if k not in loses)), ("solution", {"cells": {}}))
     subs["loops_" + name] = g.submission(release, solution, replace={**case["cells"], known.LOOP_CELL: g.LOOP})
