@@ -157,6 +157,9 @@ def test_without_torchao_the_error_names_the_install(monkeypatch):
 
 
 def test_torchao_converts_the_llama_but_its_head_and_trains():
+    # torchao is not in the test extra (its import prints CUDA-kernel load failures on a CPU, README): where it
+    # is installed (`pip install torchao` on an FP8 GPU) this runs; in CI it is reported as skipped, not passed
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
     from course_lib.models import build_llama
 
     model = fp8.convert_to_fp8_training(build_llama("tiny"))
