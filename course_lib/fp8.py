@@ -33,7 +33,7 @@ from torch import nn
 from course_lib.data import lm_batch
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama
-from course_lib.throughput import time_interleaved
+from course_lib.throughput import synchronize, time_interleaved
 from course_lib.train import train_step
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
@@ -414,11 +414,6 @@ def convert_to_fp8_training(model: nn.Module) -> nn.Module:
     return convert_to_float8_training(model, module_filter_fn=_fp8_linear)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_llama(preset: str = "8b", *, fp8: bool, steps: int, batch: int, seq: int, device: torch.device | str,
                 compile: bool = True, lr: float = 3e-4, warmup: int = 3, seed: int = 0, **overrides) -> dict:
     """Train a Llama of ``preset`` (random weights, ``overrides`` such as ``num_hidden_layers=4``) for ``steps``
@@ -441,10 +436,10 @@ def train_llama(preset: str = "8b", *, fp8: bool, steps: int, batch: int, seq: i
         losses, seconds = [], []
         for step in range(steps):
             tokens = lm_batch(step, batch, seq, vocab, seed).to(device)
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             losses.append(train_step(step_model, opt, tokens, amp_dtype="bfloat16")["loss"])
-            _sync(device)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
         del model, step_model, opt
     if device.type == "cuda":

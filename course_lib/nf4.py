@@ -41,6 +41,7 @@ from torch import nn
 from course_lib.data import lm_batch
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama, llama_num_parameters
+from course_lib.throughput import synchronize
 from course_lib.train import train_step
 
 # The quantile of the outermost levels: halfway between 1 - 1/(2·15) and 1 - 1/(2·16), the paper's choice
@@ -348,11 +349,6 @@ def load_lora_model(path: str, *, quantize: bool, device: torch.device | str, r:
     return get_peft_model(model, lora)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def lora_run(path: str, *, quantize: bool, steps: int, batch: int, seq: int, device: torch.device | str,
              lr: float = 1e-4, warmup: int = 2, seed: int = 0, **lora) -> dict:
     """Load ``path`` for LoRA (``load_lora_model``) and train ``steps`` steps of bf16 autocast on ``lm_batch`` rows.
@@ -371,10 +367,10 @@ def lora_run(path: str, *, quantize: bool, steps: int, batch: int, seq: int, dev
         vocab, losses, seconds = model.config.vocab_size, [], []
         for step in range(steps):
             tokens = lm_batch(step, batch, seq, vocab, seed).to(device)
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             losses.append(train_step(model, opt, tokens, amp_dtype=torch.bfloat16)["loss"])
-            _sync(device)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
         del model, opt
     if device.type == "cuda":

@@ -17,7 +17,8 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "MI300X": 130
                    "MI250X": 383e12, "L40S": 362e12}
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a no-op on a CPU): what every timer here does before reading the clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -29,10 +30,10 @@ def time_step(fn: Callable[[], object], device: torch.device | str = "cpu", warm
         fn()
     times = []
     for _ in range(repeat):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "times": times}
 
@@ -93,10 +94,10 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device 
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            synchronize(device)
             times[name].append(time.perf_counter() - t0)
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "times": t}
             for name, t in times.items()}
