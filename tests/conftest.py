@@ -1,7 +1,15 @@
-"""Shared fixtures: execute a solutions notebook once per test session, read what it recorded."""
+"""Shared fixtures: execute a solutions notebook once per test session, read what it recorded.
+
+``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): nearly every test process
+works one core (a notebook's kernel, nbgrader's autograde), so two of them keep a 2-core machine busy. Each
+test module runs whole on one worker, so its module- and session-scoped fixtures (a notebook executed once,
+a running hub) are built once; test_grading's tests, one autograde run per assignment and the largest part
+of the suite, are shared out one by one.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -9,6 +17,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Under xdist each worker, and every kernel and process it starts, computes on one OpenMP thread: two workers
+# with a thread per core each put four spinning OpenMP threads on two cores, which ran notebook 07's CPU tier
+# past papermill's 10-minute limit instead of its 2 minutes. (course_lib.launch keeps a value already set.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 # DeepSpeed's CPU op where `make setup` built it (make and .ci/run export this; plain `pytest` gets it here)
 if sys.prefix != sys.base_prefix:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
@@ -67,6 +81,34 @@ def rel_diff(a: list[float], b: list[float]) -> float:
     """The largest relative difference between two equally long lists of numbers (losses step by step)."""
     assert len(a) == len(b), f"{len(a)} values against {len(b)}"
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# Modules that read another module's executed notebook run on its worker (the session cache is per worker).
+SAME_WORKER = {"test_run_all": "test_notebook_02"}
+SPREAD = {"test_grading"}  # modules whose tests are shared out one by one
+# Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
+# on fixed time limits, which a second worker's notebook on the same two cores pushed past them.
+ALONE = {"test_browser", "test_hub"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        if module in ALONE:
+            item.add_marker(pytest.mark.alone)
+        if module not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the notebook times to the controller
+        session.config.workeroutput["notebook_times"] = json.dumps(TIMES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    TIMES.update(json.loads(getattr(node, "workeroutput", {}).get("notebook_times", "{}")))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -216,4 +216,4 @@ CASES = {
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
 LOOP_CELL = "one_f_one_b_order"
-CELL_TIMEOUT = 60  # test cells fork 2 to 4 ranks: a few seconds each, more on a busy machine
+CELL_TIMEOUT = 150  # test cells fork 2 to 4 ranks: a few seconds each, many times that beside another test worker
