@@ -87,9 +87,9 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 SAME_WORKER = {"test_run_all": "test_notebook_02"}
 SPREAD = {"test_grading"}  # modules whose tests are shared out one by one
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
-# on fixed time limits, and notebook 08's measured pipeline bubble (sleep-padded stages, held to 10%), which a
-# second worker on the same two cores pushed past their limits.
-ALONE = {"test_browser", "test_hub", "test_notebook_08"}
+# on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
+# to 10%), which a second worker on the same two cores pushed past their limits.
+ALONE = {"test_browser", "test_hub", "test_notebook_08", "test_pp"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
