@@ -67,8 +67,8 @@ course: setup
 	$(PY) -m course_lib.run_all
 
 # Two pytest-xdist workers (tests/conftest.py says how the tests are shared out): a 2-core machine runs the
-# suite in about two thirds of the time of one process. Then the tests marked `alone` (a browser driving a
-# lab or a hub on fixed time limits) run by themselves, with no other worker taking the cores they wait on.
+# suite in about two thirds of the time of one process. Then the tests marked `alone` (conftest's ALONE: fixed
+# time limits, measured timings) run by themselves, with no other worker taking the cores they wait on.
 # TEST_WORKERS=0 runs the first part in this process.
 TEST_WORKERS ?= 2
 test: setup $(HUB_PROXY)
