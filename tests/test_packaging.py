@@ -1,6 +1,8 @@
 """The package's set-up files agree with each other and with the README."""
 
 import re
+import subprocess
+import sys
 import tomllib
 
 import yaml
@@ -52,3 +54,20 @@ def test_readme_commands_exist_and_ci_runs_the_test_command():
         assert f"make {target}" in readme, f"README must give `make {target}`"
         assert re.search(rf"^{target}:", makefile, re.M), f"Makefile lacks the {target} target"
     assert re.search(r"^make test$", (ROOT / ".ci" / "run").read_text(), re.M)
+
+
+def test_make_tests_workers_keep_each_module_whole():
+    """`make test`'s parallel part runs a module's tests on one worker, so a notebook executes once per module.
+
+    conftest marks every test with its module's xdist_group; pytest-xdist must honour the mark (with pytest 9.2 it
+    silently did not, and every notebook ran twice). This module's other tests, on two workers, show it.
+    """
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+         "-o", "addopts=", "-v", "-k", "not keep_each_module_whole", __file__],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    ).stdout
+    ran = re.findall(r"^\[(gw\d+)\] .*PASSED (\S+)", out, re.M)
+    assert len(ran) >= 4, out
+    assert {worker for worker, _ in ran} == {ran[0][0]}, f"one module's tests went to several workers:\n{out}"
+    assert all(test.endswith("@test_packaging") for _, test in ran), out
