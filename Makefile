@@ -72,7 +72,7 @@ course: setup
 # TEST_WORKERS=0 runs the first part in this process.
 TEST_WORKERS ?= 2
 test: setup $(HUB_PROXY)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"; first=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone"; first=$$?; \
 	$(PY) -m pytest -m alone; second=$$?; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
