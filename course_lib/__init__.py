@@ -5,21 +5,22 @@ never imports another technique (``tests/test_architecture.py`` checks both).
 
 1. **Core helpers**
    ``device`` (hardware, tier, device and backend decisions, system report, ROCm checks),
-   ``precision`` (dtypes, autocast, GradScaler, fp16 and bf16 ranges), ``data`` (batches,
-   synthetic images and tokens, a corpus, a tokenizer), ``instruct`` (instruction data: template,
-   label masking, padding, packing), ``models`` (a small CNN, Llama presets), ``loss`` (the loss of
-   a batch; the chunked LM loss), ``memory`` (estimates, the saved-tensor meter, byte counting),
-   ``throughput`` (timing, MFU), ``results``, ``plots``, ``grading``.
+   ``precision`` (dtypes, autocast, GradScaler, fp16 and bf16 ranges), ``data`` (batches, synthetic
+   images and tokens, a corpus, a tokenizer), ``dataloader`` (an input pipeline with real per-sample
+   work, measured), ``attention`` (the fused SDPA kernel, or an error), ``instruct`` (instruction
+   data: template, label masking, padding, packing), ``models`` (a small CNN, Llama presets),
+   ``loss`` (the loss of a batch; the chunked LM loss), ``memory`` (estimates, the saved-tensor
+   meter, byte counting), ``throughput`` (timing, MFU), ``results``, ``plots``, ``grading``.
 2. **The step**: ``train`` (one training step: accumulation, autocast, loss scaling, gradient sync,
    clipping; ``fit``).
 3. **The distributed toolkit**: ``distributed`` (process group, rank device, each rank's batches,
    mean over ranks, digests, worker results), ``launch`` (N ranks from a notebook cell) and
    ``workers`` (the process torchrun starts).
-4. **Techniques**, one module each: ``checkpointing``, ``lora``, ``recipe`` (the fine-tune
-   recipe and its memory plan), ``ddp``, ``fsdp``, ``zero``.
+4. **Techniques**, one module each: ``checkpointing``, ``fp8``, ``lora``, ``nf4``, ``recipe`` (the
+   fine-tune recipe and its memory plan), ``ddp``, ``fsdp``, ``zero`` (with offload), ``tp``, ``pp``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), ``finetune``,
-   ``benchmark``, ``accelerate_configs``, ``cluster``, ``run_all`` (the course's main job),
-   ``release``.
+   ``benchmark``, ``size_sweep`` (the largest model per offload strategy), ``accelerate_configs``,
+   ``cluster``, ``run_all`` (the course's main job), ``release``.
 
 Heavy optional packages (transformers, peft, accelerate, deepspeed) are imported where they are
 used, so that ``import course_lib`` stays fast in a notebook's first cell.

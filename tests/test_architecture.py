@@ -16,7 +16,7 @@ LAYERS = {
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "tp", "pp", "fp8", "nf4"},
-    "application": {"notebook", "finetune", "benchmark", "accelerate_configs", "cluster", "run_all", "release",
+    "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "__init__"},
 }
 ORDER = list(LAYERS)

@@ -1,13 +1,11 @@
 """course_lib.zero beyond what notebook 06 measures: DeepSpeed's default clipping, the config's arithmetic,
-ZeRO-1 by hand (ShardedOptimizer) against DeepSpeed's stage 1, DDP and one process, and the offload size sweep:
-its accounting, its search (out-of-memory caught and freed), and its trials on DeepSpeed's real engines (tiny, CPU).
+ZeRO-1 by hand (ShardedOptimizer) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
+its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
 
 Every ZeRO stage and offload against DDP, the sharded optimizer state and the checkpoint resume run in
 notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test_notebook_06.py.
 """
 
-import gc
-import weakref
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from course_lib.grading import max_rel_diff, params
 from course_lib.launch import launch, run_forked
 from course_lib.models import SmallCNN
 from course_lib import zero
-from course_lib.models import llama_num_parameters
 from course_lib.zero import ShardedOptimizer, check_batch_arithmetic, ds_config, micro_batch_for
 
 
@@ -124,88 +121,6 @@ def test_offload_plan_and_link_bytes_follow_the_zero_offload_accounting():
         ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, cpu_adam=True)
     cfg = ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, offload_optimizer=True, cpu_adam=True)
     assert cfg["optimizer"]["params"]["torch_adam"] is False and "zero_force_ds_cpu_optimizer" not in cfg
-
-
-def test_prediction_grows_with_memory_and_names_what_stops_it():
-    plain = [zero.predict_largest("pytorch", m, 2**40)["n_params"] for m in (16e9, 32e9, 80e9, 192e9)]
-    assert plain == sorted(plain) and plain[0] < plain[-1]
-    host_bound = zero.predict_largest("zero3_offload", 192e9, 64 * 2**30, checkpointing=True)
-    assert host_bound["limited by"] == "CPU" and 18 * host_bound["n_params"] < 0.8 * 64 * 2**30
-    assert zero.predict_largest("zero3_nvme", 80e9, 2**40, 0)["n_params"] == 0  # no NVMe space: nothing fits
-    offload, plain = (zero.predict_largest(s, 32e9, 2**40)["n_params"] for s in ("zero2_offload", "pytorch"))
-    assert offload > 4 * plain
-
-
-def _fake_trial(max_params, max_tokens):
-    """A trial that 'runs out of memory' like a GPU would: above a model size, or above a batch at that size."""
-    def trial(shape, micro_batch):
-        n = llama_num_parameters(zero.sweep_config(*shape))
-        if n > max_params or n * micro_batch > max_tokens:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n * micro_batch} bytes")
-        return {"n_params": n, "tokens_per_s": 100.0 * micro_batch}
-    return trial
-
-
-def test_search_grows_the_model_then_the_batch_and_stops_at_the_first_oom():
-    shapes = zero.SWEEP_SHAPES[:6]
-    n = [llama_num_parameters(zero.sweep_config(*s)) for s in shapes]
-    found = zero.search_largest(_fake_trial(n[3], 4 * n[3]), shapes, [1, 2, 4, 8], batch_shapes=[shapes[1]])
-    assert found["largest"]["shape"] == shapes[3] and found["largest"]["micro_batch"] == 4
-    tried = [(r["shape"], r["micro_batch"], r["fits"]) for r in found["rows"]]
-    assert tried[:5] == [(s, 1, i < 4) for i, s in enumerate(shapes[:5])]  # stops growing at the first OOM
-    assert (shapes[1], 8, True) in tried  # the batch of a smaller shape grows further
-    assert (shapes[3], 8, False) in tried and "CUDA out of memory" in found["rows"][4]["error"]
-    assert {r["shape"] for r in found["best_by_shape"].values()} == {shapes[1], shapes[3]}
-    none = zero.search_largest(_fake_trial(0, 0), shapes, [1, 2])
-    assert none["largest"] is None and len(none["rows"]) == 1
-    with pytest.raises(ValueError, match="batches ascending"):
-        zero.search_largest(_fake_trial(0, 0), shapes, [2, 1])
-
-
-def test_out_of_memory_is_caught_and_its_memory_freed_but_other_errors_are_not():
-    alive = []
-
-    def trial(shape, micro_batch):
-        held = {"activations": torch.empty(1 << 20)}
-        held["self"] = held  # a reference cycle, as engines and tracebacks make: only gc frees it
-        alive.append(weakref.ref(held["activations"]))
-        raise torch.OutOfMemoryError("CUDA out of memory")
-
-    gc.disable()  # the search itself must collect: no automatic collection in between
-    try:
-        row = zero.attempt(trial, (1024, 16), 1)
-        assert row["fits"] is False and alive[0]() is None
-    finally:
-        gc.enable()
-    assert zero.attempt(lambda s, m: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")), (1, 1), 1)["fits"] is False
-    with pytest.raises(ValueError, match="a real bug"):
-        zero.attempt(lambda s, m: (_ for _ in ()).throw(ValueError("a real bug")), (1, 1), 1)
-
-
-def test_a_real_trial_measures_a_tiny_llama_and_the_search_runs_on_it():
-    config = zero.sweep_config(128, 2, vocab_size=512, seq_len=32)
-    row = zero.train_trial("pytorch", config, 2, 32, steps=1, warmup=1)
-    assert row["n_params"] == llama_num_parameters(config) and row["tokens_per_s"] > 0
-    assert row["tflops"] == pytest.approx(row["tokens_per_s"] * (6 * (row["n_params"] - 512 * 128) + 12 * 2 * 128 * 32) / 1e12)
-
-    def trial(shape, micro_batch):  # real steps, and the GPU's limit played by a token budget
-        if shape[0] * micro_batch > 256:
-            raise torch.OutOfMemoryError("out of memory (token budget)")
-        return zero.train_trial("pytorch", zero.sweep_config(*shape, vocab_size=512, seq_len=16), micro_batch, 16, steps=1)
-
-    found = zero.search_largest(trial, [(128, 1), (256, 1), (384, 1)], [1, 2, 4])
-    assert found["largest"]["shape"] == (256, 1) and found["largest"]["micro_batch"] == 1
-    with pytest.raises(ValueError, match="needs nvme_path"):
-        zero.train_trial("zero3_nvme", config, 1, 32)
-
-
-def test_offload_sweep_runs_deepspeeds_real_engines_with_cpu_adam():
-    for strategy in ("zero2_offload", "zero3_offload"):  # on the GPU these run unverified here: at least the code runs
-        out = launch("course_lib.zero:sweep", 1, {"strategy": strategy, "shapes": [[128, 2]], "micro_batches": [1],
-                                                   "seq_len": 16, "steps": 1, "vocab_size": 512}, echo=False,
-                     timeout=300, device_type="cpu")[0]
-        assert [r["fits"] for r in out["rows"]] == [True] and out["largest"]["tokens_per_s"] > 0, out
-        assert out["cpu_adam"] is True and out["largest"]["optimizer"] == "DeepSpeedCPUAdam"
 
 
 def test_cpu_adam_timing_covers_three_implementations_of_one_update():
