@@ -3,8 +3,7 @@
 ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): nearly every test process
 works one core (a notebook's kernel, nbgrader's autograde), so two of them keep a 2-core machine busy. Each
 test module runs whole on one worker, so its module- and session-scoped fixtures (a notebook executed once,
-a running hub) are built once; test_grading's tests, one autograde run per assignment and the largest part
-of the suite, are shared out one by one.
+a running hub) are built once; test_grading's autograde runs, the largest part of the suite, go in two lanes.
 """
 
 from __future__ import annotations
@@ -85,29 +84,39 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
 SAME_WORKER = {"test_run_all": "test_notebook_02"}
-SPREAD = {"test_grading"}  # modules whose tests are shared out one by one
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
 # on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
 ALONE = {"test_browser", "test_hub", "test_notebook_08", "test_pp"}
+# The autograde runs, over half of the parallel part, in two lanes of about 18 minutes each, run first: the
+# assignments whose tests start several ranks on one worker, those that run in the kernel alone (and the
+# instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
+# ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
+# 15% slower than beside a one-process test. The other modules follow, the longest first, shared out as the
+# workers free up.
+MULTI_RANK_GRADING = {"04_ddp", "05_fsdp", "06_deepspeed_zero", "08_model_parallelism"}
+LANES = ["grading with ranks", "grading in one process"]
+LONGEST_FIRST = ["test_notebook_06", "test_notebook_07"]
 
 
-# The longest units first (`make test` passes --no-loadscope-reorder, so workers take units in this order): the
-# autograde runs (2 to 6 min each), the instructor's whole flow and notebooks 06 and 07, then the short modules,
-# which even out the two workers at the end instead of one worker finishing a 5-minute autograde alone.
-LONGEST_FIRST = ["test_grading", "test_instructor_flow", "test_notebook_06", "test_notebook_07"]
+def group_of(item) -> str:
+    """The xdist group (the unit one worker runs whole) of a test: its module, or its grading lane."""
+    module = item.path.stem
+    if module == "test_grading":
+        return LANES[0] if item.callspec.params["assignment"] in MULTI_RANK_GRADING else LANES[1]
+    if module == "test_instructor_flow":
+        return LANES[1]
+    return SAME_WORKER.get(module, module)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
 def pytest_collection_modifyitems(config, items):
-    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: file order otherwise
+    first = LANES + LONGEST_FIRST  # `make test` passes --no-loadscope-reorder: the workers take units in this order
+    items.sort(key=lambda item: first.index(group_of(item)) if group_of(item) in first else len(first))  # stable
     for item in items:
-        module = item.path.stem
-        if module in ALONE:
+        if item.path.stem in ALONE:
             item.add_marker(pytest.mark.alone)
-        if module not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
 
 
 def pytest_sessionfinish(session):

@@ -123,7 +123,7 @@ def stop_hub(proc: subprocess.Popen, tmp: Path) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)  # it stops in seconds; a stuck one is killed below
+            proc.wait(timeout=10)  # it stops in seconds; a stuck one is killed below
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
