@@ -88,7 +88,7 @@ SAME_WORKER = {"test_run_all": "test_notebook_02"}
 # on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
 ALONE = {"test_browser", "test_hub", "test_notebook_08", "test_pp"}
-# The autograde runs, over half of the parallel part, in two lanes of about 18 minutes each, run first: the
+# The autograde runs, over half of the parallel part, in two lanes of 12 to 18 minutes each (2 cores), run first: the
 # assignments whose tests start several ranks on one worker, those that run in the kernel alone (and the
 # instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
