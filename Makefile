@@ -66,12 +66,21 @@ ops: $(VENV)/.installed
 course: setup
 	$(PY) -m course_lib.run_all
 
+# torchao, for tests/test_fp8.py's run of notebook 01's FP8 training path (torchao's Float8Linear trains on a CPU
+# too): beside the venv, not in it, because transformers imports torchao whenever it can, and on a CPU that import
+# prints failed CUDA-kernel loads on stderr, which nbgrader scores as a failed cell. The test puts it on PYTHONPATH
+# of the process it starts. 0.18 is the torchao built against TORCH_SPEC's torch.
+TORCHAO_FOR_TESTS := $(VENV)/torchao-for-tests/.installed
+$(TORCHAO_FOR_TESTS): $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(dir $@) -c $(VENV)/constraints.txt "torchao>=0.18,<0.19"
+	@touch $@
+
 # Two pytest-xdist workers (tests/conftest.py says how the tests are shared out): a 2-core machine runs the
 # suite in about two thirds of the time of one process. Then the tests marked `alone` (conftest's ALONE: fixed
 # time limits, measured timings) run by themselves, with no other worker taking the cores they wait on.
 # TEST_WORKERS=0 runs the first part in this process.
 TEST_WORKERS ?= 2
-test: setup $(HUB_PROXY)
+test: setup $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone"; first=$$?; \
 	$(PY) -m pytest -m alone; second=$$?; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
