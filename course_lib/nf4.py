@@ -307,8 +307,8 @@ def qlora_support(device: torch.device | str) -> str | None:
     """None where ``compare_qlora`` can run on ``device``; otherwise what it needs, in words."""
     device = torch.device(device)
     if device.type != "cuda":
-        return (f"a QLoRA fine-tune needs a GPU (CUDA or ROCm) with bitsandbytes, whose 4-bit matmuls train "
-                f"there; this notebook runs on {device.type}")
+        return (f"the QLoRA comparison measures GPU memory and speed, so it needs a GPU (CUDA or ROCm) with "
+                f"bitsandbytes; this notebook runs on {device.type}")
     return bitsandbytes_error()
 
 
@@ -322,9 +322,10 @@ def bnb_config(compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool =
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def save_random_llama(preset: str, path: str, seed: int = 0) -> str:
-    """A Llama of ``preset`` with random weights saved in bf16 under ``path`` (for ``from_pretrained``)."""
-    model = build_llama(preset, seed=seed)
+def save_random_llama(preset: str, path: str, seed: int = 0, **overrides) -> str:
+    """A Llama of ``preset`` (``overrides`` such as ``intermediate_size=256``) with random weights saved in bf16
+    under ``path`` (for ``from_pretrained``)."""
+    model = build_llama(preset, seed=seed, **overrides)
     model.config._attn_implementation = "sdpa"  # the saved config must load without course_lib's attention
     model.to(torch.bfloat16).save_pretrained(path)
     del model
