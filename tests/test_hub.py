@@ -103,26 +103,30 @@ def hub(tmp_path_factory):
     shutil.copy(ROOT / "nbgrader_config.py", course / "nbgrader_config.py")
     nbformat.write(smoke_assignment(), course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
 
-    port, api_port, grader_port = free_port(), free_port(), free_port()
+    # every port free, the proxy's API too (its default, 8001, may be anyone's on a shared machine)
+    port, api_port, proxy_api_port, grader_port = (free_port() for _ in range(4))
     env = hub_env(tmp, COURSE_HUB_SPAWNER="local", COURSE_HUB_HOMES=str(tmp / "homes"),
                   COURSE_HUB_URL=f"http://127.0.0.1:{port}", COURSE_HUB_GRADER_PORT=str(grader_port),
                   PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
     log = tmp / "hub.log"
-    proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(CONFIG), f"--JupyterHub.hub_port={api_port}"],
+    proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(CONFIG), f"--JupyterHub.hub_port={api_port}",
+                             f"--ConfigurableHTTPProxy.api_url=http://127.0.0.1:{proxy_api_port}"],
                             cwd=tmp, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    ours = (str(tmp), f"127.0.0.1:{api_port}/")  # in the labs' command lines, the proxy's, the culler's environment
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while "JupyterHub is now running" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            stop_hub(proc, tmp)
+            stop_hub(proc, ours)
             raise AssertionError(f"the hub did not start:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
     yield SimpleNamespace(url=url, dir=tmp, log=log, course=course)
-    stop_hub(proc, tmp)
+    stop_hub(proc, ours)
 
 
-def stop_hub(proc: subprocess.Popen, tmp: Path) -> None:
-    """Stop the hub (it stops the labs and services it started), then anything of ours still running."""
+def stop_hub(proc: subprocess.Popen, ours: tuple[str, ...]) -> None:
+    """Stop the hub (it stops the labs, proxy and services it started), then kill anything of ours still running:
+    the labs, the proxy and the culler run in sessions of their own, and outlive a hub that had to be killed."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -130,14 +134,14 @@ def stop_hub(proc: subprocess.Popen, tmp: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for pid in [p for p in os.listdir("/proc") if p.isdigit()]:  # labs run in their own sessions
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            seen = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone, or not ours to read
             continue
-        if str(tmp).encode() in cmdline and int(pid) != os.getpid():
+        if any(marker.encode() in seen for marker in ours):
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
