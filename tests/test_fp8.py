@@ -8,14 +8,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import ROOT
 from course_lib import fp8
 
-ROOT = Path(__file__).resolve().parent.parent
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 

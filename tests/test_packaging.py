@@ -1,5 +1,6 @@
 """The package's set-up files agree with each other and with the README."""
 
+import json
 import re
 import subprocess
 import sys
@@ -71,3 +72,14 @@ def test_make_tests_workers_keep_each_module_whole():
     assert len(ran) >= 4, out
     assert {worker for worker, _ in ran} == {ran[0][0]}, f"one module's tests went to several workers:\n{out}"
     assert all(test.endswith("@test_packaging") for _, test in ran), out
+
+
+def test_the_hubs_labs_get_their_packages_from_make_setup():
+    """What a lab started by docker/hub runs (the single-user extension, batchspawner's wrapper, nbgrader's
+    Assignment List) comes with `make setup`, which builds the images' and a cluster's .venv: the course's
+    dependencies and the test extra, as the Makefile installs them."""
+    assert '-e ".[test]"' in (ROOT / "Makefile").read_text(), "make setup installs the test extra"
+    names = set(pyproject_requirements())
+    assert {"jupyterhub", "batchspawner", "nbgrader", "jupyterlab"} <= names, names
+    extensions = json.loads((ROOT / "docker" / "hub" / "student" / "jupyter_server_config.json").read_text())
+    assert extensions["ServerApp"]["jpserver_extensions"]["jupyterhub"] is True  # the lab speaks to the hub
