@@ -199,7 +199,8 @@ def node_model(accelerator, model_name: str | None = None, *, preset: str = "tin
       only (the others map it to meta) and scatters it. Host memory: one checkpoint, on rank 0.
     - anything else (DDP, one process): every rank holds the whole model, as DDP needs.
 
-    Call it after ``Accelerator()`` (which starts the process group and sets these up) and before ``prepare``.
+    Call it after ``Accelerator()`` (which starts the process group and sets these up) and before ``prepare``
+    (``prepare_model_and_optimizer``: under FSDP2, ``accelerator.prepare`` alone mis-maps a meta model's optimizer).
     """
     from accelerate.utils import DistributedType
 
@@ -235,6 +236,34 @@ def empty_model(model_name: str | None = None, *, preset: str = "tiny",
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.IMPLEMENTATION)
     model.config.use_cache = False
     return model
+
+
+def prepare_model_and_optimizer(accelerator, model: nn.Module,
+                                optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``accelerator.prepare(model, optimizer)``, with the optimizer holding the prepared model's own parameters.
+
+    Under FSDP2, accelerate swaps each of the optimizer's parameters for its sharded one by matching ``data_ptr()``.
+    On a rank that built the model on the meta device (``node_model``, ranks 1-N) every pointer is 0, so every slot
+    of the optimizer would get the same one parameter, and that rank's other shards would never move: training goes
+    on, silently wrong. So the groups are pointed again at the prepared parameters, matched by name (sharding keeps
+    the names), which is right on every rank. Why not the alternatives: accelerate's FSDP2 ``prepare`` refuses a model
+    without its optimizer, so the optimizer cannot be made after it; and real (uninitialised) storage on every rank
+    is one full copy of the model per rank, what loading on meta exists to avoid. The optimizer has no state before
+    its first step, so changing its parameters here loses nothing. Other strategies are left as ``prepare`` makes them.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names
+
+    names = {id(p): n for n, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items()}
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("the optimizer holds a parameter that is not the model's: build it from this model's "
+                         "parameters (recipe.make_optimizer(model)) before preparing them together")
+    groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if getattr(accelerator, "is_fsdp2", False):
+        prepared = fsdp2_canonicalize_names(dict(accelerator.unwrap_model(model).named_parameters()))
+        for group, group_names in zip(optimizer.param_groups, groups):
+            group["params"] = [prepared[n] for n in group_names]
+    return model, optimizer
 
 
 def node_step(model: nn.Module, optimizer, scheduler, batch: dict, accelerator, *,
@@ -335,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lora:
         model = apply_lora(model)
     optimizer = make_optimizer(model, BASELINE, lr=args.lr, weight_decay=0.01)  # torch's AdamW, its default decay
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = prepare_model_and_optimizer(accelerator, model, optimizer)
     # not prepared: accelerate would step it once per process per step; ours counts optimizer steps
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.steps)
     result = _train(model, optimizer, scheduler, rows, accelerator, args)

@@ -456,6 +456,87 @@ def test_fsdp_ranks_other_than_0_build_on_meta(hub):
     assert not any(p.is_meta for p in ddp.parameters())  # DDP needs the whole model on every rank
 
 
+
+def _fsdp2_rank(rank, world, model_dir, halves, lr):
+    """One rank of a node's FSDP2 fine-tune on CPU ranks: the node config's loading mode (rank 0 reads the checkpoint,
+    the others build on meta), the optimizer made before ``prepare`` as ``main`` makes it, then one ``node_step``.
+    accelerate takes FSDP only on an accelerator's distributed type, so the rank says it has GPUs (its device stays
+    the CPU, its group gloo): everything after that is accelerate's own FSDP2 preparation."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)  # the forked test process may hold a one-process state
+    PartialState(cpu=True)  # joins run_forked's gloo group: MULTI_CPU
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # what a GPU node is; FSDP needs it
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True,
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    assert acc.is_fsdp2 and acc.device.type == "cpu"
+    model = ft.node_model(acc, model_dir)
+    on_meta = [p.is_meta for p in model.parameters()]
+    optimizer = rc.make_optimizer(model, rc.BASELINE, lr=lr, weight_decay=0.01)  # as main makes it
+    model, optimizer = ft.prepare_model_and_optimizer(acc, model, optimizer)
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    held = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    out = ft.node_step(model, optimizer, scheduler, halves[rank], acc, clip_norm=1.0)
+    shards = {n: (before[n].tolist(), p.to_local().detach().tolist()) for n, p in model.named_parameters()}
+    return {"meta": all(on_meta), "real": not any(on_meta), "trained": len(trained), "held": len(held),
+            "distinct": len(set(held)), "held_are_trained": set(held) == trained, "loss": out["loss"],
+            "shards": shards}
+
+
+def test_fsdp2_prepare_gives_every_rank_an_optimizer_over_its_own_shards(hub, tok):
+    """Issue 21, defect 1: accelerate's FSDP2 ``prepare`` maps the optimizer's parameters to the sharded ones by
+    ``data_ptr()``, 0 for every meta tensor, so on the ranks that built the model on meta every slot became one
+    parameter and their other shards never moved. Every rank's optimizer must hold each trained parameter once, and
+    one step must move every rank's shards as one process moves the whole model on the whole batch."""
+    from course_lib.launch import run_forked
+
+    lr = 1e-2
+    feats = [ins.tokenize_example(tok, e) for e in ins.make_examples("add", 2, seed=4)]
+    feats += [ins.tokenize_example(tok, e) for e in ins.make_examples("reverse", 2, seed=4, n_words=5)]
+    batch = ins.pad_batch(feats, tok.pad_token_id)
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    ref = twin(hub["weights"]).train()  # one process, the whole batch, the same optimizer and clipping
+    ref_opt = rc.make_optimizer(ref, rc.BASELINE, lr=lr, weight_decay=0.01)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_loss = train_step(ref, ref_opt, batch, token_weighted=True, clip_norm=1.0)["loss"]
+    ranks = run_forked(_fsdp2_rank, 2, str(hub["model"]), halves, lr, timeout=120)
+    assert ranks[0]["real"] and ranks[1]["meta"]  # the node config's loading mode
+    for r, res in enumerate(ranks):
+        assert res["distinct"] == res["held"] == res["trained"] == len(start), \
+            f"rank {r}: the optimizer holds {res['distinct']} distinct of {res['trained']} trained parameters"
+        assert res["held_are_trained"], f"rank {r}: the optimizer's parameters are not the prepared model's"
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for n, p in ref.named_parameters():  # FSDP2 shards dim 0 as torch.chunk does: rank r holds chunk r
+        want = torch.chunk(p.detach(), 2)
+        first = torch.chunk(start[n], 2)
+        for r, res in enumerate(ranks):
+            was, now = (torch.tensor(t).reshape(-1, *p.shape[1:]) for t in res["shards"][n])
+            exp_was, exp_now = (c[r] if r < len(c) else c[0][:0] for c in (first, want))
+            assert torch.equal(was, exp_was), f"rank {r}'s shard of {n} is not rank 0's weights"
+            # AdamW's first step moves a weight by about lr (lr * g / (|g| + eps)): a shard left behind is off by
+            # about lr; the gradients' rounding (two halves summed vs one batch) changes a step only where |g| is
+            # near eps, and by under lr / 1000 (measured here: 5e-4 lr at most)
+            moved, off = float((exp_now - exp_was).abs().max()), float((now - exp_now).abs().max())
+            assert moved > lr / 2, f"one step should move {n}"
+            assert off < 1e-2 * lr, (f"rank {r}'s shard of {n} is {off:.3g} from one process's step: it moved by "
+                                     f"{float((now - was).abs().max()):.3g}, one process's by {moved:.3g}")
+
+
+def test_preparing_an_optimizer_of_another_model_is_refused(tiny):
+    from accelerate import Accelerator
+
+    other = twin(tiny)
+    with pytest.raises(ValueError, match="build it from this model's parameters"):
+        ft.prepare_model_and_optimizer(Accelerator(), twin(tiny), rc.make_optimizer(other))
+
+
 WORKER = '''
 import json, sys, types, torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
