@@ -6,6 +6,10 @@
   .venv with token authentication and nbgrader's server extensions on one port, a work folder
   whose contents survive a restart, and refusals of bad input.
 - docker/run.sh prints the docker command with seed 001's device and memory flags (--dry-run).
+- docker/check_image.py, the check both images' builds end with, runs here for real: it passes on this venv and
+  fails, saying why, for a torch below the course's floor or one that transformers and accelerate refuse (fed
+  through --torch-version, which the real libraries read); each Dockerfile's base tag is the documented one and
+  its torch and Python meet the floors that pyproject.toml and environment.yml declare alike.
 
 The SLURM scripts of course_lib.cluster are tested in test_cluster.py.
 """
@@ -46,11 +50,27 @@ def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     return out
 
 
+def base_image(dockerfile: Path) -> str:
+    """The image a Dockerfile's single FROM names, with the ARG defaults declared before it filled in."""
+    ins = instructions(dockerfile)
+    froms = [a for i, a in ins if i == "FROM"]
+    assert len(froms) == 1, f"{dockerfile.name}: one FROM"
+    args = dict(a.split("=", 1) for i, a in ins[:[i for i, _ in ins].index("FROM")] if i == "ARG" and "=" in a)
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], froms[0])
+
+
+def documented_base(dockerfile: Path) -> dict[str, str]:
+    """The `# base-image: TAG torch=... python=...` line above a Dockerfile's FROM: what the vendor says it ships."""
+    lines = [l for l in dockerfile.read_text().splitlines() if l.startswith("# base-image:")]
+    assert len(lines) == 1, f"{dockerfile.name}: say the base tag and its torch and Python in one `# base-image:` line"
+    tag, *fields = lines[0].removeprefix("# base-image:").split()
+    return {"tag": tag, **dict(f.split("=", 1) for f in fields)}
+
+
 def test_there_is_a_rocm_and_a_cuda_dockerfile():
     assert {p.name for p in DOCKERFILES} == {"Dockerfile.rocm", "Dockerfile.cuda"}
-    froms = {p.name: [a for i, a in instructions(p) if i == "FROM"] for p in DOCKERFILES}
-    assert froms["Dockerfile.rocm"] == ["rocm/pytorch-training:v25.3"], "seed 001's image"
-    assert len(froms["Dockerfile.cuda"]) == 1 and froms["Dockerfile.cuda"][0].startswith("nvcr.io/nvidia/pytorch:")
+    assert base_image(DOCKER / "Dockerfile.rocm").startswith("rocm/"), "AMD's image"
+    assert base_image(DOCKER / "Dockerfile.cuda").startswith("nvcr.io/nvidia/pytorch:"), "NVIDIA's NGC PyTorch image"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -88,6 +108,19 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
         assert op in runs, f"DeepSpeed's {op} prebuilt"
     # DeepSpeed's JIT CPU comm op, built after the reinstall into the folder grading kernels use, owned by the user
     assert re.search(r"deepspeed==\$\{DS_VERSION\}.*\bmake ops\b", runs), "make ops after DeepSpeed's reinstall"
+    # with no GPU at build time DeepSpeed picks its CPU accelerator and compiles CPU ops unless told otherwise
+    assert re.search(r"DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1[^&]*\bpip install\b[^&]*deepspeed==", runs), \
+        "DeepSpeed's GPU ops are built for its cuda accelerator (ROCm's too)"
+    # the last build step checks what the course needs, the GPU ops loading from the prebuilt install
+    gpu = "rocm" if dockerfile.name.endswith("rocm") else "cuda"
+    run_steps = [a for i, a in ins if i == "RUN"]
+    check = run_steps[-2]  # after everything is installed; the last RUN only makes the user
+    assert re.fullmatch(rf"DS_ACCELERATOR=cuda \.venv/bin/python docker/check_image\.py --gpu {gpu} "
+                        r"--deepspeed-ops cpu_adam,fused_adam --prebuilt", check), check
+    assert "make ops" in run_steps[-3], "the check runs after DeepSpeed's ops are built"
+    # a base whose python3 is a venv (rocm/primus) would hide its torch from .venv without this, before make setup
+    assert re.search(r"python3 -m venv --system-site-packages \.venv\s+&&\s+python3 docker/inherit_base_packages\.py "
+                     r"\.venv\s+&&\s+make setup", runs)
     envs = " ".join(a for i, a in ins if i == "ENV")
     assert "TORCH_EXTENSIONS_DIR=/opt/course/.venv/torch_extensions" in envs
     assert 'chown -R "${NB_USER}:" "${TORCH_EXTENSIONS_DIR}"' in runs, "loading an op takes a lock in its folder"
@@ -107,6 +140,125 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
                     assert (ROOT / src).exists(), f"{dockerfile.name} copies {src}, which does not exist"
     ignore = (DOCKER / f"{dockerfile.name}.dockerignore").read_text().split()
     assert ".venv" in ignore and "runs" in ignore and ".git" in ignore
+
+
+# --- docker/check_image.py and the floors -----------------------------------------------------------------
+
+CHECK = DOCKER / "check_image.py"
+NGC_25_01_TORCH = "2.6.0a0+ecf3bae40a"  # NVIDIA's PyTorch release notes 25.01: what transformers 5 refuses
+SEED_001_TORCH = "2.7.0a0+git637433"  # seed 001's rocm/pytorch-training:v25.3
+
+
+def check_image(*args: str) -> subprocess.CompletedProcess:
+    """docker/check_image.py run by this venv's Python, on the CPU accelerator and the ops `make setup` built."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(BIN.parent / "torch_extensions"))}
+    return subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def verdicts(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    """{check: 'ok' or 'FAIL'} from check_image.py's report."""
+    return dict(reversed(l.split()[:2]) for l in proc.stdout.splitlines() if l[:4] in ("ok  ", "FAIL"))
+
+
+def floors() -> tuple[str, str]:
+    """(requires-python, torch's specifier) as pyproject.toml declares them."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch")
+    return project["requires-python"], str(torch.specifier)
+
+
+def test_check_image_passes_on_this_venv():
+    proc = check_image()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert verdicts(proc) == dict.fromkeys(["python", "torch", "transformers", "fsdp2", "deepspeed"], "ok"), proc.stdout
+    assert "cpu_adam loaded for accelerator 'cpu'" in proc.stdout
+
+
+def test_check_image_fails_for_ngc_25_01s_torch_saying_why():
+    """NGC 25.01's 2.6.0a0, fed as the torch distribution's version: the real transformers and accelerate refuse it."""
+    proc = check_image("--torch-version", NGC_25_01_TORCH, "--deepspeed-ops", "")
+    assert proc.returncode == 1
+    assert verdicts(proc) == {"python": "ok", "torch": "FAIL", "transformers": "FAIL", "fsdp2": "FAIL"}, proc.stdout
+    floor = floors()[1]
+    assert f"torch {NGC_25_01_TORCH} is below the course's floor torch{floor} (pyproject.toml)" in proc.stdout
+    assert f"does not see torch {NGC_25_01_TORCH} (is_torch_available() is False)" in proc.stdout
+    assert "refuses FSDP2 with torch 2.6.0a0" in proc.stdout and "check(s) failed" in proc.stderr
+
+
+def test_check_image_floor_is_its_own_check():
+    """2.6.0 is a release that transformers and accelerate accept, and still below the course's floor."""
+    proc = check_image("--torch-version", "2.6.0", "--deepspeed-ops", "")
+    assert proc.returncode == 1
+    assert verdicts(proc) == {"python": "ok", "torch": "FAIL", "transformers": "ok", "fsdp2": "ok"}, proc.stdout
+
+
+def test_check_image_prebuilt_refuses_ops_that_only_jit():
+    """This venv's DeepSpeed is pure Python (JIT ops): what an image's DeepSpeed is if its ops were never compiled."""
+    proc = check_image("--deepspeed-ops", "cpu_adam", "--prebuilt")
+    assert proc.returncode == 1 and verdicts(proc)["deepspeed"] == "FAIL", proc.stdout
+    assert "cpu_adam op was not compiled into the install for accelerator 'cpu'" in proc.stdout
+    assert "reinstall DeepSpeed with DS_ACCELERATOR=cpu DS_BUILD_CPU_ADAM=1" in proc.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_base_image_is_the_documented_tag_and_meets_the_floor(dockerfile):
+    from packaging.specifiers import SpecifierSet
+
+    doc = documented_base(dockerfile)
+    assert base_image(dockerfile) == doc["tag"], "FROM and the `# base-image:` line name the same tag"
+    python_floor, torch_floor = floors()
+    assert SpecifierSet(torch_floor).contains(doc["torch"], prereleases=True), (doc, torch_floor)
+    assert SpecifierSet(python_floor).contains(doc["python"]), (doc, python_floor)
+    # docker/README.md's table gives the same tag, torch and Python
+    row = next((l for l in (DOCKER / "README.md").read_text().splitlines() if l.startswith(f"| `{doc['tag']}` |")), "")
+    assert f"| `{doc['torch']}` | {doc['python']} |" in row, f"docker/README.md's base table lacks {doc}"
+    # and the image's torch is one the real transformers and accelerate accept (the build's own check, fed it)
+    proc = check_image("--torch-version", doc["torch"], "--deepspeed-ops", "")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_seed_001s_torch_meets_the_floor():
+    """The floor is the seed image's pre-release: pip and the build's check must accept 2.7.0a0+git637433."""
+    proc = check_image("--torch-version", SEED_001_TORCH, "--deepspeed-ops", "")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_floors_agree_in_pyproject_and_environment_yml():
+    import yaml
+    from packaging.specifiers import SpecifierSet
+
+    python_floor, torch_floor = floors()
+    assert torch_floor == ">=2.7.0a0" and python_floor == ">=3.10"
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
+    assert f"pytorch{torch_floor}" in env, "environment.yml's torch floor is pyproject's"
+    python = next(d for d in env if isinstance(d, str) and d.startswith("python="))
+    assert SpecifierSet(python_floor).contains(python.removeprefix("python=") + ".0")
+    assert "Python >= 3.10" in (ROOT / "environment.yml").read_text() and "torch >= 2.7.0a0" in (
+        ROOT / "environment.yml").read_text(), "environment.yml states the floors"
+    for doc in ("docker/README.md",):
+        text = (ROOT / doc).read_text()
+        assert "torch >= 2.7.0a0" in text and "Python >= 3.10" in text, f"{doc} states the floors"
+
+
+def test_a_venv_made_from_a_venv_sees_the_base_venvs_torch(tmp_path):
+    """rocm/primus's python3 is the venv /opt/venv: --system-site-packages alone hides its torch from .venv."""
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    probe = [str(venv / "bin" / "python"), "-c", "import torch; print(torch.__file__)"]
+    assert sys.prefix != sys.base_prefix, "the test runs from a venv, as the image's python3 is one"
+    assert subprocess.run(probe, capture_output=True, text=True).returncode != 0, "the defect: torch is hidden"
+    proc = subprocess.run([sys.executable, str(DOCKER / "inherit_base_packages.py"), str(venv)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    seen = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    assert seen.startswith(sys.prefix), seen
+    assert subprocess.run([sys.executable, str(DOCKER / "inherit_base_packages.py"), str(tmp_path / "none")],
+                          capture_output=True, text=True).returncode == 2
 
 
 def test_makefile_builds_both_images():
