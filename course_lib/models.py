@@ -129,15 +129,18 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     return total
 
 
-def empty_llama(config_or_preset="tiny", **overrides):
+def empty_llama(config_or_preset="tiny", *, attn_implementation: str = attention.IMPLEMENTATION, **overrides):
     """A ``LlamaForCausalLM`` on the meta device: every shape, no memory, no initialisation.
 
     For counting parameters and estimating memory of models too big for this machine
-    (70B builds in a fraction of a second); it cannot run a forward pass.
+    (70B builds in a fraction of a second), and for meta-device initialisation (FSDP shards it,
+    then materialises it with ``to_empty``): so its attention is ``build_llama``'s, ``course_sdpa``.
     """
     from transformers import LlamaForCausalLM
 
+    attention.register()
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
+    config._attn_implementation = attn_implementation
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
