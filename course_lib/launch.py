@@ -25,11 +25,14 @@ CPU ranks over gloo (plain spawned processes cannot unpickle those). It forks th
 process where that is safe, which is instant. On a machine with GPUs it is not: the parent's
 first backward starts autograd's per-device threads, and a forked child that then calls
 backward fails. There it starts fresh processes instead and ships the function by value with
-cloudpickle, which costs a few seconds of start-up per rank.
+cloudpickle, which costs a few seconds of start-up per rank, and hides the GPUs from them
+(``CPU_ONLY_ENV``, as ``launch(device_type="cpu")`` does): a CPU rank that saw them would put its
+model on cuda:0, every rank on the same GPU, talking over gloo.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -47,7 +50,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from course_lib.device import backend_for, default_device
+from course_lib.device import backend_for, default_device, emulating_node
 from course_lib.distributed import free_port
 from course_lib.workers import exit_now, set_parent_death_signal
 
@@ -64,7 +67,8 @@ def check_world(nprocs: int, device_type: str | None = None) -> None:
     if device_type == "cuda" and nprocs > torch.cuda.device_count():
         raise ValueError(f"nprocs={nprocs} but this machine has {torch.cuda.device_count()} GPU(s): "
                          f"use nprocs <= {torch.cuda.device_count()} (one process per GPU)")
-    if device_type == "cpu" and nprocs > (os.cpu_count() or 1) * 2:
+    # an emulated node (run_all --tier node --emulate) runs its 8 ranks of a tiny model on any CPU, slowly
+    if device_type == "cpu" and nprocs > (os.cpu_count() or 1) * 2 and not emulating_node():
         raise ValueError(f"nprocs={nprocs} CPU processes on {os.cpu_count()} cores would only thrash: "
                          f"use nprocs <= {(os.cpu_count() or 1) * 2}")
 
@@ -105,13 +109,20 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
         shutil.rmtree(out, ignore_errors=True)
 
 
+# What a process needs in its environment, from its start, to see no GPU: torch (CUDA, and ROCm's HIP, which
+# reads CUDA_VISIBLE_DEVICES too), ROCm's runtime below HIP (an empty HIP_VISIBLE_DEVICES alone was ignored by
+# some ROCm releases: ROCm/hip#3001; an empty ROCR_VISIBLE_DEVICES hides every GPU), and DeepSpeed, which
+# otherwise picks its accelerator from the hardware.
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+                "DS_ACCELERATOR": "cpu"}
+
+
 def _launch_env(nprocs: int, device_type: str | None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_LAUNCH_PID": str(os.getpid())}
     # one BLAS/OpenMP thread pool per rank sized to its share of the cores, so ranks do not thrash
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     if device_type == "cpu":  # CPU ranks on a GPU machine: hide the GPUs from torch and from DeepSpeed
-        env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ""
-        env["DS_ACCELERATOR"] = "cpu"
+        env.update(CPU_ONLY_ENV)
     return env
 
 
@@ -324,8 +335,9 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
     procs = [ctx.Process(target=_forked_rank, args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid()),
                          daemon=True)
              for rank in range(nprocs)]
-    for p in procs:
-        p.start()
+    with _environment(CPU_ONLY_ENV):  # a spawned rank's Python starts with this process's environment
+        for p in procs:
+            p.start()
     # the timeout is for fn; starting the ranks (a spawn imports torch afresh) has its own, generous bound
     deadline, got, ready = time.monotonic() + max(timeout, STARTUP_TIMEOUT), {}, set()
     try:
@@ -355,6 +367,25 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
                 p.kill()
             p.join(timeout=5)
     return [got[r] for r in range(nprocs)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set while the block runs, then as it was.
+
+    multiprocessing's spawn has no ``env`` argument: its children start with ``os.environ`` as it is at
+    ``start()``, before they import torch. A forked child gets it too (where no GPU exists: nothing to hide).
+    """
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def fork_is_safe() -> bool:

@@ -384,3 +384,37 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling():
     assert {p.name for p in folder.iterdir()} == ops, "the launch built another op"
     print(f"DeepSpeed CPU launch with the prebuilt op: {seconds:.1f} s")
     assert seconds < 30, f"a launch that loads a prebuilt op takes a few seconds, not {seconds:.0f}"
+
+
+def _what_a_rank_sees(rank, world):
+    import os
+
+    import torch
+
+    from course_lib.device import default_device
+
+    return {"env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                                   "ROCR_VISIBLE_DEVICES", "DS_ACCELERATOR")},
+            "device": default_device().type, "gpus": torch.cuda.device_count(), "pid": os.getpid()}
+
+
+def test_run_forked_hides_the_gpus_from_the_ranks_it_spawns_on_a_gpu_machine(monkeypatch):
+    """Notebook 06's DDP comparison on a GPU machine: run_forked spawns (fork is unsafe there), and its CPU ranks
+    must not see the GPUs, or each puts its model on cuda:0 and they all share one GPU over gloo. Forced here:
+    the spawn path that a GPU machine takes, with GPUs made visible to this process as a GPU machine has them."""
+    import course_lib.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "fork_is_safe", lambda: False)  # the GPU machine's decision
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.setenv(var, "0,1")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    ranks = run_forked(_what_a_rank_sees, 2, timeout=120)
+    assert os.getpid() not in {r["pid"] for r in ranks}, "the ranks must be fresh processes (spawned)"
+    for r in ranks:
+        assert r["env"] == {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+                            "DS_ACCELERATOR": "cpu"}, r["env"]
+        assert r["device"] == "cpu" and r["gpus"] == 0
+    # the notebook's own process keeps its GPUs
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in os.environ
+    # launch(device_type="cpu") hides them the same way, ROCm's runtime below HIP included
+    assert {k: launch_mod._launch_env(2, "cpu")[k] for k in ranks[0]["env"]} == ranks[0]["env"]
