@@ -44,13 +44,40 @@ TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 INSTALL_TORCHAO = "pip install torchao (0.18 or newer; it must match your torch build)"
 
 
-def device_fp8_dtypes(device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
-    """(e4m3, e5m2) as ``device`` computes them: the fnuz variants on an MI300X (gfx942), OCP's elsewhere."""
+# The AMD architectures that compute in the fnuz formats: CDNA 3 (MI300A, MI300X, MI325X). CDNA 4's gfx950
+# (MI350X, MI355X) computes in OCP's e4m3fn/e5m2, as NVIDIA's Ada, Hopper and Blackwell do. torchao and
+# AMD's own kernels decide the same way (torchao's float8 config: fnuz on gfx940/941/942).
+FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
+FP8_AMD_ARCHS = FNUZ_ARCHS + ("gfx950",)  # AMD GPUs with FP8 matrix cores, for training
+
+
+def device_arch(device: torch.device | str) -> str:
+    """``device``'s architecture as a name: "cpu"; "sm_90" for an NVIDIA GPU of compute capability 9.0;
+    ROCm's ``gcnArchName`` without its feature flags ("gfx942") for an AMD GPU."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.version.hip:
-        if "gfx942" in getattr(torch.cuda.get_device_properties(device), "gcnArchName", ""):
-            return torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
+    if device.type != "cuda":
+        return device.type
+    if torch.version.hip:
+        return (getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or "unknown").split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def fp8_formats(arch: str) -> tuple[torch.dtype, torch.dtype]:
+    """(e4m3, e5m2) as the architecture ``arch`` computes them (``device_arch``'s names: "gfx942", "sm_90", "cpu").
+
+    The fnuz variants (e4m3fnuz, max 240; e5m2fnuz) on CDNA 3 (``FNUZ_ARCHS``: MI300X, MI325X), OCP's
+    e4m3fn (max 448) and e5m2 everywhere else, gfx950 (MI350X/MI355X) included. OCP operands on an
+    MI300X are refused by its FP8 GEMM, so the product would only be emulated there.
+    """
+    if arch.split(":")[0] in FNUZ_ARCHS:
+        return torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
     return torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def device_fp8_dtypes(device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
+    """(e4m3, e5m2) as ``device`` computes them: ``fp8_formats`` of its ``device_arch``."""
+    return fp8_formats(device_arch(device))
 
 
 def check_fp8_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -268,25 +295,34 @@ def outlier_operands(n: int, *, outlier_channels: int = 4, outlier_scale: float 
     return x, torch.randn(n, n, generator=g) * weight_std
 
 
-def matmul_errors(x: torch.Tensor, w: torch.Tensor) -> dict[str, dict]:
+def matmul_errors(x: torch.Tensor, w: torch.Tensor,
+                  formats: tuple[torch.dtype, torch.dtype] | None = None) -> dict[str, dict]:
     """The relative error of ``x @ w`` in each format against the float64 product, and the code that ran.
 
     Keys: ``bf16``, ``fp16`` (operands rounded to 16 bits, the product accumulated in float32, as tensor cores do);
     ``e4m3_unscaled`` and ``e4m3_scaled`` (``fp8_matmul`` without and with per-tensor scales: the forward pass's
     GEMM); ``e5m2_e4m3_scaled``, the precision the backward's GEMMs get (their gradient operand is e5m2).
+    The FP8 formats are ``formats`` (e4m3, e5m2), by default those ``x``'s device computes in
+    (``device_fp8_dtypes``: the fnuz variants on an MI300X); the labels name them.
     """
     ref = x.double() @ w.double()
     out = {}
     for key, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         got = x.to(dt).float() @ w.to(dt).float()
         out[key] = {"format": f"{key} operands", "error": relative_error(got, ref), "path": "float32 matmul"}
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    for key, label, kw in (("e4m3_unscaled", "e4m3 × e4m3, no scaling", dict(dtype=e4m3, scaled=False)),
-                           ("e4m3_scaled", "e4m3 × e4m3, per-tensor scales", dict(dtype=e4m3)),
-                           ("e5m2_e4m3_scaled", "e5m2 × e4m3, per-tensor scales", dict(dtype=e5m2, dtype_b=e4m3))):
+    e4m3, e5m2 = formats or device_fp8_dtypes(x.device)
+    n4, n5 = (_format_name(dt) for dt in (e4m3, e5m2))
+    for key, label, kw in (("e4m3_unscaled", f"{n4} × {n4}, no scaling", dict(dtype=e4m3, scaled=False)),
+                           ("e4m3_scaled", f"{n4} × {n4}, per-tensor scales", dict(dtype=e4m3)),
+                           ("e5m2_e4m3_scaled", f"{n5} × {n4}, per-tensor scales", dict(dtype=e5m2, dtype_b=e4m3))):
         res = fp8_matmul(x, w, **kw)
         out[key] = {"format": label, "error": relative_error(res.out, ref), "path": res.path}
     return out
+
+
+def _format_name(dtype: torch.dtype) -> str:
+    """"e4m3" for OCP's e4m3fn (the name the notebook uses), otherwise the dtype's own: "e5m2", "e4m3fnuz"."""
+    return {torch.float8_e4m3fn: "e4m3"}.get(dtype, str(dtype).removeprefix("torch.float8_"))
 
 SWEEP = {"bf16": None, "e4m3, no scaling": (torch.float8_e4m3fn, False), "e4m3, per-tensor scale": (torch.float8_e4m3fn, True),
          "e5m2, no scaling": (torch.float8_e5m2, False)}
@@ -379,16 +415,67 @@ def fp8_training_support(device: torch.device | str) -> str | None:
     if device.type != "cuda":
         return (f"FP8 training needs a GPU with FP8 matrix units (NVIDIA H100/H200 or another of compute "
                 f"capability 8.9 or newer, AMD MI300X); this notebook runs on {device.type}")
-    name = torch.cuda.get_device_name(device)
-    if torch.version.hip:
-        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-        if not any(a in arch for a in ("gfx942", "gfx950")):
-            return f"FP8 training needs an MI300X-class AMD GPU (gfx942 or newer); {name} is {arch or 'unknown'}"
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"FP8 training needs compute capability 8.9 or newer (H100, H200, L40S); {name} has {major}.{minor}"
+    return fp8_training_support_for(device_arch(device), str(device), torch.cuda.get_device_name(device))
+
+
+def fp8_hardware_error(arch: str) -> str | None:
+    """None if the architecture ``arch`` ("sm_90", "gfx942": ``device_arch``'s names) has FP8 matrix units; else why."""
+    arch = arch.split(":")[0]
+    if arch.startswith("gfx"):
+        return None if arch in FP8_AMD_ARCHS else (
+            f"FP8 training needs an MI300X-class AMD GPU ({'/'.join(FP8_AMD_ARCHS)})")
+    if arch.startswith("sm_") and len(arch) > 4 and arch[3:].isdigit():
+        major, minor = int(arch[3:-1]), int(arch[-1])  # sm_90 is 9.0, sm_100 is 10.0
+        if (major, minor) >= (8, 9):
+            return None
+        return f"FP8 training needs compute capability 8.9 or newer (H100, H200, L40S), not {major}.{minor}"
+    return f"FP8 training needs a GPU with FP8 matrix units (NVIDIA sm_89 or newer, AMD gfx942/gfx950), not {arch!r}"
+
+
+def fp8_training_support_for(arch: str, device: str = "cuda", name: str = "") -> str | None:
+    """The FP8 training decision for a GPU of architecture ``arch`` (called ``name``) at ``device``: None where
+    its hardware has FP8 matrix units and torchao's float8 training runs one real step there
+    (``torchao_fp8_runs``); otherwise what is missing. Only the probe touches the device."""
+    if why := fp8_hardware_error(arch):
+        return f"{why}; {name or device} is {arch}"
+    return torchao_fp8_runs(device)
+
+
+@functools.lru_cache(maxsize=None)
+def torchao_fp8_runs(device: str = "cuda") -> str | None:
+    """None if torchao's float8 training runs on ``device``: a 32×32 linear converted with
+    ``convert_to_fp8_training``, one forward and backward under bf16 autocast, finite and within FP8's
+    error of the float32 product. Otherwise why not, with the install command. Remembered per device;
+    the same contract as ``scaled_mm_runs``: what a preflight calls.
+
+    torchao can import and still fail at its first step: a build for another torch, or a GPU whose
+    FP8 GEMM refuses the formats torchao picked.
+    """
     if importlib.util.find_spec("torchao") is None:
         return f"FP8 training here uses torchao's float8 training, and torchao is not installed: {INSTALL_TORCHAO}"
+    try:
+        g = torch.Generator().manual_seed(0)
+        layer = nn.Linear(32, 32, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(32, 32, generator=g) * 0.1)
+        x = torch.randn(16, 32, generator=g)
+        ref = x @ layer.weight.detach().t()
+        model = convert_to_fp8_training(nn.Sequential(layer.to(device)))
+        xd = x.to(device).requires_grad_()
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            y = model(xd)
+        y.float().sum().backward()
+        kinds = {type(m).__name__ for m in model.modules()}
+        y, grad = y.detach().float().cpu(), xd.grad.float().cpu()
+    except Exception as err:  # noqa: BLE001 (a build for another torch or GPU fails with any error type)
+        first = (str(err).splitlines() or [""])[0][:200]
+        return (f"torchao imports but its float8 training does not run on {device} ({type(err).__name__}: {first}): "
+                f"{INSTALL_TORCHAO}")
+    if "Float8Linear" not in kinds:
+        return f"torchao did not convert the linear to Float8Linear (got {sorted(kinds)}): {INSTALL_TORCHAO}"
+    error = relative_error(y, ref)
+    if not (torch.isfinite(grad).all() and error < 0.1):  # e4m3 with bf16 autocast is off by a few percent
+        return f"torchao's float8 training runs on {device} but computes wrong values (relative error {error:.2g})"
     return None
 
 

@@ -303,13 +303,64 @@ def bitsandbytes_error() -> str | None:
     return None
 
 
+PROBE_TOLERANCE = 0.02  # relative RMS: bf16 rounding of a right answer is ~0.4%; a wrong kernel is off by far more
+
+
+@functools.lru_cache(maxsize=None)
+def bitsandbytes_4bit_runs(device: str = "cuda") -> str | None:
+    """None if bitsandbytes' 4-bit NF4 path runs on ``device`` and computes what it should; else why not.
+
+    An installed bitsandbytes can import and still have no kernels for this GPU stack (a CUDA wheel on
+    ROCm, a build for another CUDA): then ``from_pretrained`` fails mid-cell. So this runs what QLoRA
+    runs, once, on a 64×64 bf16 weight: ``quantize_4bit`` (NF4, double quantisation), ``dequantize_4bit``,
+    and ``matmul_4bit`` forward and backward. The dequantised weight must be course_lib's NF4 round
+    trip of it, and the product ``x @ dequantised.T``, to ``PROBE_TOLERANCE``. Remembered per device;
+    the same contract as ``fp8.scaled_mm_runs``: what a preflight calls.
+    """
+    if error := bitsandbytes_error():
+        return error
+    try:
+        from bitsandbytes import functional as bnb_functional
+        from bitsandbytes import matmul_4bit
+
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 64, generator=g).to(device, torch.bfloat16)
+        x = torch.randn(4, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
+        q, state = bnb_functional.quantize_4bit(w, blocksize=BLOCKSIZE, quant_type="nf4", compress_statistics=True)
+        back = bnb_functional.dequantize_4bit(q, state).float().cpu()
+        y = matmul_4bit(x, q.t(), quant_state=state)
+        y.float().sum().backward()
+        y, grad = y.detach().float().cpu(), x.grad.float().cpu()
+    except Exception as err:  # noqa: BLE001 (a missing kernel raises anything from AssertionError to a CUDA error)
+        first = (str(err).splitlines() or [""])[0][:200]
+        return (f"bitsandbytes imports but its 4-bit kernels do not run on {device} ({type(err).__name__}: {first}): "
+                f"{INSTALL_BITSANDBYTES}")
+    return _probe_mismatch(device, w.float().cpu(), x.detach().float().cpu(), back, y, grad)
+
+
+def _probe_mismatch(device: str, w: torch.Tensor, x: torch.Tensor, back: torch.Tensor, y: torch.Tensor,
+                    grad: torch.Tensor) -> str | None:
+    """Why bitsandbytes' probe results are wrong (weights, product or gradient), or None when they are right."""
+    errors = {"dequantised weight": relative_rms_error(back, nf4_round_trip(w)),
+              "matmul_4bit output": relative_rms_error(y, x @ back.t()),
+              "matmul_4bit input gradient": relative_rms_error(grad, torch.ones_like(y) @ back)}
+    wrong = {k: v for k, v in errors.items() if not v <= PROBE_TOLERANCE}  # nan is wrong too
+    if wrong:
+        return (f"bitsandbytes' 4-bit kernels run on {device} but compute wrong values (relative error "
+                + ", ".join(f"{k} {v:.2g}" for k, v in wrong.items()) + f"): {INSTALL_BITSANDBYTES}")
+    return None
+
+
 def qlora_support(device: torch.device | str) -> str | None:
-    """None where ``compare_qlora`` can run on ``device``; otherwise what it needs, in words."""
+    """None where ``compare_qlora`` can run on ``device``; otherwise what it needs, in words.
+
+    On a GPU that is bitsandbytes' 4-bit path really running there (``bitsandbytes_4bit_runs``), not
+    only importing."""
     device = torch.device(device)
     if device.type != "cuda":
         return (f"the QLoRA comparison measures GPU memory and speed, so it needs a GPU (CUDA or ROCm) with "
                 f"bitsandbytes; this notebook runs on {device.type}")
-    return bitsandbytes_error()
+    return bitsandbytes_4bit_runs(str(device))
 
 
 def bnb_config(compute_dtype: torch.dtype = torch.bfloat16, double_quant: bool = True):

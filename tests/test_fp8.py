@@ -162,6 +162,64 @@ def test_without_torchao_the_error_names_the_install(monkeypatch):
         fp8.convert_to_fp8_training(torch.nn.Linear(16, 16))
 
 
+
+@pytest.mark.parametrize("arch,formats", [
+    ("gfx942", (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)),  # MI300X, MI325X: CDNA 3 computes in fnuz
+    ("gfx942:sramecc+:xnack-", (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)),  # gcnArchName as ROCm reports it
+    ("gfx950", (E4M3, E5M2)),  # MI350X/MI355X: OCP's formats, as NVIDIA's
+    ("sm_90", (E4M3, E5M2)),
+    ("sm_89", (E4M3, E5M2)),
+    ("cpu", (E4M3, E5M2)),
+])
+def test_the_fp8_formats_are_the_ones_the_architecture_computes_in(arch, formats):
+    assert fp8.fp8_formats(arch) == formats
+    if "gfx942" in arch:
+        assert fp8.fp8_max(formats[0]) == 240.0  # e4m3fnuz: a scale must map amax to 240 there, not 448
+
+
+def test_this_machines_formats_and_architecture():
+    assert fp8.device_arch("cpu") == "cpu" and fp8.device_fp8_dtypes("cpu") == (E4M3, E5M2)
+    if torch.cuda.is_available():
+        assert fp8.device_fp8_dtypes("cuda") == fp8.fp8_formats(fp8.device_arch("cuda"))
+
+
+def test_the_matmul_errors_run_in_the_formats_an_mi300x_computes_in():
+    """On an MI300X the OCP e4m3fn operands are refused by its FP8 GEMM: the products would only be emulated. In
+    its own fnuz formats (here emulated on the CPU, the same numbers) the table names them and the errors keep
+    their order: e4m3fnuz has e4m3fn's 3 mantissa bits."""
+    x, w = fp8.outlier_operands(128)
+    mi300 = fp8.matmul_errors(x, w, formats=fp8.fp8_formats("gfx942"))
+    assert mi300["e4m3_scaled"]["format"] == "e4m3fnuz × e4m3fnuz, per-tensor scales"
+    assert mi300["e5m2_e4m3_scaled"]["format"] == "e5m2fnuz × e4m3fnuz, per-tensor scales"
+    ocp = fp8.matmul_errors(x, w)  # this CPU's default: OCP's formats, labelled as the notebook names them
+    assert ocp["e4m3_scaled"]["format"] == "e4m3 × e4m3, per-tensor scales"
+    err = {k: v["error"] for k, v in mi300.items()}
+    assert 0.01 < err["e4m3_scaled"] < err["e5m2_e4m3_scaled"] < 0.1 and err["e4m3_unscaled"] > err["e4m3_scaled"]
+    assert err["e4m3_scaled"] == pytest.approx(ocp["e4m3_scaled"]["error"], rel=0.3)
+
+
+@pytest.mark.parametrize("arch,ok", [("sm_90", True), ("sm_89", True), ("sm_100", True), ("sm_120", True),
+                                     ("sm_80", False), ("sm_86", False), ("gfx942", True), ("gfx950", True),
+                                     ("gfx90a", False), ("gfx1100", False), ("cpu", False), ("", False)])
+def test_which_architectures_have_fp8_matrix_units(arch, ok):
+    why = fp8.fp8_hardware_error(arch)
+    assert (why is None) == ok, why
+    if not ok:
+        assert "FP8 training needs" in why
+
+
+def test_torchao_is_chosen_for_training_only_after_one_real_step():
+    """FP8 training chose torchao as soon as it was installed; now its probe runs one converted linear forward and
+    backward first. In this process torchao is absent (it lives beside the venv): the probe names the install,
+    and so does the decision for an FP8 GPU (the subprocess below runs the probe with torchao present)."""
+    why = fp8.torchao_fp8_runs("cpu")
+    if importlib.util.find_spec("torchao") is None:
+        assert "pip install torchao" in why
+        assert "pip install torchao" in fp8.fp8_training_support_for("sm_90", "cuda", "NVIDIA H100 80GB HBM3")
+    else:
+        assert why is None, why
+    assert "not 8.0" in fp8.fp8_training_support_for("sm_80", "cuda", "NVIDIA A100-SXM4-80GB")  # no probe needed
+
 # Notebook 01's GPU path, torchao's float8 training, run on this CPU in a process of its own with the torchao that
 # `make test` installs beside the venv (pyproject.toml says why not in it), or the one installed where it can be
 # imported (an FP8 GPU machine): the linears but the head become Float8Linear, and training tracks bf16 autocast
@@ -175,7 +233,11 @@ model = fp8.convert_to_fp8_training(build_llama("tiny"))
 kinds = sorted({type(m).__name__ for name, m in model.named_modules() if name.endswith("_proj")})
 kw = dict(steps=6, batch=2, seq=32, device="cpu", compile=False, warmup=1)
 runs = {k: fp8.train_llama("tiny", fp8=k == "fp8", **kw) for k in ("bf16", "fp8")}
-print(json.dumps({"kinds": kinds, "head": type(model.lm_head).__name__,
+import torch
+probe = {"cpu": fp8.torchao_fp8_runs("cpu"),  # torchao's float8 training runs here: the probe says so
+         # a GPU-class architecture whose device this torch cannot reach: torchao imports, and cannot run there
+         "h100": None if torch.cuda.is_available() else fp8.fp8_training_support_for("sm_90", "cuda", "H100")}
+print(json.dumps({"kinds": kinds, "head": type(model.lm_head).__name__, "probe": probe,
                   **{k: run["losses"] for k, run in runs.items()}, "fp8_tokens_per_s": runs["fp8"]["tokens_per_s"]}))
 """
 
@@ -192,6 +254,9 @@ def test_torchao_converts_the_llama_but_its_head_and_trains_like_bf16():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kinds"] == ["Float8Linear"] and out["head"] == "Linear", out
+    assert out["probe"]["cpu"] is None, out["probe"]
+    if out["probe"]["h100"] is not None:  # (None where the subprocess has a GPU)
+        assert "torchao imports but its float8 training does not run on cuda" in out["probe"]["h100"], out["probe"]
     bf16, f8 = out["bf16"], out["fp8"]
     assert all(math.isfinite(v) for v in bf16 + f8) and out["fp8_tokens_per_s"] > 0
     assert bf16[0] != f8[0]  # same weights, same batch: only the FP8 casts of the forward tell them apart

@@ -239,3 +239,30 @@ def test_the_same_as_bitsandbytes_live():
             # bitsandbytes' C kernel breaks near-ties of the 8-bit code differently: a neighbouring code, rarely
             diff = (c.codes.int() - state2.absmax.int()).abs()
             assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+
+
+def test_qlora_is_chosen_only_where_bitsandbytes_4bit_really_runs():
+    """bitsandbytes that imports but has no kernels for the GPU stack failed mid-cell in from_pretrained: the probe
+    runs its 4-bit path once on the device first. Here a GPU is asked for on a CPU-only torch: bitsandbytes imports,
+    and cannot run there, so QLoRA is not chosen; on the CPU its kernels run and compute course_lib's NF4."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is optional; without it the probe says to install it")
+    assert nf4.bitsandbytes_error() is None  # it imports ...
+    assert nf4.bitsandbytes_4bit_runs("cpu") is None  # ... its CPU kernels run, to NF4's values ...
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe's verdict on it is the preflight's to show")
+    why = nf4.bitsandbytes_4bit_runs("cuda")  # ... and on a GPU this torch does not have, they cannot
+    assert why is not None and "do not run on cuda" in why and "pip install bitsandbytes" in why
+    assert nf4.qlora_support("cuda") == why, "the QLoRA decision must rest on the probe, not on the import"
+    with pytest.raises(RuntimeError, match="do not run on cuda"):
+        nf4.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cuda")
+
+
+def test_the_probe_catches_kernels_that_run_but_compute_wrong_values():
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 64), torch.randn(4, 64)
+    back = nf4.nf4_round_trip(w)
+    right = (x @ back.t(), torch.ones(4, 64) @ back)
+    assert nf4._probe_mismatch("cpu", w, x, back, *right) is None
+    wrong = nf4._probe_mismatch("cpu", w, x, back.flip(0), *right)  # rows of the weight out of place
+    assert wrong is not None and "compute wrong values" in wrong and "dequantised weight" in wrong
+    assert "matmul_4bit output" in nf4._probe_mismatch("cpu", w, x, back, right[0] * float("nan"), right[1])
