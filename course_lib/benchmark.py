@@ -31,9 +31,10 @@ repeats and its min-max spread; MFU is the median's.
 
 MFU counts 6·N + 12·L·d·T FLOPs per token, 4·N + 12·L·d·T when the base weights are frozen (LoRA),
 N the matmul parameters: all but the input embedding (a lookup), a tied LM head counted once
-(``throughput.matmul_parameters``); against the device's dense bf16 peak
-(``throughput.PEAK_BF16_FLOPS``: 989 TFLOP/s for H100 and H200, 1307 for MI300X), printed in the
-table's header. Peak memory is ``torch.cuda.max_memory_allocated`` per run (n/a on a CPU).
+(``throughput.matmul_parameters``); against the device's dense bf16 peak, told by its name
+(``throughput.peak_for_name``: 989 TFLOP/s for an H100 SXM or H200 SXM, 756 for an H100 PCIe, 835 for
+the NVL cards, 1307 for MI300X), printed in the table's header with the card it is the peak of and
+the name that told it. Peak memory is ``torch.cuda.max_memory_allocated`` per run (n/a on a CPU).
 Losses: the step-0 losses (same weights, same batch) must agree to bf16 tolerance and the whole
 curves within 2%; ``check_targets`` states pass or fail of the issue's targets from a result.
 """
@@ -65,9 +66,10 @@ from course_lib.recipe import (
     recipe_for,
 )
 from course_lib.throughput import (
+    Peak,
     matmul_parameters,
+    device_peak,
     mfu,
-    peak_bf16_flops,
     spread,
     transformer_flops_per_token,
 )
@@ -248,7 +250,8 @@ def benchmark(preset: str | None = None, seq_len: int | None = None, micro_batch
                              bool(getattr(config, "tie_word_embeddings", False)))
     flops = transformer_flops_per_token(n_mm, config.num_hidden_layers, config.hidden_size, a["seq_len"],
                                         frozen_base=lora)
-    peak = peak_bf16_flops(device)
+    found = device_peak(device)
+    peak = found.flops if found else None
     b, r = (_summarise(runs[k], flops, peak) for k in ("baseline", "recipe"))
     both = lambda k: r[k] / b[k] if r[k] and b[k] else None
     ratio = {"tokens_per_s": both("tokens_per_s"), "mfu": both("mfu"), "peak_memory_bytes": both("peak_memory_bytes"),
@@ -256,6 +259,7 @@ def benchmark(preset: str | None = None, seq_len: int | None = None, micro_batch
     shape = {**{k: a[k] for k in ("preset", "seq_len", "micro_batch", "steps", "warmup", "repeats")}, "lora": lora,
              "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
              "memory_bytes": device_memory_bytes(device) if device.type == "cuda" else None, "peak_flops": peak,
+             "peak_card": found.card if found else None, "peak_reason": found.reason if found else None,
              "mfu_parameters": n_mm, "packing": "document-masked (position ids restart per document, block-causal mask)"}
     return {"shape": shape, "baseline": b, "recipe": r, "ratio": ratio, **compare_losses(b["losses"], r["losses"])}
 
@@ -318,12 +322,19 @@ def _weights_text(row: dict) -> str:
     return f"trainable {part(w['trainable'])}, frozen {part(w['frozen'])}"
 
 
+def _peak_text(s: dict) -> str:
+    """The peak MFU was measured against, with the card it is the peak of and how that card was told."""
+    if s.get("peak_card"):
+        return Peak(s["peak_card"], s["peak_flops"], s["peak_reason"]).describe()
+    return f"{s['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16 (card not recorded)"  # a result saved before the card was
+
+
 def _header(result: dict) -> list[str]:
     s, b = result["shape"], result["baseline"]
     mem = f" ({s['memory_bytes'] / 2**30:.0f} GiB)" if s.get("memory_bytes") else ""
     n = f"N = {s['mfu_parameters']:,} (input embedding excluded, a tied LM head counted once)"
     flops = f"{'4' if s['lora'] else '6'}·N + 12·L·d·T FLOP per token, {n}"
-    peak = (f"against {s['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16 per device" if s["peak_flops"]
+    peak = (f"against {_peak_text(s)} per device" if s["peak_flops"]
             else f"n/a: no bf16 peak known for {s['device_name']}")
     what = (f"{s['preset']} shape, sequence {s['seq_len']}, micro-batch {s['micro_batch']}, "
             f"{'LoRA' if s['lora'] else 'full fine-tune'}, {s['steps']} timed steps after {s['warmup']} warm-up, "

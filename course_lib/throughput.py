@@ -8,13 +8,53 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-# Dense bf16 peak of the GPUs the course names, in FLOP/s (vendor data sheets, no sparsity).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "MI300X": 1307.4e12, "MI325X": 1307.4e12,
-                   "MI250X": 383e12, "L40S": 362e12}
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks, in FLOP/s, by the words of ``torch.cuda.get_device_name``.
+# The first entry whose words all appear in the name wins, so the specific cards come before the general
+# ones: "H100" is also in "NVIDIA H100 PCIe" and "NVIDIA H100 NVL", "H200" in "NVIDIA GH200 480GB". The H100
+# SXM names itself "NVIDIA H100 80GB HBM3", the H200 SXM "NVIDIA H200". NVIDIA lists Hopper's bf16 peaks
+# "with sparsity"; the dense peak is half of that.
+# - H100 SXM 1,979 / PCIe 1,513 with sparsity: H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/
+# - H100 NVL 1,671 with sparsity: H100 NVL product brief PB-11773-001 and the H100 page above
+# - H200 SXM 1,979 / H200 NVL 1,671 with sparsity: https://www.nvidia.com/en-us/data-center/h200/
+# - GH200 1,979 with sparsity (its GPU is an H100 SXM's):
+#   https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/
+# - A100 (SXM4 and PCIe, 40 and 80 GB) 312 dense: A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
+# - L40S 362.05 dense (733 with sparsity): L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/
+# - AMD CDNA 3 does 2048 dense bf16 FLOP per CU per clock: MI300X and MI325X 304 CUs at 2.1 GHz = 1307.4,
+#   MI300A 228 CUs = 980.6; CDNA 2's MI250X 383.0 (220 CUs at 1.7 GHz). AMD's data sheets,
+#   https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (and the mi325x, mi300a, mi250x pages)
+PEAK_BF16_CARDS: tuple[tuple[str, str, float], ...] = (  # (words to find in the name, card, dense bf16 FLOP/s)
+    ("GH200", "GH200", 989.4e12),
+    ("H200 NVL", "H200 NVL", 835.5e12),
+    ("H200", "H200 SXM", 989.4e12),
+    ("H100 NVL", "H100 NVL", 835.5e12),
+    ("H100 PCIe", "H100 PCIe", 756.5e12),
+    ("H100", "H100 SXM", 989.4e12),
+    ("A100", "A100", 312e12),
+    ("L40S", "L40S", 362.05e12),
+    ("MI325X", "MI325X", 1307.4e12),
+    ("MI300X", "MI300X", 1307.4e12),
+    ("MI300A", "MI300A", 980.6e12),
+    ("MI250X", "MI250X", 383.0e12),
+)
+PEAK_BF16_FLOPS = {card: flops for _, card, flops in PEAK_BF16_CARDS}  # card -> dense bf16 FLOP/s
+
+
+class Peak(NamedTuple):
+    """The bf16 peak MFU is measured against: the ``card`` it is the peak of, ``flops`` (FLOP/s, dense) and
+    ``reason``, how the card was told from the device (which words of which name matched)."""
+
+    card: str
+    flops: float
+    reason: str
+
+    def describe(self) -> str:
+        """E.g. "756 TFLOP/s dense bf16 (H100 PCIe: 'H100 PCIe' in the name 'NVIDIA H100 PCIe')"."""
+        return f"{self.flops / 1e12:,.0f} TFLOP/s dense bf16 ({self.card}: {self.reason})"
 
 
 def synchronize(device: torch.device) -> None:
@@ -38,19 +78,40 @@ def time_step(fn: Callable[[], object], device: torch.device | str = "cpu", warm
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "times": times}
 
 
-def peak_bf16_flops(device: torch.device | str | None = None) -> float | None:
-    """The bf16 peak of the GPU ``device`` by its name, or None (CPU, or a GPU not in the table)."""
+def peak_for_name(name: str, arch: str = "") -> Peak | None:
+    """The dense bf16 peak of the GPU called ``name`` (``torch.cuda.get_device_name``), or None if unknown.
+
+    ``arch`` is ROCm's ``gcnArchName`` (e.g. "gfx942:sramecc+:xnack-"): some ROCm versions report a
+    bare name ("AMD Radeon Graphics"), and a gfx942 with no card in its name is taken for an MI300X
+    (an MI325X has the same peak; an MI300A, 980.6 TFLOP/s, would name itself). A pure function of
+    the strings, so every card's decision can be checked without the card.
+    """
+    words = name.lower().split()
+    for key, card, flops in PEAK_BF16_CARDS:
+        # every word of the key inside some word of the name: "H100 PCIe" matches "NVIDIA H100 80GB PCIe" too
+        if all(any(k in w for w in words) for k in key.lower().split()):
+            return Peak(card, flops, f"'{key}' in the name '{name}'")
+    if arch.split(":")[0] == "gfx942":
+        return Peak("MI300X", PEAK_BF16_FLOPS["MI300X"],
+                    f"assumed from the architecture gfx942: the name '{name}' names no card")
+    return None
+
+
+def device_peak(device: torch.device | str | None = None) -> Peak | None:
+    """``peak_for_name`` of the GPU ``device``; None for a CPU (no peak is claimed for one) or an unknown GPU."""
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-    if "gfx942" in arch and "MI3" not in name:  # ROCm may report a bare marketing name
-        name += " MI300X"
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
+    return peak_for_name(torch.cuda.get_device_name(device), arch)
+
+
+def peak_bf16_flops(device: torch.device | str | None = None) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU ``device`` by its name, or None (CPU, or a GPU not in the table).
+
+    ``device_peak`` says which card's peak it is and why: print that wherever an MFU is printed."""
+    peak = device_peak(device)
+    return peak.flops if peak else None
 
 
 def matmul_parameters(n_params: int, vocab_size: int, d_model: int, tied_head: bool) -> int:

@@ -204,3 +204,21 @@ def test_check_targets_on_constructed_results(cpu_result, tmp_path):
     with pytest.raises(SystemExit) as stop:
         bm.main(["--from-json", str(failing), "--check-targets"])
     assert stop.value.code == 1
+
+
+def test_the_table_says_which_cards_peak_mfu_was_measured_against(cpu_result, tmp_path, capsys):
+    """An H100 PCIe's MFU is against its own 756 TFLOP/s, not the SXM's 989, and the header says so and why."""
+    from course_lib.throughput import peak_for_name
+
+    assert "no bf16 peak known for CPU" in bm.format_table(cpu_result)  # a CPU claims no peak
+    for name, card, figure in (("NVIDIA H100 PCIe", "H100 PCIe", "756 TFLOP/s"),
+                               ("NVIDIA H100 80GB HBM3", "H100 SXM", "989 TFLOP/s"),
+                               ("AMD Instinct MI300X", "MI300X", "1,307 TFLOP/s")):
+        peak = peak_for_name(name)
+        res = _as_gpu(cpu_result, "1b", False, name=name)
+        res["shape"].update(peak_flops=peak.flops, peak_card=peak.card, peak_reason=peak.reason)
+        path = tmp_path / f"{card}.json"
+        path.write_text(json.dumps(res))
+        bm.main(["--from-json", str(path)])  # what the CLI prints for a saved GPU result
+        header = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("MFU:"))
+        assert f"against {figure} dense bf16 ({card}: " in header and f"'{name}'" in header, header
