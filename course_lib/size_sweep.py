@@ -32,7 +32,7 @@ from course_lib.distributed import rank_device
 from course_lib.launch import launch
 from course_lib.memory import llama_activation_bytes
 from course_lib.models import llama_config, llama_num_parameters
-from course_lib.throughput import matmul_parameters, peak_bf16_flops, time_step, transformer_flops_per_token
+from course_lib.throughput import device_peak, matmul_parameters, time_step, transformer_flops_per_token
 from course_lib.train import train_step
 from course_lib.zero import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, deepspeed_step, ds_config, offload_plan
 
@@ -228,10 +228,10 @@ def train_trial(strategy: str, config, micro_batch: int, seq_len: int, steps: in
     tokens_per_s = micro_batch * seq_len / timing["median_s"]
     flops = transformer_flops_per_token(matmul_parameters(n, config.vocab_size, config.hidden_size, False),
                                         config.num_hidden_layers, config.hidden_size, seq_len)
-    peak = peak_bf16_flops(device)
+    peak = device_peak(device)  # which card's peak MFU is against, and why: printed with the sweep's table
     return {"n_params": n, "seq_len": seq_len, "optimizer": type(optimizer).__name__, "step_s": timing["median_s"],
-            "tokens_per_s": tokens_per_s,
-            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
+            "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops / 1e12,
+            "mfu": tokens_per_s * flops / peak.flops if peak else None, "peak": peak.describe() if peak else None,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
