@@ -4,6 +4,8 @@
 #   make lab      start JupyterLab on notebooks/
 #   make hub      setup plus JupyterHub's proxy, for docker/hub/start.sh (a class on one GPU node)
 #   make ops      (re)build DeepSpeed's CPU ops (comm, CPU Adam) into TORCH_EXTENSIONS_DIR (setup does it once)
+#   make preflight  check this machine's GPU paths before class (one table; exit 1 when a path the course needs fails)
+#   make node-emulation  the node tier's layout (8 ranks, meshes, stages) on CPU ranks, for the notebooks that launch ranks
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
 # TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
 # target exports it, so the kernels of `lab`, `course` and `grade` find the op that setup built.
@@ -16,16 +18,17 @@ ASSIGNMENT ?= 02_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops course test lab release release-check grade clean docker-rocm docker-cuda
+.PHONY: setup hub ops preflight node-emulation course test lab release release-check grade clean docker-rocm docker-cuda
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
-# replaces it. With no torch at all, TORCH_SPEC is installed first.
+# replaces it. The pin is the installed distribution's version, which pip compares against (NGC images'
+# torch.__version__ can differ from it, e.g. ".nv26.08" against ".nv26.8.63802676"). With no torch at all, TORCH_SPEC is installed first.
 $(VENV)/.installed: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "keeping the torch already installed: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PYTHON) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt; \
+	  $(PYTHON) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(VENV)/constraints.txt; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	  echo "$(TORCH_SPEC)" > $(VENV)/constraints.txt; \
@@ -65,6 +68,17 @@ ops: $(VENV)/.installed
 
 course: setup
 	$(PY) -m course_lib.run_all
+
+# The workshop host's first command: every GPU path the course uses (GPUs, NCCL/RCCL and gloo ranks, SDPA kernels,
+# DeepSpeed's ops, FP8, bitsandbytes, seed 001's checks, version floors) run once at tiny size; one table of
+# pass/FAIL with the reason and the fix, exit 1 if a path the course needs fails. PREFLIGHT_ARGS: e.g. --json FILE.
+preflight: setup
+	$(PY) -m course_lib.preflight $(PREFLIGHT_ARGS)
+
+# What a GPU node would run (8 ranks, its meshes, micro-batch counts and pipeline stages), on CPU ranks over gloo at
+# tiny widths: a node-only shape fails here first. Summary in runs-node-emulated/summary.md.
+node-emulation: setup
+	$(PY) -m course_lib.run_all --tier node --emulate --out runs-node-emulated
 
 # torchao, for tests/test_fp8.py's run of notebook 01's FP8 training path (torchao's Float8Linear trains on a CPU
 # too): beside the venv, not in it, because transformers imports torchao whenever it can, and on a CPU that import

@@ -13,6 +13,15 @@ from pathlib import Path
 import torch
 
 TIERS = ("smoke", "cpu", "gpu", "node")
+# Set (to 1) by ``python -m course_lib.run_all --tier node --emulate``: the node tier's layout (world sizes,
+# meshes, micro-batch counts, pipeline stages) runs on CPU ranks over gloo, at the widths the notebook gives
+# for it, so that a node-only shape fails on a laptop or in CI before it meets a GPU node.
+EMULATE_NODE_ENV = "COURSE_EMULATE_NODE"
+
+
+def emulating_node() -> bool:
+    """True while the node tier is emulated on CPU ranks (``EMULATE_NODE_ENV`` set to 1)."""
+    return os.environ.get(EMULATE_NODE_ENV, "") == "1"
 
 
 def default_device() -> torch.device:
@@ -109,7 +118,8 @@ def pick_tier(tier: str = "auto") -> str:
     "auto" picks from the hardware: 8 or more GPUs is a ``node``, one or more a ``gpu``,
     none the ``cpu`` tier. While nbgrader grades a notebook (it sets NBGRADER_EXECUTION)
     "auto" becomes ``smoke``: the same code on the smallest sizes, so that grading a
-    class costs seconds per student. An explicit tier is checked against the hardware.
+    class costs seconds per student. An explicit tier is checked against the hardware, except
+    the node tier while it is emulated on CPU ranks (``emulating_node``).
     """
     if tier == "auto":
         if os.environ.get("NBGRADER_EXECUTION"):
@@ -118,6 +128,8 @@ def pick_tier(tier: str = "auto") -> str:
         return "node" if n >= 8 else "gpu" if n >= 1 else "cpu"
     if tier not in TIERS:
         raise ValueError(f"tier={tier!r} is not one of {TIERS + ('auto',)}; set tier='auto' to pick from the hardware")
+    if tier == "node" and emulating_node():
+        return tier  # CPU ranks stand in for the node's GPUs
     if tier in ("gpu", "node") and not torch.cuda.is_available():
         raise ValueError(f"tier={tier!r} needs a GPU and this machine has none: use tier='cpu' (or 'auto')")
     if tier == "node" and torch.cuda.device_count() < 8:

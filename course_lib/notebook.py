@@ -8,6 +8,11 @@ hardware, and "smoke" while nbgrader grades), takes that tier's sizes (with any 
 notebook's parameters give), picks the device (the first GPU on the gpu and node tiers, else the
 CPU), seeds torch, opens the notebook's results file, and prints one line that says all of it.
 The sizes stay in the notebook: they are part of what it teaches (one code path, four sizes).
+
+A notebook that launches ranks also gives ``emulate``: the widths (model preset, sequence, batch, ...)
+that replace the node tier's when ``python -m course_lib.run_all --tier node --emulate`` runs the
+node's layout (its world sizes, meshes, micro-batch counts and pipeline stages) on CPU ranks over gloo.
+Every other size keeps the node tier's value, so a layout that cannot run fails there, on a CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from course_lib.device import TIERS, default_device, pick_tier
+from course_lib.device import TIERS, default_device, emulating_node, pick_tier
 from course_lib.results import Results
 
 
@@ -30,11 +35,12 @@ class Setup(NamedTuple):
 
 
 def course_setup(notebook: str, tier: str = "auto", sizes: dict[str, dict] | None = None, *, seed: int = 0,
-                 **overrides) -> Setup:
+                 emulate: dict | None = None, **overrides) -> Setup:
     """The set-up of notebook ``notebook`` (its file name without ``.ipynb``) on ``tier``.
 
     ``sizes`` maps each tier to a dict of sizes; ``overrides`` replace entries of it (a None
     override keeps the tier's value, so a notebook can pass its parameters straight through).
+    ``emulate`` holds the widths that replace the node tier's while it is emulated on CPU ranks.
     """
     tier = pick_tier(tier)
     sizes = sizes or {}
@@ -42,14 +48,29 @@ def course_setup(notebook: str, tier: str = "auto", sizes: dict[str, dict] | Non
     if sizes and missing:
         raise ValueError(f"sizes has no entry for the tiers {missing}: give every tier of {TIERS} its sizes")
     size = dict(sizes.get(tier, {}))
+    emulated = tier == "node" and emulating_node()
+    if emulated:
+        size.update(_emulated_widths(notebook, size, emulate))
     unknown = sorted(set(overrides) - set(size))
     if unknown:
         raise ValueError(f"overrides {unknown} are not sizes of this notebook (it has {sorted(size)})")
     size.update({k: v for k, v in overrides.items() if v is not None})
-    device = default_device() if tier in ("gpu", "node") else torch.device("cpu")
+    device = default_device() if tier in ("gpu", "node") and not emulated else torch.device("cpu")
     torch.manual_seed(seed)
     results = Results(notebook)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     shown = ", ".join(f"{k}={v}" for k, v in size.items())
-    print(f"{notebook}: tier={tier}, device={device} ({where}); sizes: {shown or 'none'}")
+    how = " (emulated: the node's layout on CPU ranks over gloo, tiny widths)" if emulated else ""
+    print(f"{notebook}: tier={tier}{how}, device={device} ({where}); sizes: {shown or 'none'}")
     return Setup(tier, size, device, results)
+
+
+def _emulated_widths(notebook: str, size: dict, emulate: dict | None) -> dict:
+    """The widths that replace the node tier's sizes in an emulated run, checked against them."""
+    if emulate is None:
+        raise ValueError(f"{notebook} runs on one device, so there is no node layout to emulate on CPU ranks: "
+                         f"run it with tier='cpu' here, or with tier='node' on a GPU node")
+    unknown = sorted(set(emulate) - set(size))
+    if unknown:
+        raise ValueError(f"emulate names {unknown}, which are not node-tier sizes of {notebook} (it has {sorted(size)})")
+    return emulate

@@ -2,6 +2,7 @@
 
     python -m course_lib.run_all                 # every notebook, tier picked from the hardware
     python -m course_lib.run_all --tier cpu 00 02 # some notebooks, a given tier
+    python -m course_lib.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks that launch ranks)
 
 Executed notebooks go to ``runs/executed/``, each notebook's recorded values and figures
 to ``runs/results/`` and ``runs/figures/``, and ``runs/summary.md`` gathers them: a table
@@ -11,6 +12,7 @@ of what each notebook measured, each seed claim and whether it held here, and th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from course_lib import results
-from course_lib.device import pick_tier, system_report
+from course_lib.device import EMULATE_NODE_ENV, pick_tier, system_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +31,13 @@ def notebooks(source: str = "solutions") -> list[Path]:
     base = ROOT / source
     pattern = "[0-9][0-9]_*/[0-9][0-9]_*.ipynb" if source == "solutions" else "[0-9][0-9]_*.ipynb"
     return sorted(p for p in base.glob(pattern) if ".ipynb_checkpoints" not in p.parts)
+
+
+def emulates_node(notebook: Path) -> bool:
+    """Whether ``notebook`` launches ranks and so gives ``course_setup`` the widths of an emulated node run."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return any("course_setup(" in src and "emulate=" in src
+               for src in ("".join(c["source"]) for c in cells if c["cell_type"] == "code"))
 
 
 def execute(notebook: Path, run_dir: Path, parameters: dict | None = None, progress: bool = False,
@@ -87,12 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "runs"), help="run folder (default: runs/)")
     parser.add_argument("--source", default="solutions", choices=["solutions", "notebooks"],
                         help="execute the complete solutions (default) or the student release")
+    parser.add_argument("--emulate", action="store_true",
+                        help="with --tier node: the node's layout on CPU ranks at tiny widths, for the notebooks that "
+                             "launch ranks (what a GPU node would run, checked on any machine)")
     args = parser.parse_args(argv)
+    if args.emulate:
+        if args.tier != "node":
+            parser.error("--emulate runs the node tier's layout on CPU ranks: give it with --tier node")
+        os.environ[EMULATE_NODE_ENV] = "1"  # read by pick_tier and course_setup in each notebook's kernel
 
     tier = pick_tier(args.tier)
-    chosen = [p for p in notebooks(args.source) if not args.only or p.name[:2] in args.only]
+    available = [p for p in notebooks(args.source) if not args.emulate or emulates_node(p)]
+    chosen = [p for p in available if not args.only or p.name[:2] in args.only]
     if not chosen:
-        parser.error(f"no notebook matches {args.only}; available: {[p.name[:2] for p in notebooks(args.source)]}")
+        parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {args.only}; "
+                     f"available: {[p.name[:2] for p in available]}")
     run_dir = Path(args.out).resolve()
     timings, failed = {}, []
     bar = tqdm(chosen, desc="course", unit="notebook")
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             timings[nb.stem] = float("nan")
             failed.append((nb.stem, err))
         tqdm.write(f"{nb.stem}: {timings[nb.stem]:.1f} s")
-    summary = write_summary(run_dir, timings, tier)
+    summary = write_summary(run_dir, timings, f"{tier} (emulated on CPU ranks)" if args.emulate else tier)
     print(f"\nexecuted notebooks: {run_dir / 'executed'}\nsummary: {summary}")
     for name, err in failed:
         print(f"FAILED {name}: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
