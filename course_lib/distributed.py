@@ -23,6 +23,8 @@ Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course'
 
 from __future__ import annotations
 
+import datetime
+import functools
 import math
 import os
 import socket
@@ -59,7 +61,57 @@ def init_process_group() -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device))
+    average_over_gloo()
     return device
+
+
+@functools.cache
+def gloo_averages() -> bool:
+    """Whether gloo computes ``ReduceOp.AVG`` (torch 2.8 and later), asked of a one-rank gloo group of this process."""
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG
+    try:
+        group.allreduce([torch.ones(1)], opts).wait()
+        return True
+    except RuntimeError:  # torch 2.7: "Cannot use ReduceOp.AVG with Gloo"
+        return False
+
+
+def _gloo_average(op, group, async_op: bool) -> bool:
+    return op == dist.ReduceOp.AVG and not async_op and dist.get_backend(group) == "gloo"
+
+
+def average_over_gloo() -> None:
+    """FSDP2 on CPU ranks under torch 2.7: averages over gloo, and HSDP's all-reduce event (nothing where torch has both).
+
+    FSDP2 averages gradients with ``ReduceOp.AVG``: a reduce-scatter and, for HSDP (2-D meshes: NO_SHARD,
+    HYBRID), an all-reduce. torch 2.7's gloo sums where the reduce-scatter asks for the average, silently
+    (gradients world-size times too large), and refuses the all-reduce ("Cannot use ReduceOp.AVG with Gloo");
+    and its FSDP2 asserts that the all-reduce recorded a stream event, which a CPU stream never does. torch 2.8
+    fixed all three. Here, once per process: ``dist.all_reduce`` and ``dist.reduce_scatter_tensor`` (what FSDP2
+    calls) turn a blocking average over a gloo group into a sum, then a division, every other call going to torch
+    unchanged; and a CPU stream's ``record_event`` returns a CPU event (whose every method does nothing) for FSDP2.
+    """
+    if hasattr(dist.all_reduce, "torch_all_reduce") or gloo_averages():
+        return
+    torch_all_reduce, torch_reduce_scatter = dist.all_reduce, dist.reduce_scatter_tensor
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not _gloo_average(op, group, async_op):
+            return torch_all_reduce(tensor, op=op, group=group, async_op=async_op)
+        torch_all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor.div_(dist.get_world_size(group))
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not _gloo_average(op, group, async_op):
+            return torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        torch_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group)
+        output.div_(dist.get_world_size(group))
+
+    all_reduce.torch_all_reduce = torch_all_reduce
+    dist.all_reduce, dist.reduce_scatter_tensor = all_reduce, reduce_scatter_tensor
+    torch.cpu.Stream.record_event = lambda self, event=None: event or torch.cpu.Event()
 
 
 def single_process_group(backend: str | None = None) -> None:
@@ -69,6 +121,7 @@ def single_process_group(backend: str | None = None) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group(backend or backend_for("cpu"), rank=0, world_size=1)
+    average_over_gloo()
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -63,7 +63,9 @@ class GatherParameter(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         flat = nn.functional.pad(grad.reshape(-1), (0, ctx.n * ctx.world - grad.numel()))
         mine = grad.new_empty(ctx.n)
-        dist.reduce_scatter(mine, list(flat.split(ctx.n)))  # the sum over ranks of this rank's slice
+        # the sum over ranks of this rank's slice, in the one-tensor form: torch 2.7's gloo (CPU ranks) lacks the
+        # list form, dist.reduce_scatter(mine, list(flat.split(ctx.n))), that later torch has
+        dist.reduce_scatter_tensor(mine, flat)
         return mine / ctx.world, None
 
 

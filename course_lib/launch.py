@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.device import backend_for, default_device, emulating_node
-from course_lib.distributed import free_port
+from course_lib.distributed import average_over_gloo, free_port
 from course_lib.workers import exit_now, set_parent_death_signal
 
 
@@ -409,6 +409,7 @@ def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
     torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        average_over_gloo()
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
         return

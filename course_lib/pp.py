@@ -30,6 +30,7 @@ compute still runs beside it, and without ``simulate_ms`` the timeline is real c
 from __future__ import annotations
 
 import contextlib
+import inspect
 import socket
 import statistics
 import time
@@ -112,17 +113,24 @@ def schedule_makespan(order: list[list[Action]], t_f: float = 1.0, t_b: float = 
     return {"intervals": intervals, "makespan": makespan, "bubble": 1 - busy / (p * makespan)}
 
 
+# torch's action kinds by member name: their values were ints (FORWARD = 1) up to torch 2.10 and are the
+# letters ("F") since, and the names are what stayed the same
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+
+
 def torch_order(schedule) -> list[list[Action]] | None:
     """The compute actions torch's schedule object plans per rank (its ``pipeline_order``), as
-    ("F"/"B", mb) for one stage per rank and ("F"/"B", mb, stage) for several; None if it has none."""
+    ("F"/"B", mb) for one stage per rank and ("F"/"B", mb, stage) for several; None if it has none
+    (older torch, 2.7 among them, plans ahead only for the multi-stage schedules: GPipe and 1F1B have none)."""
     plan = getattr(schedule, "pipeline_order", None)
     if not plan:
         return None
     multi = len({a.stage_index for actions in plan.values() for a in actions if a is not None}) > len(plan)
     out = []
     for r in sorted(plan):
-        acts = [a for a in plan[r] if a is not None and a.computation_type.value in ("F", "B")]
-        out.append([(a.computation_type.value, a.microbatch_index) + ((a.stage_index,) if multi else ()) for a in acts])
+        acts = [a for a in plan[r] if a is not None and a.computation_type.name in _TORCH_KINDS]
+        out.append([(_TORCH_KINDS[a.computation_type.name], a.microbatch_index) + ((a.stage_index,) if multi else ())
+                    for a in acts])
     return out
 
 
@@ -363,17 +371,73 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
 def make_schedule(name: str, stages: list, microbatches: int):
     """torch's schedule for ``name`` over this rank's ``PipelineStage``s, with the mean next-token loss
     per micro-batch; ``scale_grads=True`` divides the summed gradients by m: the global batch's mean."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
     loss_fn = next_token_loss
     if name == "interleaved":
         return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-    return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
+    if name == "gpipe":
+        return gpipe_schedule(stages[0], microbatches, loss_fn)
+    return Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def gpipe_schedule(stage, microbatches: int, loss_fn):
+    """torch's ``ScheduleGPipe``, with fewer micro-batches than stages too (m = 1 is the naive split's bubble).
+
+    torch 2.7 to 2.10 refuse m < p in every one-stage-per-rank schedule, a limit of 1F1B's warm-up that
+    GPipe (all forwards, then all backwards) does not have; 2.11 moved the check into ``Schedule1F1B``.
+    Where torch refuses, the schedule is built for p micro-batches and then told m: every use of the count
+    (splitting the batch, the loop, the gradient scale, 2.8+'s planned order) reads it at run time.
+    """
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    try:
+        return ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+    except ValueError:
+        if microbatches < 1 or microbatches >= stage.num_stages:
+            raise
+    schedule = ScheduleGPipe(stage, stage.num_stages, loss_fn=loss_fn, scale_grads=True)
+    schedule._n_microbatches = microbatches
+    if getattr(schedule, "pipeline_order", None):  # torch 2.8-2.10 plan at construction: plan again for m
+        schedule.pipeline_order = schedule._get_pipeline_order()
+    return schedule
+
+
+class _EveryWork:
+    """The works of one ``batch_isend_irecv``, waited on together: what torch's schedules wait on since 2.8."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def _batch_p2p_waiting_for_all(p2p_ops: list, desc: str | None = None) -> _EveryWork | None:
+    return _EveryWork(dist.batch_isend_irecv(p2p_ops)) if p2p_ops else None
+
+
+@contextlib.contextmanager
+def waits_for_every_p2p():
+    """Within the block, torch's schedules wait on every send and receive of a batch, not only the last.
+
+    torch 2.7's ``_batch_p2p`` keeps only the last of the works ``batch_isend_irecv`` returns: NCCL
+    coalesces a batch into one, but gloo (CPU ranks) returns one per op, and the sends left unwaited
+    deadlock 1F1B and interleaved 1F1B (pytorch issue 132644, fixed in 2.8 with ``_wait_batch_p2p``).
+    Where torch has that fix this does nothing.
+    """
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules, "_wait_batch_p2p"):
+        yield
+        return
+    original, schedules._batch_p2p = schedules._batch_p2p, _batch_p2p_waiting_for_all
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 def _torch_stages(model: nn.Module, indices: list[int], n_stages: int, mb_rows: int, seq: int,
@@ -396,11 +460,13 @@ def _step(schedule, tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor
     """One pipelined step: rank 0 feeds the tokens, the last rank the targets; the last returns the mean loss."""
     losses: list = []
     args = (tokens,) if rank == 0 else ()
-    if rank == world - 1:
-        schedule.step(*args, target=tokens, losses=losses, return_outputs=False)
-        return torch.stack(losses).mean().detach()  # each is a micro-batch mean; equal sizes: the batch mean
-    schedule.step(*args, return_outputs=False)
-    return None
+    # torch >= 2.10 can skip merging the last stage's logits (return_outputs=False); older step() has no such
+    # argument and hands every unknown keyword to the model's forward as an input, so it is passed only where known
+    skip = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+    last = rank == world - 1
+    with waits_for_every_p2p():
+        schedule.step(*args, **({"target": tokens, "losses": losses} if last else {}), **skip)
+    return torch.stack(losses).mean().detach() if last else None  # micro-batch means, equal sizes: the batch mean
 
 
 def train(schedule: str = "gpipe", microbatches: int = 4, steps: int = 5, preset: str = "tiny",
@@ -444,7 +510,8 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
     v = stages_per_rank or (2 if schedule == "interleaved" else 1)
     if batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m}")
-    model = build_llama(preset, seed=seed, **({"num_hidden_layers": layers} if layers else {}))
+    # untied: the embedding and the LM head live on the first and the last stage (the 1b preset ties them)
+    model = build_llama(preset, seed=seed, tie_word_embeddings=False, **({"num_hidden_layers": layers} if layers else {}))
     recorder = Recorder(rank, rank_device())
     mine, run, planned = _build(schedule, model, m, v, batch, seq, recorder, simulate_ms)
     opt = torch.optim.AdamW(mine.parameters(), lr=lr)

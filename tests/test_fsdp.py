@@ -20,13 +20,15 @@ def _accumulate_and_count(rank, world):
 
     from course_lib.memory import tensor_bytes
 
-    calls, reduce_scatter = [], dist.reduce_scatter_single  # what FSDP2 calls to reduce-scatter gradients
+    # what FSDP2 calls to reduce-scatter gradients: reduce_scatter_single (torch 2.13), reduce_scatter_tensor (2.7-2.11)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    calls, reduce_scatter = [], getattr(dist, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return reduce_scatter(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting
+    setattr(dist, name, counting)
     once = fsdp.train(strategy="full", steps=3, batch=8, seq=16, accum_steps=1, device="cpu")
     counts = [len(calls)]
     accumulated = fsdp.train(strategy="full", steps=3, batch=8, seq=16, accum_steps=4, device="cpu")

@@ -33,7 +33,14 @@ def test_simulator_refuses_a_deadlock():
 
 
 def _every_schedule(rank, world):
-    return {s: pp.train(schedule=s, microbatches=4, steps=STEPS, layers=LAYERS) for s in pp.SCHEDULES}
+    runs = {s: pp.train(schedule=s, microbatches=4, steps=STEPS, layers=LAYERS) for s in pp.SCHEDULES}
+    # fewer micro-batches than stages: GPipe runs it (m = 1 is the naive split's bubble), 1F1B refuses it
+    runs["gpipe m=1"] = pp.train(schedule="gpipe", microbatches=1, steps=STEPS, layers=LAYERS)
+    try:
+        pp.train(schedule="1f1b", microbatches=1, steps=1, layers=LAYERS)
+    except ValueError as e:
+        runs["1f1b m=1"] = str(e)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def runs():
     return run_forked(_every_schedule, 2, timeout=240), pp.reference_losses(steps=STEPS, layers=LAYERS)
 
 
-@pytest.mark.parametrize("schedule", pp.SCHEDULES)
+@pytest.mark.parametrize("schedule", [*pp.SCHEDULES, "gpipe m=1"])
 def test_schedules_equal_one_process(runs, schedule):
     ranks, reference = runs
     for r in ranks:  # every rank reports the global batch's loss
@@ -67,15 +74,29 @@ def test_in_flight_activations(runs):
     assert ranks[0]["gpipe"]["saved_bytes_peak"] > 1.6 * ranks[0]["1f1b"]["saved_bytes_peak"]
 
 
+def test_fewer_microbatches_than_stages(runs):
+    r = runs[0][0]
+    assert pp.rank_orders(r["gpipe m=1"]["timeline"]) == pp.gpipe_order(2, 1)
+    assert r["gpipe m=1"]["in_flight_peak"] == [1, 1]
+    assert "microbatches (1)" in r["1f1b m=1"] and "number of stages (2)" in r["1f1b m=1"]  # torch's own words
+
+
 def test_order_functions_match_what_torch_plans_and_runs(runs):
+    from torch.distributed.pipelining import ScheduleGPipe
+
     r = runs[0][0]
     assert pp.rank_orders(r["gpipe"]["timeline"]) == pp.gpipe_order(2, 4)
-    assert _tuples(r["gpipe"]["planned_order"]) == pp.gpipe_order(2, 4)
     assert pp.rank_orders(r["1f1b"]["timeline"]) == pp.one_f_one_b_order(2, 4)
-    # torch's Schedule1F1B.pipeline_order is off by one on the last rank (it plans F1..F4 for m=4);
-    # what that rank runs is our order, checked just above
-    assert _tuples(r["1f1b"]["planned_order"])[:-1] == pp.one_f_one_b_order(2, 4)[:-1]
+    if hasattr(ScheduleGPipe, "_get_pipeline_order"):  # torch >= 2.8 plans the one-stage schedules too
+        assert _tuples(r["gpipe"]["planned_order"]) == pp.gpipe_order(2, 4)
+        assert _tuples(r["gpipe m=1"]["planned_order"]) == pp.gpipe_order(2, 1)
+        # torch's Schedule1F1B.pipeline_order is off by one on the last rank (it plans F1..F4 for m=4);
+        # what that rank runs is our order, checked just above
+        assert _tuples(r["1f1b"]["planned_order"])[:-1] == pp.one_f_one_b_order(2, 4)[:-1]
+    else:  # torch 2.7: only the multi-stage schedules have a plan
+        assert r["gpipe"]["planned_order"] is None and r["1f1b"]["planned_order"] is None
     interleaved = _tuples(r["interleaved"]["planned_order"])
+    assert len(interleaved) == 2 and all(len(rank) == 2 * 2 * 4 for rank in interleaved)  # F and B, 2 stages, m=4
     assert pp.rank_orders(r["interleaved"]["timeline"]) == interleaved
     # two stages per rank: the simulated bubble shrinks below GPipe's (p-1)/(m+p-1)
     assert pp.schedule_makespan(interleaved)["bubble"] < pp.bubble_formula(2, 4)
