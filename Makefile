@@ -5,6 +5,7 @@
 #   make hub      setup plus JupyterHub's proxy, for docker/hub/start.sh (a class on one GPU node)
 #   make ops      (re)build DeepSpeed's CPU ops (comm, CPU Adam) into TORCH_EXTENSIONS_DIR (setup does it once)
 #   make preflight  check this machine's GPU paths before class (one table; exit 1 when a path the course needs fails)
+#   make floor    the course on its lowest supported torch (2.7) in .venv-floor: notebooks (smoke tier), version-sensitive tests
 #   make node-emulation  the node tier's layout (8 ranks, meshes, stages) on CPU ranks, for the notebooks that launch ranks
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
 # TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
@@ -18,7 +19,7 @@ ASSIGNMENT ?= 02_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops preflight node-emulation course test lab release release-check grade clean docker-rocm docker-cuda
+.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -74,6 +75,10 @@ course: setup
 # pass/FAIL with the reason and the fix, exit 1 if a path the course needs fails. PREFLIGHT_ARGS: e.g. --json FILE.
 preflight: setup
 	$(PY) -m course_lib.preflight $(PREFLIGHT_ARGS)
+
+# The course on its floor, torch 2.7, in a second environment (.ci/floor: what it installs, runs and why); CI runs it.
+floor:
+	bash .ci/floor
 
 # What a GPU node would run (8 ranks, its meshes, micro-batch counts and pipeline stages), on CPU ranks over gloo at
 # tiny widths: a node-only shape fails here first. Summary in runs-node-emulated/summary.md.
