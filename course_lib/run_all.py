@@ -24,6 +24,11 @@ from course_lib import results
 from course_lib.device import EMULATE_NODE_ENV, pick_tier, system_report
 
 ROOT = Path(__file__).resolve().parent.parent
+# One notebook's wall-clock budget per tier, in seconds: the cpu tier on 2 cores, the gpu tier on one H100 and the
+# node tier on an 8-GPU node must each fit a workshop slot with time to read. The measurements that cannot (06's
+# size sweep, 07's 8B benchmark) sit behind the notebooks' long_runs parameter (--long-runs), which has no budget.
+# (The smoke tier is nbgrader's: its limit is per cell, COURSE_CELL_TIMEOUT.)
+BUDGET_S = {"cpu": 180, "gpu": 600, "node": 900}
 
 
 def notebooks(source: str = "solutions") -> list[Path]:
@@ -60,12 +65,19 @@ def execute(notebook: Path, run_dir: Path, parameters: dict | None = None, progr
     return time.perf_counter() - start
 
 
-def write_summary(run_dir: Path, timings: dict[str, float], tier: str) -> Path:
-    """``run_dir/summary.md``: per notebook, its time, values, claims and figures."""
+def over_budget(timings: dict[str, float], budget_s: float | None) -> dict[str, float]:
+    """The notebooks of ``timings`` that ran past ``budget_s`` seconds (none when there is no budget)."""
+    return {name: s for name, s in timings.items() if budget_s is not None and s == s and s > budget_s}
+
+
+def write_summary(run_dir: Path, timings: dict[str, float], tier: str, budget_s: float | None = None) -> Path:
+    """``run_dir/summary.md``: per notebook, its time (against ``budget_s``), values, claims and figures."""
     lines = ["# Course run summary", "", f"Tier: **{tier}**", "", "| system | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in system_report().items()]
+    over = over_budget(timings, budget_s)
     for name, seconds in timings.items():
-        lines += ["", f"## {name}", "", f"Executed in {seconds:.1f} s." if seconds == seconds else "Failed."]
+        budget = "" if budget_s is None else f" (budget {budget_s:.0f} s{': OVER' if name in over else ''})"
+        lines += ["", f"## {name}", "", f"Executed in {seconds:.1f} s{budget}." if seconds == seconds else "Failed."]
         try:
             data = results.load(name, run_dir)
         except FileNotFoundError:
@@ -96,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "runs"), help="run folder (default: runs/)")
     parser.add_argument("--source", default="solutions", choices=["solutions", "notebooks"],
                         help="execute the complete solutions (default) or the student release")
+    parser.add_argument("--long-runs", action="store_true",
+                        help="also the measurements past a workshop slot (06's size sweep, 07's 8B benchmark on a GPU)")
     parser.add_argument("--emulate", action="store_true",
                         help="with --tier node: the node's layout on CPU ranks at tiny widths, for the notebooks that "
                              "launch ranks (what a GPU node would run, checked on any machine)")
@@ -117,13 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     for nb in bar:
         bar.set_postfix_str(nb.stem)
         try:
-            timings[nb.stem] = execute(nb, run_dir, {"tier": tier}, progress=True)
+            params = {"tier": tier, **({"long_runs": True} if args.long_runs else {})}
+            timings[nb.stem] = execute(nb, run_dir, params, progress=True)
         except Exception as err:  # keep going: the summary says which notebook failed and why
             timings[nb.stem] = float("nan")
             failed.append((nb.stem, err))
         tqdm.write(f"{nb.stem}: {timings[nb.stem]:.1f} s")
-    summary = write_summary(run_dir, timings, f"{tier} (emulated on CPU ranks)" if args.emulate else tier)
+    budget = None if args.long_runs or args.emulate else BUDGET_S.get(tier)
+    summary = write_summary(run_dir, timings, f"{tier} (emulated on CPU ranks)" if args.emulate else tier, budget)
     print(f"\nexecuted notebooks: {run_dir / 'executed'}\nsummary: {summary}")
+    for name, seconds in over_budget(timings, budget).items():
+        print(f"OVER BUDGET {name}: {seconds:.0f} s, the {tier} tier's budget is {budget:.0f} s", file=sys.stderr)
     for name, err in failed:
         print(f"FAILED {name}: {str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
               file=sys.stderr)

@@ -25,3 +25,22 @@ def test_unknown_notebook_number_is_an_error(capsys):
     with pytest.raises(SystemExit):
         run_all.main(["99", "--out", "/tmp/unused"])
     assert "available" in capsys.readouterr().err
+
+
+def test_summary_marks_the_notebooks_over_their_tiers_budget(tmp_path):
+    timings = {"00_orientation": 30.0, "06_deepspeed_zero": 700.0, "07_llama_finetune": float("nan")}
+    assert run_all.over_budget(timings, run_all.BUDGET_S["gpu"]) == {"06_deepspeed_zero": 700.0}
+    assert run_all.over_budget(timings, None) == {}  # --long-runs and the emulation have no budget
+    text = run_all.write_summary(tmp_path, timings, "gpu", run_all.BUDGET_S["gpu"]).read_text()
+    assert "Executed in 700.0 s (budget 600 s: OVER)." in text and "Executed in 30.0 s (budget 600 s)." in text
+    assert "## 07_llama_finetune\n\nFailed." in text
+
+
+def test_the_long_measurements_wait_for_long_runs():
+    """--long-runs sets each notebook's long_runs parameter; the notebooks with measurements past a slot have one."""
+    import json
+
+    for name in ("06_deepspeed_zero", "07_llama_finetune"):
+        nb = json.loads((run_all.ROOT / "solutions" / name / f"{name}.ipynb").read_text())
+        params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+        assert "long_runs = False" in "".join(params["source"]), name
