@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from course_lib.data import lm_batch
+from course_lib.device import gpu_architecture
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama
 from course_lib.throughput import synchronize, time_interleaved
@@ -57,10 +58,8 @@ def device_arch(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
-    if torch.version.hip:
-        return (getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or "unknown").split(":")[0]
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    # device's one reading of the architecture, "gfx942:sramecc+:xnack-" or "sm_90 (CUDA compute capability 9.0)"
+    return gpu_architecture(device.index or 0).split()[0].split(":")[0]
 
 
 def fp8_formats(arch: str) -> tuple[torch.dtype, torch.dtype]:

@@ -55,7 +55,8 @@ from course_lib.attention import AttentionFallback, attention_kernels, course_sd
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
 from course_lib.distributed import rank_device
-from course_lib.launch import WorkerError, extensions_dir, launch
+from course_lib.instruct import packed_attention_mask
+from course_lib.launch import CPU_ONLY_ENV, WorkerError, extensions_dir, launch
 from course_lib.zero import build_deepspeed_ops
 
 PASS, FAIL, ABSENT, NO_GPU, SKIPPED = "pass", "FAIL", "absent", "no GPU", "skipped"
@@ -259,10 +260,9 @@ def check_system() -> list[Row]:
 # ------------------------------------------------------------------ attention: the kernels course_sdpa gets
 
 def document_mask(batch: int, seq: int, documents: int = 2) -> torch.Tensor:
-    """A boolean (batch, 1, T, T) mask of ``documents`` packed documents: causal, and no token sees another document."""
-    doc = torch.arange(seq) * documents // seq
-    allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
-    return allowed[None, None].expand(batch, 1, seq, seq)
+    """The (batch, 1, T, T) mask of ``documents`` packed documents that training uses (``packed_attention_mask``):
+    causal, and no token sees another document."""
+    return packed_attention_mask((torch.arange(seq) * documents // seq).expand(batch, seq))
 
 
 def sdpa_kernels_used(device: torch.device, dtype: torch.dtype, masked: bool) -> Counter:
@@ -419,7 +419,7 @@ def ops_env(device_type: str) -> dict[str, str]:
     if "TORCH_EXTENSIONS_DIR" not in os.environ and sys.prefix != sys.base_prefix:
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")  # as nbgrader_config.py does
     if device_type == "cpu":
-        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+        env.update(CPU_ONLY_ENV)
     return env
 
 
