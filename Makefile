@@ -7,6 +7,7 @@
 #   make preflight  check this machine's GPU paths before class (one table; exit 1 when a path the course needs fails)
 #   make floor    the course on its lowest supported torch (2.7) in .venv-floor: notebooks (smoke tier), version-sensitive tests
 #   make node-emulation  the node tier's layout (8 ranks, meshes, stages) on CPU ranks, for the notebooks that launch ranks
+#   make student-edition  what a student receives: build/student-edition/ and build/student-edition.tar.gz (no solutions, tests or references)
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
 # TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
 # target exports it, so the kernels of `lab`, `course` and `grade` find the op that setup built.
@@ -19,7 +20,7 @@ ASSIGNMENT ?= 02_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda
+.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda student-edition
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -113,6 +114,12 @@ release: setup
 release-check: setup
 	$(PY) -m course_lib.release --check
 
+# The student edition (course_lib/edition.py): release notebooks, course_lib with every graded reference stubbed,
+# and what a student needs to set up; no solutions/, tests/ or runs/. Standard library only: needs no setup.
+STUDENT_EDITION ?= build/student-edition
+student-edition:
+	$(PYTHON) course_lib/edition.py student $(STUDENT_EDITION) --archive
+
 # Grade one assignment of the submissions in submitted/<student>/$(ASSIGNMENT)/, then export grades.csv.
 grade: setup
 	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/nbgrader autograde $(ASSIGNMENT)
@@ -121,10 +128,12 @@ grade: setup
 
 # The workshop images (docker/README.md): build context is the repository root.
 docker-rocm:
-	docker build -f docker/Dockerfile.rocm -t scaling-pytorch-course:rocm .
+	docker build -f docker/Dockerfile.rocm --target student -t scaling-pytorch-course:rocm .
+	docker build -f docker/Dockerfile.rocm --target grader -t scaling-pytorch-course:rocm-grader .
 
 docker-cuda:
-	docker build -f docker/Dockerfile.cuda -t scaling-pytorch-course:cuda .
+	docker build -f docker/Dockerfile.cuda --target student -t scaling-pytorch-course:cuda .
+	docker build -f docker/Dockerfile.cuda --target grader -t scaling-pytorch-course:cuda-grader .
 
 clean:
-	rm -rf runs release autograded feedback gradebook.db grades.csv
+	rm -rf runs release autograded feedback gradebook.db grades.csv build

@@ -8,6 +8,9 @@ bucket by bucket, overlapped with the backward pass; ``BucketedDDP`` is that mec
 screen (gradient hooks, buckets in reverse order, an async all-reduce per full bucket, one wait
 before the optimizer step). ``train`` runs any of them through the course's one ``train_step``
 and returns the losses, so they (and a single process on the whole batch) can be compared.
+``all_reduce_gradients`` and ``BucketedDDP`` are notebook 04's exercises: the student edition holds
+stubs in their place, and ``train`` and ``throughput`` take the student's own through ``wrap`` and
+``sync_grads``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from course_lib.throughput import time_step
 from course_lib.train import train_step
 
 
+# graded: 04_ddp average_gradients
 def all_reduce_gradients(model: nn.Module) -> None:
     """Average every parameter's gradient over all ranks, in place (sum, then divide by world size)."""
     world = dist.get_world_size()
@@ -39,6 +43,7 @@ def all_reduce_gradients(model: nn.Module) -> None:
             p.grad /= world
 
 
+# graded: 04_ddp BucketedDDP
 def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most ``bucket_cap_mb`` MiB of gradient, in reverse order.
 
@@ -59,6 +64,7 @@ def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Paramete
     return buckets
 
 
+# graded: 04_ddp BucketedDDP
 class BucketedDDP(nn.Module):
     """DDP's overlap, by hand: each bucket of gradients is all-reduced as soon as backward has filled it.
 
@@ -116,11 +122,15 @@ class BucketedDDP(nn.Module):
 
 
 def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,
-          accum_steps: int = 1, seed: int = 0, n_samples: int = 512) -> dict:
+          accum_steps: int = 1, seed: int = 0, n_samples: int = 512,
+          wrap: Callable[[nn.Module], nn.Module] | None = None,
+          sync_grads: Callable[[nn.Module], None] | None = None) -> dict:
     """Train SmallCNN with data parallelism on this process group; one worker entry point of the course.
 
     ``mode``: ``"ddp"`` (DistributedDataParallel), ``"bucketed"`` (``BucketedDDP``), ``"manual"``
     (plain model and ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
+    ``wrap`` and ``sync_grads`` replace the mode's wrapper and its after-backward call, as in ``throughput``
+    (notebook 04 passes your own, through ``run_forked``; ``mode`` then only labels the run).
     Returns this rank's per-step global-batch losses and a digest of the final weights.
     """
     # one thread, however the rank was started (torchrun, fork, spawn): a CPU kernel's sums run in an
@@ -128,8 +138,10 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     torch.set_num_threads(1)
     torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = SmallCNN(width=width)
-    sync = None  # once per step, after the last micro-batch
-    if mode == "ddp":
+    sync = sync_grads  # once per step, after the last micro-batch
+    if wrap is not None or sync_grads is not None:
+        model = wrap(model) if wrap is not None else model
+    elif mode == "ddp":
         model = DDP(model)
     elif mode == "bucketed":
         model, sync = BucketedDDP(model), BucketedDDP.finish_gradient_synchronization

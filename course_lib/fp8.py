@@ -177,6 +177,7 @@ def dequantize(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q.float() / scale
 
 
+# graded: 01_mixed_precision DelayedScalingFP8
 class DelayedScaler:
     """Per-tensor FP8 quantisation with delayed scaling (Transformer Engine's ``DelayedScaling`` recipe, by hand).
 
@@ -389,7 +390,7 @@ def drifting_stream(steps: int, n: int = 64, *, growth: float = 1.05, spike_at: 
 
 def scaling_trace(quantise: Callable[[torch.Tensor], tuple[torch.Tensor, float]], stream: list[torch.Tensor],
                   dtype: torch.dtype) -> dict[str, list]:
-    """Run a quantiser (``x -> (fp8 tensor, scale)``, yours or ``DelayedScaler``) over a stream of tensors.
+    """Run a quantiser (``x -> (fp8 tensor, scale)``: yours, or ``current_scaler``'s) over a stream of tensors.
 
     Per step: the scale used, how full it makes the range (``amax · scale / fp8_max``: above 1 the largest
     values saturate), the fraction of values past ``overflow_threshold`` (clamped to ±max), the relative error of the dequantised tensor,

@@ -22,7 +22,8 @@ every flattened parameter, ``GatherParameter`` all-gathers the full weight for t
 reduce-scatters (and averages) its gradient in backward. It keeps each gathered weight until
 backward has used it, as ``reshard_after_forward=False`` does; ``fully_shard`` frees it after
 forward and gathers it again for backward, prefetches the next unit's weights, and switches the
-gradient reduction off for accumulation (``set_requires_gradient_sync(False)``).
+gradient reduction off for accumulation (``set_requires_gradient_sync(False)``). Both are notebook 05's
+exercise: the student edition holds stubs in their place (``train`` and ``sweep`` run on ``fully_shard``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from course_lib.train import train_step
 STRATEGIES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
 
 
+# graded: 05_fsdp ShardedModule
 class GatherParameter(torch.autograd.Function):
     """Forward: all-gather the ranks' slices into the full parameter. Backward: reduce-scatter its
     gradient, so each rank gets the average over the ranks of its own slice."""
@@ -69,6 +71,7 @@ class GatherParameter(torch.autograd.Function):
         return mine / ctx.world, None
 
 
+# graded: 05_fsdp ShardedModule
 class ShardedModule(nn.Module):
     """FSDP in miniature: ``module``'s parameters sharded 1/N per rank, gathered for each forward.
 

@@ -6,6 +6,10 @@ base model does until the first update. Per adapted layer that is ``r · (in + o
 parameters instead of ``in · out``: for Llama-3.1-8B with r = 16 on every linear layer, 42M of 8B.
 After training, the adapters are saved alone (megabytes), put back on the same base weights,
 or merged into them (``W + (alpha/r)·B·A``): a plain model with no extra latency.
+
+The layer itself is peft's (``lora_linear`` is the reference notebook 07's ``LoRALinear`` is compared
+with); the count from a config (``lora_trainable_parameters``) is notebook 07's exercise, a stub in the
+student edition.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def lora_linear(base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> 
     return layer
 
 
+# graded: 07_llama_finetune lora_params
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear layer of a Llama block, from its config."""
     d, ffn = config.hidden_size, config.intermediate_size
@@ -53,6 +58,7 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
             "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
 
 
+# graded: 07_llama_finetune lora_params
 def lora_trainable_parameters(config, r: int, target_modules=LORA_TARGETS) -> int:
     """LoRA's trainable parameters from the config alone: r·(in + out) per adapted linear, every layer."""
     shapes = linear_shapes(config)

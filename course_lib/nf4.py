@@ -22,6 +22,10 @@ indices per byte, the first element in the high nibble, a last block that may be
 scales its 8-bit "dynamic" code book (``dynamic_code``). ``memory_table`` gives the bf16-LoRA and QLoRA
 model state of a Llama shape. On a GPU, ``compare_qlora`` fine-tunes the same model twice through
 transformers' ``BitsAndBytesConfig`` and peft, bf16 LoRA and then QLoRA; bitsandbytes is imported only there.
+
+The quantiser and its round trip (``quantize_nf4``, ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``)
+are notebook 07's exercise: the student edition holds stubs in their place, and what measures a quantiser
+(``stored_bytes``, ``round_trip_model``, ``layer_errors``) takes the student's as an argument.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ def _blocks(w: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
 
 
+# graded: 07_llama_finetune nf4_quantize
 def blockwise_absmax(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """The absolute maximum of each block of ``blocksize`` consecutive values of ``w`` (float32)."""
     return _blocks(w, check_blocksize(blocksize)).abs().amax(dim=1)
@@ -119,6 +124,7 @@ def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     return pairs.reshape(-1)[:n].long()
 
 
+# graded: 07_llama_finetune nf4_quantize
 def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4 quantisation of ``w`` (any shape): (packed indices, uint8 with two per byte; absmax per block, float32).
 
@@ -134,6 +140,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Ten
     return pack_4bit(indices), absmax
 
 
+# graded: 07_llama_finetune nf4_quantize
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, blocksize: int = BLOCKSIZE,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor of ``shape`` that ``quantize_nf4`` encoded: level[index] × its block's absmax."""
@@ -190,6 +197,7 @@ def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) ->
     return (values.view(-1, blocksize) * c.scales[:, None]).reshape(-1)[:n] + c.offset
 
 
+# graded: 07_llama_finetune nf4_quantize
 def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> torch.Tensor:
     """``w`` quantised to NF4 and back (what a QLoRA matmul computes with), in ``w``'s dtype and shape."""
     packed, absmax = quantize_nf4(w, blocksize)
@@ -228,10 +236,19 @@ def bits_per_parameter(blocksize: int = BLOCKSIZE, double_quant: bool = True,
     return 4 + 32 / blocksize
 
 
-def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> int:
-    """Bytes of the tensors that hold ``w`` in NF4: measured on what ``quantize_nf4`` (and
-    ``compress_absmax``) return, not computed from a formula."""
-    packed, absmax = quantize_nf4(w, blocksize)
+def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True,
+                 quantize: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+    """Bytes of the tensors that hold ``w`` in NF4: measured on what the quantiser (and ``compress_absmax``)
+    return, not computed from a formula.
+
+    ``quantize(w, blocksize) -> (indices, absmax)``, one index per value (notebook 07's ``nf4_quantize``), whose
+    indices are packed two per byte here; by default ``quantize_nf4``, which packs them itself.
+    """
+    if quantize is None:
+        packed, absmax = quantize_nf4(w, blocksize)
+    else:
+        indices, absmax = quantize(w, blocksize)
+        packed = pack_4bit(indices)
     parts = [packed, *compress_absmax(absmax)] if double_quant else [packed, absmax]
     return sum(t.numel() * t.element_size() for t in parts)
 
@@ -260,13 +277,14 @@ def layer_errors(model: nn.Module, round_trips: dict[str, Callable[[torch.Tensor
             for name, layer in quantized_linears(model).items()]
 
 
-def _linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each linear layer of one decoder layer of a Llama config."""
-    d, ffn = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
+def _quantized_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of every linear layer QLoRA quantises in a Llama of ``config``, by module name: read from
+    transformers' own modules, built on the meta device (no storage: a tenth of a second for 70B)."""
+    from transformers import LlamaForCausalLM  # heavy: only when a table is asked for
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(copy.deepcopy(config))  # a copy: transformers writes into the config it is given
+    return {name: (m.in_features, m.out_features) for name, m in quantized_linears(model).items()}
 
 
 def memory_table(config, r: int = 16, targets: tuple[str, ...] = QLORA_TARGETS, blocksize: int = BLOCKSIZE,
@@ -278,12 +296,13 @@ def memory_table(config, r: int = 16, targets: tuple[str, ...] = QLORA_TARGETS, 
     on ``targets`` in every layer, the same for both: fp32 weights (4 bytes) with fp32 gradients (4) and
     AdamW's two moments (8). Activations come on top and are the same for both (they grow with batch × sequence).
     """
-    shapes = _linear_shapes(config)
-    if unknown := set(targets) - set(shapes):
-        raise ValueError(f"targets {sorted(unknown)} are not linear layers of a Llama; use some of {list(shapes)}")
-    layers, total = config.num_hidden_layers, llama_num_parameters(config)
-    linear = layers * sum(i * o for i, o in shapes.values())
-    adapters = layers * sum(r * sum(shapes[t]) for t in targets)
+    shapes = _quantized_shapes(config)
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})  # q_proj, ..., down_proj
+    if unknown := set(targets) - set(kinds):
+        raise ValueError(f"targets {sorted(unknown)} are not linear layers of a Llama; use some of {kinds}")
+    total = llama_num_parameters(config)
+    linear = sum(i * o for i, o in shapes.values())
+    adapters = sum(r * (i + o) for name, (i, o) in shapes.items() if name.rsplit(".", 1)[-1] in targets)
     nf4_bytes = linear * bits_per_parameter(blocksize, double_quant) / 8 + (total - linear) * 2
     rows = {"bf16 LoRA": {"base weights": 2.0 * total}, "QLoRA (NF4)": {"base weights": nf4_bytes}}
     for row in rows.values():
@@ -304,6 +323,21 @@ def bitsandbytes_error() -> str | None:
 
 
 PROBE_TOLERANCE = 0.02  # relative RMS: bf16 rounding of a right answer is ~0.4%; a wrong kernel is off by far more
+NF4_ERROR_BOUND = 0.15  # relative RMS of NF4 itself on normal weights is ~0.1; a weight out of place is ~1 (or nan)
+
+
+def nf4_exact_weight(rows: int, cols: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A float32 weight that NF4 stores exactly: each block of ``BLOCKSIZE`` values is NF4 levels times one
+    scale, and holds the level 1.0 once (so the scale is its absmax). Its round trip is the weight itself,
+    to the precision its scale is stored in: a reference that needs no quantiser."""
+    n = rows * cols
+    if n % BLOCKSIZE:
+        raise ValueError(f"rows x cols = {n} is not a multiple of {BLOCKSIZE}: pick whole blocks")
+    blocks = torch.randint(0, 16, (n // BLOCKSIZE, BLOCKSIZE), generator=generator)
+    blocks[:, 0] = 15  # the level 1.0 in every block ...
+    blocks = blocks[:, torch.randperm(BLOCKSIZE, generator=generator)]  # ... somewhere in it
+    scales = 0.01 * (1 + torch.rand(n // BLOCKSIZE, 1, generator=generator))  # scales of neighbouring blocks: within 2x
+    return (nf4_code()[blocks] * scales).reshape(rows, cols)
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,9 +347,9 @@ def bitsandbytes_4bit_runs(device: str = "cuda") -> str | None:
     An installed bitsandbytes can import and still have no kernels for this GPU stack (a CUDA wheel on
     ROCm, a build for another CUDA): then ``from_pretrained`` fails mid-cell. So this runs what QLoRA
     runs, once, on a 64×64 bf16 weight: ``quantize_4bit`` (NF4, double quantisation), ``dequantize_4bit``,
-    and ``matmul_4bit`` forward and backward. The dequantised weight must be course_lib's NF4 round
-    trip of it, and the product ``x @ dequantised.T``, to ``PROBE_TOLERANCE``. Remembered per device;
-    the same contract as ``fp8.scaled_mm_runs``: what a preflight calls.
+    and ``matmul_4bit`` forward and backward. The weight is one NF4 stores exactly (``nf4_exact_weight``), so
+    the dequantised weight must be the weight, and the product ``x @ dequantised.T``, to ``PROBE_TOLERANCE``.
+    Remembered per device; the same contract as ``fp8.scaled_mm_runs``: what a preflight calls.
     """
     if error := bitsandbytes_error():
         return error
@@ -324,7 +358,7 @@ def bitsandbytes_4bit_runs(device: str = "cuda") -> str | None:
         from bitsandbytes import matmul_4bit
 
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(64, 64, generator=g).to(device, torch.bfloat16)
+        w = nf4_exact_weight(64, 64, g).to(device, torch.bfloat16)
         x = torch.randn(4, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
         q, state = bnb_functional.quantize_4bit(w, blocksize=BLOCKSIZE, quant_type="nf4", compress_statistics=True)
         back = bnb_functional.dequantize_4bit(q, state).float().cpu()
@@ -335,16 +369,22 @@ def bitsandbytes_4bit_runs(device: str = "cuda") -> str | None:
         first = (str(err).splitlines() or [""])[0][:200]
         return (f"bitsandbytes imports but its 4-bit kernels do not run on {device} ({type(err).__name__}: {first}): "
                 f"{INSTALL_BITSANDBYTES}")
-    return _probe_mismatch(device, w.float().cpu(), x.detach().float().cpu(), back, y, grad)
+    return _probe_mismatch(device, w.float().cpu(), x.detach().float().cpu(), back, y, grad,
+                           weight_tolerance=PROBE_TOLERANCE)
 
 
 def _probe_mismatch(device: str, w: torch.Tensor, x: torch.Tensor, back: torch.Tensor, y: torch.Tensor,
-                    grad: torch.Tensor) -> str | None:
-    """Why bitsandbytes' probe results are wrong (weights, product or gradient), or None when they are right."""
-    errors = {"dequantised weight": relative_rms_error(back, nf4_round_trip(w)),
+                    grad: torch.Tensor, weight_tolerance: float = NF4_ERROR_BOUND) -> str | None:
+    """Why bitsandbytes' probe results are wrong (weights, product or gradient), or None when they are right.
+
+    The dequantised weight ``back`` must be within ``weight_tolerance`` of ``w`` (relative RMS): NF4's own error
+    for any weight, ``PROBE_TOLERANCE`` for one that NF4 stores exactly (``nf4_exact_weight``).
+    """
+    errors = {"dequantised weight": relative_rms_error(back, w),
               "matmul_4bit output": relative_rms_error(y, x @ back.t()),
               "matmul_4bit input gradient": relative_rms_error(grad, torch.ones_like(y) @ back)}
-    wrong = {k: v for k, v in errors.items() if not v <= PROBE_TOLERANCE}  # nan is wrong too
+    tolerance = {"dequantised weight": weight_tolerance}
+    wrong = {k: v for k, v in errors.items() if not v <= tolerance.get(k, PROBE_TOLERANCE)}  # nan is wrong too
     if wrong:
         return (f"bitsandbytes' 4-bit kernels run on {device} but compute wrong values (relative error "
                 + ", ".join(f"{k} {v:.2g}" for k, v in wrong.items()) + f"): {INSTALL_BITSANDBYTES}")

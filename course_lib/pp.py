@@ -9,7 +9,8 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
 (rank r holds stages r, r+p, ...) and cuts the bubble by about v.
 
 - ``gpipe_order`` / ``one_f_one_b_order`` / ``schedule_makespan``: the schedules as pure functions
-  (the order of F and B each rank runs) and a simulator of their timeline with unit costs.
+  (the order of F and B each rank runs) and a simulator of their timeline with unit costs. 1F1B's order is
+  notebook 08's exercise (a stub in the student edition); the runs below execute torch's own schedules.
 - ``LlamaStage`` / ``split_llama``: the course's Llama cut by decoder layers (stage 0 has the
   embedding, the last has the final norm and the LM head; the loss is the schedule's ``loss_fn``).
 - ``naive_step``: the seed's split written out with ``dist.send``/``dist.recv``: whole batch, forward
@@ -64,6 +65,7 @@ def gpipe_order(p: int, m: int) -> list[list[Action]]:
     return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
 
 
+# graded: 08_model_parallelism one_f_one_b_order
 def one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
     """Per rank, the actions 1F1B runs: rank r warms up with min(m, p-r) forwards, then alternates
     one backward and one forward, then drains the backwards left (torch's ``Schedule1F1B``)."""

@@ -17,6 +17,10 @@ it gets a gradient. ``parallelize_mlp`` / ``parallelize_attention`` split a tran
 by hand (attention by heads); ``parallelize_llama`` does the same with torch's DTensor plan
 (``parallelize_module``), sequence parallelism on the norms included; ``train`` runs either, or
 DP×TP on a 2-D mesh with FSDP2, and counts the bytes of every collective (``CollectiveBytes``).
+
+The pair and its autograd functions are notebook 08's exercise: the student edition holds stubs in their
+place, and the by-hand split takes the student's layers (``layers=(ColumnParallelLinear, RowParallelLinear)``
+of the notebook, run on ranks forked from it: ``launch.run_forked``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +57,7 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -67,6 +73,7 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -81,6 +88,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -99,16 +107,19 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(world, dim=-1)[dist.get_rank(ctx.group)].contiguous(), None
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's f: ``x`` as it is forward; backward, the gradient all-reduced over ``group`` (default WORLD)."""
     return _CopyToTP.apply(x, group)
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's g: the sum of ``x`` over ``group``'s ranks forward; backward, the gradient as it is."""
     return _ReduceFromTP.apply(x, group)
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """The ranks' slices of ``x`` concatenated along the last dim; backward, this rank's slice of the gradient."""
     return _GatherFromTP.apply(x, group)
@@ -134,6 +145,7 @@ def split_size(n: int, world: int, what: str) -> int:
     return n // world
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` split by output rows: this rank holds ``out_features / world`` rows (and their bias).
 
@@ -171,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
 
+# graded: 08_model_parallelism tensor_parallel_pair
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` split by input columns: this rank holds ``in_features / world`` columns of the weight.
 
@@ -204,6 +217,30 @@ class RowParallelLinear(nn.Module):
         return layer
 
 
+Layers = tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], nn.Module]]  # (column, row): one nn.Linear each
+
+
+# graded: 08_model_parallelism tensor_parallel_pair
+def _course_pair(rank: int, world: int, group=None) -> Layers:
+    """course_lib's pair as (column, row) makers of one ``nn.Linear``; the column layers leave the copy of their
+    input to the block (``_copy_input_hook``), so a block's q, k, v (or gate, up) share one all-reduce backward."""
+    return (lambda linear: ColumnParallelLinear.from_linear(linear, rank, world, group, copy_input=False),
+            lambda linear: RowParallelLinear.from_linear(linear, rank, world, group))
+
+
+def _pair_for(layers: Layers | None, rank: int, world: int, group) -> tuple[Layers, bool]:
+    """The (column, row) makers to split a block with, and whether the block copies its input once itself.
+
+    ``layers`` given: a pair that splits over the default group, each column layer copying its own input
+    (notebook 08's ``ColumnParallelLinear`` and ``RowParallelLinear``). None: course_lib's, over ``group``.
+    """
+    if layers is None:
+        return _course_pair(rank, world, group), True
+    if group not in (None, dist.group.WORLD):
+        raise ValueError("layers=(column, row) split over the default process group: pass group=None with them")
+    return layers, False
+
+
 def _copy_input_hook(group):
     """A forward pre-hook that sends a block's input (positional or ``hidden_states=``) through ``copy_to_tp`` once."""
     def hook(module, args, kwargs):
@@ -213,18 +250,19 @@ def _copy_input_hook(group):
     return hook
 
 
-def parallelize_mlp(mlp: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+def parallelize_mlp(mlp: nn.Module, rank: int, world: int, group=None, layers: Layers | None = None) -> nn.Module:
     """Split a Llama MLP in place: gate and up column-parallel, down row-parallel. Returns ``mlp``.
 
-    Its input passes ``copy_to_tp`` once for both column layers: one all-reduce forward (down's
-    ``reduce_from_tp``) and one backward, of batch × tokens × hidden values each.
+    With course_lib's pair its input passes ``copy_to_tp`` once for both column layers: one all-reduce forward
+    (down's ``reduce_from_tp``) and one backward, of batch × tokens × hidden values each. ``layers=(column, row)``
+    splits with another pair (``_pair_for``), whose column layers each all-reduce their input's gradient.
     """
     split_size(mlp.gate_proj.out_features, world, "intermediate_size")
-    mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, rank, world, group, copy_input=False)
-    mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, rank, world, group, copy_input=False)
-    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group)
+    (column, row), copy_once = _pair_for(layers, rank, world, group)
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = column(mlp.gate_proj), column(mlp.up_proj), row(mlp.down_proj)
     mlp.intermediate_size = mlp.gate_proj.weight.shape[0]
-    mlp.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+    if copy_once:
+        mlp.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
     return mlp
 
 
@@ -239,33 +277,39 @@ def check_heads(num_heads: int, num_kv_heads: int, world: int) -> None:
                          f"(e.g. build_llama('tiny', num_key_value_heads={world})) or use TP <= {num_kv_heads}")
 
 
-def parallelize_attention(attn: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+def parallelize_attention(attn: nn.Module, rank: int, world: int, group=None,
+                          layers: Layers | None = None) -> nn.Module:
     """Split a Llama attention in place by heads: q, k, v column-parallel, o row-parallel. Returns ``attn``.
 
     Rank r keeps query heads ``r·H/N ..`` and K/V heads ``r·KV/N ..``: each query head's K/V head
     stays on its rank (GQA groups are contiguous). transformers reshapes to ``(*shape, -1, head_dim)``,
     so the local head count follows from the weight's rows; the group size H/KV is unchanged.
+    ``layers=(column, row)``: split with another pair, as in ``parallelize_mlp``.
     """
     heads, kv = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
     check_heads(heads, kv, world)
+    (column, row), copy_once = _pair_for(layers, rank, world, group)
     for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), rank, world, group, copy_input=False))
-    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world, group)
+        setattr(attn, name, column(getattr(attn, name)))
+    attn.o_proj = row(attn.o_proj)
     attn.num_heads, attn.num_key_value_heads = heads // world, kv // world  # for whoever reads them; forward does not
     attn.num_key_value_groups = heads // kv
-    attn.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+    if copy_once:
+        attn.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
     return attn
 
 
-def parallelize_llama_by_hand(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+def parallelize_llama_by_hand(model: nn.Module, rank: int, world: int, group=None,
+                              layers: Layers | None = None) -> nn.Module:
     """Every decoder layer's attention and MLP split by hand; embedding, norms and LM head replicated.
 
-    The replicated weights need no gradient sync: ``copy_to_tp``'s backward already gives every
-    rank the whole gradient of the activations that reach them.
+    The replicated weights need no gradient sync: the column layers' copy of their input (Megatron's f)
+    already gives every rank the whole gradient of the activations that reach them. ``layers=(column, row)``
+    splits with that pair (notebook 08's own layers) instead of course_lib's.
     """
     for layer in model.model.layers:
-        parallelize_attention(layer.self_attn, rank, world, group)
-        parallelize_mlp(layer.mlp, rank, world, group)
+        parallelize_attention(layer.self_attn, rank, world, group, layers)
+        parallelize_mlp(layer.mlp, rank, world, group, layers)
     return model
 
 
@@ -310,13 +354,14 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     return parallelize_module(model, tp_mesh, top_plan)
 
 
-def _parallelize(model: nn.Module, mode: str, dp: int, device: torch.device, **plan) -> tuple[nn.Module, dict, int, int]:
+def _parallelize(model: nn.Module, mode: str, dp: int, device: torch.device, layers: Layers | None = None,
+                 **plan) -> tuple[nn.Module, dict, int, int]:
     """Split ``model`` for ``mode``; returns it, its process groups by name, and this rank's (dp index, dp size)."""
     rank, world = rank_and_world()
     if mode == "single":
         return model, {}, 0, 1
     if mode == "hand":
-        return parallelize_llama_by_hand(model, rank, world), {"tp": dist.group.WORLD}, 0, 1
+        return parallelize_llama_by_hand(model, rank, world, layers=layers), {"tp": dist.group.WORLD}, 0, 1
     if mode == "torch":
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
         return parallelize_llama(model, mesh["tp"], **plan), {"tp": mesh.get_group("tp")}, 0, 1
@@ -361,13 +406,14 @@ def _loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int = 4, seq: int = 32, lr: float = 3e-3,
           seed: int = 0, dp: int = 1, sequence_parallel: bool = True, loss_parallel: bool = False,
-          device: str | None = None, **overrides) -> dict:
+          device: str | None = None, layers: Layers | None = None, **overrides) -> dict:
     """Train a Llama preset with tensor parallelism over this process group; the worker of ``launch``.
 
     ``mode``: "single" (the whole model in this process: the reference), "hand" (``parallelize_llama_by_hand``
     over the world), "torch" (``parallelize_llama`` on a 1-D mesh), "ddp" (torch's DDP over the world), "dp"
     (FSDP2 over the world, no TP) or "dp_tp" (a (dp, world/dp) mesh: TP inside "tp", FSDP2 over "dp"). TP
     ranks see the same tokens; DP ranks their slice of the global batch. ``overrides`` go to the model config (``num_key_value_heads=4``).
+    ``layers=(column, row)`` gives "hand" another pair (notebook 08's, in ranks forked from it: ``run_forked``).
     Returns the global batch's losses, tokens/s, peak GPU memory, and the last step's collectives.
     """
     if steps < 1:
@@ -376,7 +422,7 @@ def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int 
     dev = torch.device(device) if device else rank_device()
     model = build_llama(preset, seed=seed, device=dev, **overrides)
     vocab = model.config.vocab_size
-    model, groups, dp_rank, dp_size = _parallelize(model, mode, dp, dev, sequence_parallel=sequence_parallel,
+    model, groups, dp_rank, dp_size = _parallelize(model, mode, dp, dev, layers, sequence_parallel=sequence_parallel,
                                                    loss_parallel=loss_parallel)
     if batch % dp_size:
         raise ValueError(f"batch={batch} does not divide by the data-parallel size {dp_size}")

@@ -8,6 +8,8 @@ launches: the same model, data shards and AdamW as a DDP reference (``engine="dd
 every stage can be compared with it loss for loss, and it saves and resumes DeepSpeed
 checkpoints. ``ShardedOptimizer`` is stage 1 by hand, in one screen: any torch optimizer, each rank
 stepping only its 1/N slice of every parameter and all-gathering the result (``engine="zero1"``).
+It and ``OffloadedAdamW`` are notebook 06's exercises: the student edition holds stubs in their place,
+and ``train(engine="ddp", make_optimizer=...)`` runs the student's own optimizer.
 
 On every device ``torch_adam`` keeps DeepSpeed from JIT-compiling its fused Adam, and with
 optimizer offload ``zero_force_ds_cpu_optimizer: false`` lets torch's AdamW run on the
@@ -124,7 +126,8 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
           checkpoint_dir: str | None = None, stop_after: int | None = None, resume: bool = False,
           make_optimizer: Callable[[Iterable[nn.Parameter]], object] | None = None) -> dict:
     """Train SmallCNN with DeepSpeed ZeRO (``engine="deepspeed"``), the DDP reference (``engine="ddp"``),
-    or DDP with ``ShardedOptimizer``, ZeRO-1 by hand (``engine="zero1"``).
+    or DDP with ``ShardedOptimizer``, ZeRO-1 by hand (``engine="zero1"``; a stub in the student edition, where
+    ``engine="ddp", make_optimizer=...`` runs your own).
 
     All see the same weights, batches and AdamW; ``make_optimizer(params)`` replaces the DDP
     engines' optimizer (a sharded optimizer of your own, say). ``stop_after=k`` saves a DeepSpeed checkpoint to
@@ -186,6 +189,7 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     return worker_result(losses, micro_batch=config["train_micro_batch_size_per_gpu"], global_steps=net.global_steps)
 
 
+# graded: 06_deepspeed_zero ShardedOptimizer
 class ShardedOptimizer:
     """ZeRO stage 1 by hand: each rank keeps the optimizer state of its 1/N slice of every parameter.
 
@@ -342,6 +346,7 @@ def tokens_to_hide(bytes_per_param: float, link_bytes_per_s: float, optimizer_pa
             "CPU optimizer": gpu_flops / (6 * optimizer_params_per_s)}
 
 
+# graded: 06_deepspeed_zero OffloadedAdamW
 class OffloadedAdamW:
     """ZeRO-Offload's optimizer on one device, by hand: the model keeps its (16-bit) weights and, from the
     backward to the step, their gradients; the fp32 master weights and AdamW's m and v live on ``offload_device``.

@@ -17,7 +17,7 @@ LAYERS = {
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "tp", "pp", "fp8", "nf4"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
-                    "preflight", "__init__"},
+                    "preflight", "edition", "sandbox", "__init__"},
 }
 ORDER = list(LAYERS)
 LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mods}

@@ -93,6 +93,26 @@ def test_train_with_accumulation_matches_ddp(mode):
     assert runs[mode]["digest"] == pytest.approx(runs["ddp"]["digest"], rel=1e-6)
 
 
+def test_train_runs_a_gradient_sync_of_your_own():
+    """Notebook 04 passes the student's average_gradients to ``train``: it is what runs after backward."""
+    kw = dict(steps=3, global_batch=16, width=8, n_samples=64)
+
+    def summed(model):  # no division by the world size: a 2x learning rate on 2 ranks
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    def runs(rank, world_size):
+        return {"ddp": ddp.train(**kw), "yours": ddp.train(mode="yours", sync_grads=ddp.all_reduce_gradients, **kw),
+                "summed": ddp.train(mode="summed", sync_grads=summed, **kw),
+                "wrapped": ddp.train(mode="wrapped", wrap=DDP, **kw)}
+
+    out = run_forked(runs, 2, timeout=120)[0]
+    for name in ("yours", "wrapped"):
+        assert max(abs(a - b) / b for a, b in zip(out[name]["losses"], out["ddp"]["losses"])) < 1e-5, name
+    assert out["summed"]["losses"][0] == pytest.approx(out["ddp"]["losses"][0])  # the same start...
+    assert out["summed"]["digest"] != pytest.approx(out["ddp"]["digest"], rel=1e-4)  # ...and another training
+
+
 def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
     """Token-weighted DDP where rank 1's whole batch is masked: no hang, and the gradients of the global batch."""
     from course_lib import models, train

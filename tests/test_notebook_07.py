@@ -5,6 +5,7 @@ import math
 import pytest
 
 from conftest import value
+from course_lib.nf4 import bitsandbytes_4bit_runs
 
 
 def test_labels_masked_and_packing_keeps_documents_apart(executed):
@@ -66,10 +67,12 @@ def test_claims_held_and_figures_saved(executed):
     assert len(res["figures"]) >= 2
 
 
-def test_nf4_beats_int4_and_the_students_quantiser_is_the_librarys(executed):
+def test_nf4_beats_int4_and_the_students_quantiser_is_bitsandbytes(executed):
     res = executed("07_llama_finetune")
     assert value(res, "nf4_code_max_diff_to_published") < 3e-7  # derived from N(0,1) quantiles = the published table
-    assert value(res, "your_nf4_vs_library_max_rel_diff") < 1e-5  # the student's round trip on every base layer
+    # the student's round trip on every base layer against bitsandbytes', where its 4-bit kernels run on this CPU
+    gap = value(res, "your_nf4_vs_bitsandbytes_max_rel_diff")
+    assert (gap is None) == (bitsandbytes_4bit_runs("cpu") is not None) and (gap is None or gap < 1e-5), gap
     nf4, int4, bf16 = (value(res, f"{k}_mean_rel_error") for k in ("nf4", "int4", "bf16"))
     assert 0.05 < nf4 < 0.15 and nf4 < 0.95 * int4 and bf16 < 0.05 * nf4
     assert abs(value(res, "nf4_double_quant_mean_rel_error") - nf4) < 0.01 * nf4  # 8-bit scales cost almost nothing

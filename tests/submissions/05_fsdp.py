@@ -138,6 +138,22 @@ CALLS_LIBRARY_HAND = '''
 from course_lib.fsdp import GatherParameter, ShardedModule   # course_lib's
 '''
 
+# the mechanism written out, but its slicing and gathering taken from course_lib's toolkit: half of the answer
+CALLS_LIBRARY_SLICES = _hand_edit(
+    "        world_size, n = dist.get_world_size(), shard.numel()\n"
+    "        full = shard.new_empty(n * world_size)\n"
+    "        dist.all_gather(list(full.split(n)), shard.detach().contiguous())\n"
+    "        ctx.n, ctx.world_size = n, world_size\n"
+    "        return full[:math.prod(shape)].view(shape)\n",
+    "        ctx.n, ctx.world_size = shard.numel(), dist.get_world_size()\n"
+    "        return gather_slices(shard, math.prod(shape)).view(shape)\n").replace(
+    "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n"
+    "            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))\n",
+    "            shards.append(torch.nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad))\n").replace(
+    "from torch.func import functional_call\n",
+    "from torch.func import functional_call\n\nfrom course_lib.distributed import gather_slices, rank_slice   # course_lib's\n")
+assert all(CALLS_LIBRARY_SLICES.count(s) == 1 for s in ("rank_slice(p.detach())", "gather_slices(shard", "course_lib.distributed"))
+
 CALLS_FULLY_SHARD = '''
 class ShardedModule(torch.nn.Module):   # torch's FSDP2 does the sharding
     def __init__(self, module):
@@ -181,6 +197,9 @@ CASES = {
     "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL}, "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
     "calls_library_ShardedModule": {
         "cells": {"ShardedModule": CALLS_LIBRARY_HAND},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_library_slices": {  # forbidden too: the tests find the library's helpers wherever they were imported
+        "cells": {"ShardedModule": CALLS_LIBRARY_SLICES},
         "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
     "calls_fully_shard": {
         "cells": {"ShardedModule": CALLS_FULLY_SHARD},
