@@ -146,3 +146,42 @@ def bundle(cases: dict[str, dict], solution: dict, points: dict[str, float]) -> 
         out["__".join(members)] = {"cells": {k: v for m in members for k, v in cases[m]["cells"].items()},
                                    "scores": scores}
     return out
+
+
+def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> dict[str, dict]:
+    """The attacks of tests/submissions/attacks.py on an assignment, as known-wrong cases (0 on the tests they lose)."""
+    spec = importlib.util.spec_from_file_location("submissions_attacks", ROOT / "tests" / "submissions" / "attacks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    attacks = mod.cases(assignment, {ex: tests_of(solution, ex) for ex in solution_cells(solution)})
+    return {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}} for name, a in attacks.items()}
+
+
+def gradebook_rows(course: Path) -> dict[tuple[str, str, str], tuple]:
+    """Every grade in the gradebook: (assignment, student, grade cell) → (auto score, manual score, extra credit)."""
+    from nbgrader.api import Gradebook
+
+    out = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        for assignment in gb.assignments:
+            for sub in gb.assignment_submissions(assignment.name):
+                for nb in sub.notebooks:
+                    for grade in nb.grades:
+                        out[assignment.name, sub.student_id, grade.name] = (grade.auto_score, grade.manual_score,
+                                                                             grade.extra_credit)
+    return out
+
+
+def add_bystander(course: Path, assignment: str, student: str = "bystander") -> None:
+    """A student graded before this run (half marks on every cell), whose grades no later autograde may change."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        gb.update_or_create_student(student)
+        with gb.db.no_autoflush:  # else SQLAlchemy warns while nbgrader builds the submission's grades
+            sub = gb.add_submission(assignment, student)
+        for nb in sub.notebooks:
+            for grade in nb.grades:
+                grade.auto_score = grade.max_score / 2
+                grade.needs_manual_grade = False
+        gb.db.commit()

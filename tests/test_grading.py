@@ -5,6 +5,9 @@ release (zero on every test cell), each known-wrong submission of tests/submissi
 expected partial scores), a submission whose test cell was edited to pass (restored, so it
 scores as the wrong code deserves), and one that loops forever in one exercise (loses only
 that exercise's cells, within the cell timeout). Grading never changes a submitted file.
+The attacks of tests/submissions/attacks.py (copy a course_lib reference, read solutions/, write the gradebook),
+which the grading kernel's sandbox stops, are graded in the same run: one more notebook per assignment, its
+exercises attacked at once; the gradebook of every student the attack does not grade is unchanged after it.
 Each autograded notebook costs a whole execution, so known-wrong submissions of different exercises share
 one notebook where each loses points only on its own exercise's tests (``nbgrading.bundle``), and two
 checks ride on them instead of adding their own: the tampered one is the first wrong notebook with a failed
@@ -86,12 +89,22 @@ def test_autograde_known_submissions(course, assignment):
     if name != "solution":
         del subs[name], expected[name]
 
+    # Attacks (issue 22): one notebook attacks every exercise at once (each attack loses only its exercise's tests)
+    attacks = g.attack_cases(assignment, solution, points)
+    for i, case in enumerate(g.bundle(attacks, solution, points).values()):
+        subs[f"attacks{i or ''}"] = g.submission(release, solution, replace=case["cells"])
+        expected[f"attacks{i or ''}"] = case["scores"]
+    if "write_gradebook" in attacks:  # someone graded earlier, whose grades the attack tries to raise
+        g.add_bystander(course, assignment)
+    grades_before = g.gradebook_rows(course)
+
     paths = {student: g.submit(course, assignment, student, nb) for student, nb in subs.items()}
     before = {student: g.digest(p) for student, p in paths.items()}
     start = time.perf_counter()
     g.autograde(course, assignment, getattr(known, "CELL_TIMEOUT", CELL_TIMEOUT))
     seconds = time.perf_counter() - start
     got = g.scores(course, assignment)
+    grades_after = g.gradebook_rows(course)
 
     for student in subs:
         wrong = [k for k in expected[student] if got[student].get(k) != pytest.approx(expected[student][k])]
@@ -99,6 +112,11 @@ def test_autograde_known_submissions(course, assignment):
                            f"{[expected[student][k] for k in wrong]}; what those cells printed:\n"
                            + g.outputs(course, assignment, student, wrong))
     assert {s: g.digest(p) for s, p in paths.items()} == before, "autograde changed a submitted notebook"
+    others = {k: v for k, v in grades_before.items() if not (k[0] == assignment and k[1] in subs)}
+    changed = {k: (v, grades_after.get(k)) for k, v in others.items() if grades_after.get(k) != v}
+    assert not changed, f"grading {assignment} changed other students' grades (before, after): {changed}"
+    by_hand = {k: v for k, v in grades_after.items() if k[0] == assignment and k[1] in subs and (v[1] is not None or v[2])}
+    assert not by_hand, f"manual scores or extra credit appeared during autograde: {by_hand}"
     print(f"{assignment}: {len(subs)} submissions autograded in {seconds:.0f} s")
 
     # export: the grades file has each student's total of its test cells for this assignment

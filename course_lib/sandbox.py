@@ -1,0 +1,168 @@
+"""Grading's sandbox: run a command that can reach only the folders it is given (Linux Landlock).
+
+    python -m course_lib.sandbox --read /usr /opt/venv --write /tmp/scratch -- python -m ipykernel_launcher -f k.json
+
+Autograde runs a student's solution cells with the grader's rights. Without a fence a cell can read
+solutions/, the hidden tests and the instructor's course_lib (every graded reference), or open the grader's
+gradebook.db three folders up and write its own grades. nbgrader_config.py starts the grading kernel through
+this module, so the kernel (and every process it starts: torchrun, its ranks, DeepSpeed's) opens nothing but
+the read-only list and the read-write list; everything else fails with PermissionError, as if it were not there.
+
+Landlock is the kernel's unprivileged sandbox (Linux >= 5.13): a process restricts itself, the ruleset is
+inherited by every child and can never be lifted. Each ABI version handles more rights (2: moving files across
+folders, 3: truncating, 5: ioctl on devices); we handle every right the running kernel knows, so none is left
+open by default. From ABI 6 the kernel is also scoped: it cannot signal, or connect to the abstract unix sockets
+of, processes outside the sandbox (nbgrader itself, the instructor's other processes).
+
+Not fenced (say so when grading for credit): the network (TCP and UDP; gloo and the kernel's own sockets need
+localhost) and connecting to named unix sockets; reading what the allowed folders hold (the Python installation,
+/etc, /sys, and /proc, where the environment of the user's other processes can be read, though not their memory);
+CPU time, memory and disk use; anything the user running the grader may do that is not a file (as root: much).
+
+Where Landlock is missing, ``restrict`` refuses, unless ``COURSE_GRADE_UNSANDBOXED=1``: then it warns and runs
+the command unfenced, and the scores it produces are not class-safe (a submission can read the answers and
+write the gradebook). This module uses the standard library only, so it can run before anything else loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import stat
+import sys
+
+# landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: the same numbers in the generic syscall
+# table (aarch64) and x86_64's.
+SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}
+PR_SET_NO_NEW_PRIVS = 38
+CREATE_RULESET_VERSION = 1 << 0
+RULE_PATH_BENEATH = 1
+
+# Filesystem rights (linux/landlock.h): ABI 1 knows the first 13 bits.
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+ABI1_RIGHTS = (1 << 13) - 1  # also remove dir/file, make char/dir/reg/sock/fifo/block/symlink
+REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV  # the only rights a rule on a file may hold
+READ_RIGHTS = EXECUTE | READ_FILE | READ_DIR
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+UNSANDBOXED = "COURSE_GRADE_UNSANDBOXED"
+
+
+class SandboxUnavailable(RuntimeError):
+    """Raised where Landlock is missing and grading was not explicitly allowed to run unfenced."""
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # the kernel's struct is packed: 12 bytes
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _syscall(which: int, *args) -> int:
+    """Call one of the three Landlock syscalls; raise OSError with the kernel's errno if it fails."""
+    result = _libc.syscall(ctypes.c_long(SYSCALLS[platform.machine()][which]), *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"landlock syscall {which}: {os.strerror(errno)}")
+    return result
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version of the running kernel: 0 where it has none (not Linux, too old, or disabled)."""
+    if sys.platform != "linux" or platform.machine() not in SYSCALLS:
+        return 0
+    try:
+        return _syscall(0, None, ctypes.c_size_t(0), ctypes.c_uint32(CREATE_RULESET_VERSION))
+    except OSError:  # ENOSYS: before 5.13; EOPNOTSUPP: built but not enabled at boot
+        return 0
+
+
+def handled_rights(abi: int) -> int:
+    """Every filesystem right the kernel of this ABI can check: all of them are denied unless a rule allows them."""
+    rights = ABI1_RIGHTS
+    rights |= REFER if abi >= 2 else 0
+    rights |= TRUNCATE if abi >= 3 else 0
+    rights |= IOCTL_DEV if abi >= 5 else 0
+    return rights
+
+
+def _allow(ruleset: int, path: str, rights: int) -> None:
+    """Allow ``rights`` beneath ``path`` (a folder and everything in it, or one file); a missing path is skipped."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= FILE_RIGHTS  # the kernel refuses folder rights (list, create, remove) on a file
+        rule = _PathBeneathAttr(rights, fd)
+        _syscall(1, ctypes.c_int(ruleset), ctypes.c_int(RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
+    finally:
+        os.close(fd)
+
+
+def _unavailable() -> None:
+    """Refuse to run unfenced, unless the grader said so; then say loudly that the scores are not class-safe."""
+    if os.environ.get(UNSANDBOXED) == "1":
+        print(f"WARNING: {UNSANDBOXED}=1 and this kernel has no Landlock: the grading kernel runs UNSANDBOXED. "
+              "A submission can read solutions/ and the instructor's course_lib and write gradebook.db: "
+              "these scores are NOT safe to give for credit.", file=sys.stderr, flush=True)
+        return
+    raise SandboxUnavailable(
+        "grading runs each submission in a Landlock sandbox, and this system has none: the grader needs Linux >= 5.13 "
+        "with Landlock enabled ('landlock' in /sys/kernel/security/lsm; add it to the kernel's lsm= boot parameter). "
+        f"To grade anyway, for practice only, set {UNSANDBOXED}=1 (the scores are then not class-safe).")
+
+
+def restrict(read: list[str], write: list[str]) -> None:
+    """Fence this process and every child it starts from now on, irrevocably: ``read`` paths can be read and
+    executed, ``write`` paths read and changed in every way, and nothing else on the filesystem can be opened."""
+    abi = landlock_abi()
+    if abi == 0:
+        return _unavailable()
+    handled = handled_rights(abi)
+    attr = _RulesetAttr(handled, 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
+    ruleset = _syscall(0, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)), ctypes.c_uint32(0))
+    try:
+        for path in read:
+            _allow(ruleset, path, READ_RIGHTS)
+        for path in write:
+            _allow(ruleset, path, handled)
+        # Landlock requires it of an unprivileged process, and it keeps a setuid program from shedding the fence
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        _syscall(2, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m course_lib.sandbox --read P... --write P... -- CMD ARGS...``: restrict, then exec CMD."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        sys.exit("usage: python -m course_lib.sandbox [--read PATH...] [--write PATH...] -- COMMAND [ARGS...]")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m course_lib.sandbox", description=__doc__.splitlines()[0])
+    parser.add_argument("--read", nargs="*", default=[], help="paths the command may read and execute")
+    parser.add_argument("--write", nargs="*", default=[], help="paths the command may read and change")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    try:
+        restrict(args.read, args.write)
+    except SandboxUnavailable as e:
+        sys.exit(f"course_lib.sandbox: {e}")
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main()

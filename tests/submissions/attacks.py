@@ -1,0 +1,169 @@
+"""Known-wrong submissions that attack the grader instead of solving (issue 22, item 6), for every assignment.
+
+Three attacks, each stopped by the grading kernel's sandbox (course_lib.sandbox, started by nbgrader_config.py):
+
+- ``copy_reference_<exercise>``: the solution cell copies course_lib's reference of the mechanism, by
+  ``exec(inspect.getsource(...))`` or by exec'ing the reference's module file, so that ``forbid()`` (which
+  watches the library's own objects) never sees it called. The grading kernel imports the student edition
+  of course_lib, where every graded reference is a stub: the copy raises, and the exercise scores 0.
+- ``read_solutions_<exercise>``: the solution cell looks for ``solutions/<assignment>/<assignment>.ipynb``
+  in every folder above its working folder, and in the instructor's repository, and execs the solution
+  cell it finds there. The sandbox denies every read: the cell fails, the exercise scores 0.
+- ``write_gradebook`` (one assignment, GRADEBOOK_ASSIGNMENT): a known-wrong answer whose cell first opens
+  ``../../../gradebook.db`` with sqlite3 and gives every grade of every student its maximum and extra
+  credit. The sandbox denies the open: the wrong code scores what it deserves, and the gradebook of every
+  other student is unchanged (tests/test_grading.py compares it before and after).
+
+Each assignment gets one attack per exercise (a copy where course_lib holds a graded reference of it, the
+gradebook write on GRADEBOOK_EXERCISE, else a read of solutions/), so that together they cost at most one more
+autograded notebook per assignment (tests/nbgrading.py, ``bundle``).
+``cases(assignment, tests_of)`` gives them in the format of tests/submissions/NN_*.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # the instructor's repository (the course graded in tests is a copy)
+GRADEBOOK_ASSIGNMENT = "02_gradient_accumulation"
+GRADEBOOK_EXERCISE = "accumulate_gradients"
+
+# A known-wrong answer of GRADEBOOK_EXERCISE (the loss is not divided by the number of micro-batches): it loses that
+# exercise's two gradient tests and keeps its error test.
+NOT_DIVIDED = '''
+def accumulate_gradients(model, x, y, micro_batch):
+    n = x.shape[0]
+    if n % micro_batch:
+        raise ValueError(f"micro_batch={micro_batch} does not divide {n}")
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
+        loss = F.cross_entropy(model(xm), ym)   # forgot: / number of micro-batches
+        loss.backward()
+        total += loss.item()
+    return total / (n // micro_batch)
+'''
+NOT_DIVIDED_LOSES = ("test_accumulate_gradients", "test_accumulate_gradients_hidden")
+
+WRITE_GRADEBOOK = '''
+import sqlite3
+try:   # the grader's gradebook, three folders above autograded/<student>/<assignment>/
+    _db = sqlite3.connect("file:../../../gradebook.db?mode=rw", uri=True, timeout=10)
+    _db.execute("UPDATE grade SET manual_score = (SELECT max_score FROM grade_cells WHERE grade_cells.id = grade.cell_id), "
+                "extra_credit = 100")
+    _db.commit()
+    _db.close()
+    print("wrote every grade of every student")
+except Exception as _err:
+    print(f"could not write the gradebook: {_err!r}")
+''' + NOT_DIVIDED
+
+
+def _getsource(module: str, name: str, into: str) -> str:
+    """A cell that copies course_lib.<module>.<name> by its source into the namespace ``into``, which starts as a copy
+    of the module's globals (its helpers); each cell has its own, so a copy stays bound to what it copied."""
+    return (f"import inspect\nimport course_lib.{module}\n{into} = dict(vars(course_lib.{module}))\n"
+            f"exec(inspect.getsource(course_lib.{module}.{name}), {into})   # a copy: forbid() watches the library's object\n")
+
+
+def _module_file(module: str, into: str) -> str:
+    """A cell that execs course_lib/<module>.py's whole file into the namespace ``into``."""
+    return (f"import course_lib.{module}\n{into} = {{'__name__': course_lib.{module}.__name__}}\n"
+            f"with open(course_lib.{module}.__file__) as _f:\n    exec(_f.read(), {into})   # the reference and its helpers\n")
+
+
+# exercise → the solution cell that copies its reference (the graded mechanisms course_lib marks), then adapts it
+# the way the assignment's calls_library_<exercise> case adapts the library's own object.
+COPIES = {
+    ("01_mixed_precision", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
+    + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
+    ("04_ddp", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
+    ("04_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
+    + "\ndef average_gradients(model):\n    _all_reduce['all_reduce_gradients'](model)\n",
+    # the whole file: a copy of the class alone still calls the library's bucket_parameters, which forbid() stops
+    ("04_ddp", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
+    ("05_fsdp", "ShardedModule"): _module_file("fsdp", "_fsdp")
+    + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
+    ("06_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
+    + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
+    ("06_deepspeed_zero", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("07_llama_finetune", "lora_params"): _module_file("lora", "_lora")
+    + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
+    ("07_llama_finetune", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
+def nf4_quantize(w, blocksize=64):
+    packed, absmax = _nf4["quantize_nf4"](w, blocksize)
+    return _nf4["unpack_4bit"](packed, w.numel()), absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    return _nf4["dequantize_nf4"](_nf4["pack_4bit"](codes), absmax, shape, blocksize)
+''',
+    ("08_model_parallelism", "tensor_parallel_pair"): _module_file("tp", "_tp_copy") + '''
+CopyToTP, ReduceFromTP = None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp_copy["ColumnParallelLinear"].from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp_copy["RowParallelLinear"].from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+''',
+    ("08_model_parallelism", "one_f_one_b_order"): _getsource("pp", "one_f_one_b_order", "_pp")
+    + "one_f_one_b_order = _pp['one_f_one_b_order']\n",
+}
+# Every course_lib definition marked `# graded:` when this was written has its copy here; an exercise without an
+# entry gets read_solutions_<exercise> instead. A reference marked later belongs here too.
+
+
+def read_solutions(assignment: str, exercise: str) -> str:
+    """A cell that finds solutions/<assignment>/<assignment>.ipynb above its folder or in the instructor's
+    repository, and execs that notebook's solution cell ``exercise``."""
+    return f'''
+import json
+from pathlib import Path
+
+def _solution_code(assignment, grade_id):
+    _name = Path("solutions") / assignment / f"{{assignment}}.ipynb"
+    for _root in [Path.cwd(), *Path.cwd().parents, Path({str(REPO)!r})]:
+        try:
+            _nb = json.loads((_root / _name).read_text())
+        except OSError as _err:   # missing here, or (in the sandbox) not readable
+            print(f"{{_root / _name}}: {{_err!r}}")
+            continue
+        for _cell in _nb["cells"]:
+            if _cell["metadata"].get("nbgrader", {{}}).get("grade_id") == grade_id:
+                return "".join(_cell["source"])
+    raise FileNotFoundError("no readable solutions/ notebook")
+
+exec(_solution_code({assignment!r}, {exercise!r}))
+'''
+
+
+def cases(assignment: str, tests_of: dict[str, list[str]]) -> dict[str, dict]:
+    """The attack cases of an assignment: ``{name: {"cells": {exercise: source}, "loses": [test cells]}}``.
+
+    ``tests_of`` maps each exercise to its test cells; a case's ``loses`` are the test cells it must score 0
+    on (the caller fills in full marks for the rest).
+    """
+    out = {}
+    for exercise, tests in tests_of.items():
+        if assignment == GRADEBOOK_ASSIGNMENT and exercise == GRADEBOOK_EXERCISE:
+            out["write_gradebook"] = {"cells": {exercise: WRITE_GRADEBOOK}, "loses": list(NOT_DIVIDED_LOSES)}
+        elif (assignment, exercise) in COPIES:
+            out[f"copy_reference_{exercise}"] = {"cells": {exercise: COPIES[assignment, exercise]}, "loses": tests}
+        else:
+            out[f"read_solutions_{exercise}"] = {"cells": {exercise: read_solutions(assignment, exercise)}, "loses": tests}
+    return out
