@@ -5,29 +5,33 @@
 #   docker/run.sh rocm|cuda [--instructor] [--port 8888] [--work DIR] [--name NAME] [--image IMAGE]
 #                           [--shm-size 64G] [--gpus 0,1] [--dry-run] [-- EXTRA DOCKER RUN ARGS]
 #
-# rocm carries seed 001's flags for MI300X: --device /dev/kfd --device /dev/dri --group-add video
-# --ipc host --shm-size 64G --cap-add SYS_PTRACE --security-opt seccomp=unconfined (plus the render
-# group of /dev/dri/renderD*, by number, when the host has one). Seed 001 also gives --privileged,
-# --network host and $HOME mounts for a benchmarking shell; a notebook server does not need them:
-# add them after `--` if your site wants them. cuda uses --gpus all with NVIDIA's recommended
-# --ipc host and ulimits. JUPYTER_TOKEN is passed by name (never on the command line); when unset,
-# one is made and printed. --dry-run prints the docker command instead of running it.
+# A student gets the student image (scaling-pytorch-course:rocm or :cuda: the student edition, no solutions/ or
+# tests/); --instructor gets the grader image (scaling-pytorch-course:rocm-grader or :cuda-grader, the whole
+# course) with COURSE_ROLE=instructor, for the Formgrader. --image overrides either. Both get the same flags:
+# rocm: --device /dev/kfd and --device /dev/dri (or only the chosen GPUs' render nodes), --group-add video and the
+# render group, --ipc private and --shm-size; cuda: --gpus, --ipc private, --shm-size and NCCL's ulimits.
+# Each flag, and why seed 001's --ipc host, SYS_PTRACE and unconfined seccomp are not given, is said in this script
+# and in docker/README.md. Site-specific flags go after `--`. JUPYTER_TOKEN is passed by
+# name (never on the command line); when unset, one is made and printed. --dry-run prints the docker command.
 # --gpus 0,1 gives the container only those GPUs (host indices), so students sharing a node do not all
 # launch on the same devices: rocm passes only their render nodes (/dev/kfd stays), cuda --gpus device=.
 # Inside, the chosen GPUs are numbered from 0 (HIP/ROCR/CUDA_VISIBLE_DEVICES=0,1,...). ROCm index i is
 # the i-th GPU node of the KFD topology (its drm_render_minor gives /dev/dri/renderD<minor>), the order
 # rocm-smi and HIP use; with no topology (not a ROCm host) GPU i is assumed to be renderD(128+i).
+# KFD_TOPOLOGY (default /sys/class/kfd/kfd/topology/nodes) and DRI_DIR (default /dev/dri, where the render group
+# is read from) point run.sh at another host layout; the tests use them.
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "run.sh: $*" >&2; exit 2; }
 
 [ $# -ge 1 ] || usage 2
 platform="$1"; shift
 case "$platform" in rocm|cuda) ;; -h|--help) usage 0 ;; *) die "first argument must be rocm or cuda, not '$platform'" ;; esac
 
-port=8888; work="$PWD/workshop-work"; name="scaling-course-$platform"; image="scaling-pytorch-course:$platform"
+port=8888; work="$PWD/workshop-work"; name=""; image=""
 shm=64G; role=student; dry=0; extra=(); gpus=""
+dri="${DRI_DIR:-/dev/dri}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --instructor) role=instructor ;;
@@ -44,6 +48,14 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+# The student image holds the student edition only; the instructor's role needs the grader image (start-lab.sh
+# refuses COURSE_ROLE=instructor in the student image).
+if [ "$role" = instructor ]; then
+  image="${image:-scaling-pytorch-course:$platform-grader}"; name="${name:-scaling-course-$platform-grader}"
+else
+  image="${image:-scaling-pytorch-course:$platform}"; name="${name:-scaling-course-$platform}"
+fi
+case "$shm" in *[0-9]*) ;; *) die "--shm-size $shm: give a size such as 16G" ;; esac
 case "$port" in ''|*[!0-9]*) die "--port $port is not a port number" ;; esac
 [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--port $port is out of range 1-65535"
 gpu_list=()
@@ -88,7 +100,16 @@ cmd=(docker run --rm -d --name "$name" -p "$port:8888"
      -v "$work:/home/student/work")
 visible=""
 [ ${#gpu_list[@]} = 0 ] || visible="$(seq -s, 0 $((${#gpu_list[@]} - 1)))"  # renumbered from 0 inside
+# Shared memory: --ipc private gives the container an IPC namespace (System V segments, POSIX /dev/shm) that no
+# other container can join, so students on one node cannot reach each other's shared memory (seed 001's
+# --ipc host would put every container in the host's). --shm-size sizes the container's own /dev/shm (Docker's
+# default is 64 MB): PyTorch's DataLoader workers pass batches through it, and NCCL/RCCL's intra-node transport
+# makes its segments there (NCCL's troubleshooting guide: "--shm-size=1g --ulimit memlock=-1" in Docker).
+# All of a student's ranks run in their one container, so they share that /dev/shm. It is a tmpfs limit, not a
+# reservation: pages count against the container's memory only when written.
 if [ "$platform" = rocm ]; then
+  # /dev/kfd: ROCm's compute interface, one for all GPUs. /dev/dri: the GPUs' render nodes (renderD*), one per GPU;
+  # with --gpus only the chosen ones (ROCm's "Running ROCm Docker containers", rocm.docs.amd.com).
   cmd+=(--device /dev/kfd)
   if [ -n "$gpus" ]; then
     nodes="$(render_nodes)"
@@ -97,17 +118,34 @@ if [ "$platform" = rocm ]; then
   else
     cmd+=(--device /dev/dri)
   fi
-  cmd+=(--group-add video --ipc host --shm-size "$shm" --cap-add SYS_PTRACE --security-opt seccomp=unconfined)
-  for node in /dev/dri/renderD*; do
-    [ -e "$node" ] && cmd+=(--group-add "$(stat -c %g "$node")") && break
+  # The device files belong to the host's video and render groups (mode 0660): the image's user is in video,
+  # and the render group is added by its number on this host (the image's /etc/group need not have it).
+  cmd+=(--group-add video)
+  render_gid=""
+  for node in "$dri"/renderD*; do
+    [ -e "$node" ] && render_gid="$(stat -c %g "$node")" && break
   done
+  if [ -n "$render_gid" ]; then
+    cmd+=(--group-add "$render_gid")
+  else
+    echo "run.sh: no render node in $dri: add --group-add <gid of the host's render group> after -- on the GPU host" >&2
+  fi
+  # Not given (seed 001 has them for a benchmarking shell): --cap-add SYS_PTRACE and --security-opt
+  # seccomp=unconfined are what debuggers (rocgdb, gdb, rr) need: ptrace to attach, and personality() to turn off
+  # address randomization, which Docker's default seccomp profile refuses. Running needs neither: ROCm's container
+  # docs (rocm.docs.amd.com, "Running ROCm Docker containers") list /dev/kfd and /dev/dri and call seccomp=unconfined
+  # optional, for numactl's memory-policy calls (mbind, set_mempolicy), which Docker's default profile allows to a
+  # container with CAP_SYS_NICE. An instructor who debugs in their own container adds them after --.
+  cmd+=(--ipc private --shm-size "$shm")
 else
+  # --gpus: the NVIDIA container toolkit's device request (all GPUs, or the chosen ones).
   if [ -n "$gpus" ]; then
     cmd+=(--gpus "\"device=$gpus\"" -e "CUDA_VISIBLE_DEVICES=$visible")
   else
     cmd+=(--gpus all)
   fi
-  cmd+=(--ipc host --shm-size "$shm" --ulimit memlock=-1 --ulimit stack=67108864)
+  # memlock=-1: NCCL and CUDA pin host memory; stack=64 MB: NVIDIA's recommended ulimits for its PyTorch images.
+  cmd+=(--ipc private --shm-size "$shm" --ulimit memlock=-1 --ulimit stack=67108864)
 fi
 cmd+=("${extra[@]}" "$image")
 
@@ -116,6 +154,6 @@ if [ "$dry" = 1 ]; then
   exit 0
 fi
 "${cmd[@]}"
-echo "JupyterLab ($role): http://localhost:$port/lab?token=$JUPYTER_TOKEN"
+echo "JupyterLab ($role, $image): http://localhost:$port/lab?token=$JUPYTER_TOKEN"
 echo "work folder: $work (mounted at /home/student/work; it survives the container)"
 echo "logs: docker logs -f $name    stop: docker stop $name"

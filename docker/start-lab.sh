@@ -7,6 +7,8 @@
 #   WORK_DIR      the folder students work in: mount it    (default $HOME/work)
 #   COURSE_ROLE   student: serve WORK_DIR/notebooks; instructor: also WORK_DIR/course, the nbgrader
 #                 course (config + solutions/) that the Formgrader works on      (default student)
+#                 instructor needs the instructor edition in COURSE_DIR (the grader image, or a checkout of
+#                 the course): the student image holds the student edition, with no solutions/ to grade from
 #   PORT, LAB_IP  where JupyterLab listens                  (default 8888, 0.0.0.0)
 #   JUPYTER_TOKEN the token; when unset a random one is made and printed
 #   NBGRADER_EXCHANGE  nbgrader's exchange folder, written to ~/.jupyter/nbgrader_config.py on the
@@ -31,6 +33,14 @@ fi
 case "$PORT" in ''|*[!0-9]*) die "PORT=$PORT is not a port number" ;; esac
 [ "$PORT" -ge 1 ] && [ "$PORT" -le 65535 ] || die "PORT=$PORT is out of range 1-65535"
 case "$COURSE_ROLE" in student|instructor) ;; *) die "COURSE_ROLE=$COURSE_ROLE: use student or instructor" ;; esac
+# The instructor copies nbgrader's source (solutions/) and config from the course: only the instructor edition has them.
+if [ "$COURSE_ROLE" = instructor ] && { [ ! -d "$COURSE_DIR/solutions" ] || [ ! -f "$COURSE_DIR/nbgrader_config.py" ]; }; then
+  what="has no solutions/ or nbgrader_config.py"
+  [ ! -e "$COURSE_DIR/.student-edition.json" ] || what="is the student edition (no solutions/, no nbgrader_config.py)"
+  die "COURSE_ROLE=instructor needs the instructor edition, and COURSE_DIR=$COURSE_DIR $what. Use the grader" \
+      "image (scaling-pytorch-course:rocm-grader or :cuda-grader: docker/run.sh rocm|cuda --instructor) or set" \
+      "COURSE_DIR to a checkout of the course repository; the student image serves COURSE_ROLE=student only"
+fi
 [ -x "$JUPYTER" ] || die "no JupyterLab at $JUPYTER: install the course with 'make setup' in $COURSE_DIR"
 [ -d "$COURSE_DIR/notebooks" ] || die "no notebooks/ in COURSE_DIR=$COURSE_DIR"
 

