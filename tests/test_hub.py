@@ -2,17 +2,23 @@
 
 docker/hub/jupyterhub_config.py runs with COURSE_HUB_SPAWNER=local: the same authenticator
 (FirstUseAuthenticator), nbgrader set-up (the Formgrader as a hub service that only the instructors group
-reaches, a shared exchange, student ids = hub names) and entrypoint (docker/start-lab.sh) as on a GPU node,
-with a plain process per user instead of a container. configurable-http-proxy comes from npm
-(`.venv/node_modules`). A purpose-made assignment (one exercise, 3 points) keeps grading to seconds.
+reaches, the exchange service that files submissions, student ids = hub names) and entrypoint (the student
+edition's docker/start-lab.sh, on the student edition) as on a GPU node, with a plain process per user instead
+of a container. configurable-http-proxy comes from npm (`.venv/node_modules`). A purpose-made assignment (one
+exercise, 3 points) keeps grading to seconds.
 
 In Chromium (Debian's /usr/bin/chromium, as tests/test_browser.py): a name not in the class is refused; the
 instructor's first login sets their password (FirstUseAuthenticator), and they generate and release the
 assignment in the Formgrader; each student logs in, gets their own JupyterLab, fetches the assignment in
 nbgrader's Assignment List, types an answer into the exercise, saves and submits; a wrong password for a
 student is refused; a student cannot open
-another student's server, read their notebook, or reach the Formgrader; the instructor collects and autogrades
-in the Formgrader and exports the grades from a terminal in the grader's JupyterLab: 3, 1 and 0 points.
+another student's server, read their notebook, or reach the Formgrader; from a terminal in her own lab a student
+runs `nbgrader submit --student=ben` and writes folders into inbound/ under ben's name and her own, dated in the
+future: the first is filed under her own name, the others are skipped by the Formgrader's collect, which takes
+each student's newest submission as the exchange service filed and dated it; the instructor autogrades in the
+Formgrader and exports the grades from a terminal in the grader's JupyterLab: 3, 1 and 0 points. The exchange
+service's refusals (no token, a user who is not a student, an assignment not released, too large, a path out
+of the submission) are checked against the running service.
 
 The docker and slurm set-ups cannot run here (no Docker engine, no SLURM, no GPU): their configurations
 are loaded by JupyterHub's own config loader and their spawners' settings checked.
@@ -20,8 +26,12 @@ are loaded by JupyterHub's own config loader and their spawners' settings checke
 
 from __future__ import annotations
 
+import base64
 import csv
+import datetime
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,8 +42,10 @@ from types import SimpleNamespace
 
 import nbformat
 import pytest
+import requests
 
 import nbgrading as g
+from nbgrader.utils import parse_utc
 from course_lib.distributed import free_port
 from test_browser import CHROMIUM, CHROMIUM_ARGS
 from test_docker import _fake_kfd_topology
@@ -46,6 +58,8 @@ ARTIFACTS = ROOT / "runs" / "test-artifacts"
 COURSE = "scaling-pytorch-training"  # the course id, and the Formgrader service's name
 ASSIGNMENT = "hub_smoke"
 INSTRUCTOR = "prof"
+EXCHANGE_SERVICE = "course-exchange"
+FORGED = "2999-01-01 00:00:00.000000 UTC"  # the time a forged inbound folder claims
 # each student's answer to the one exercise, and the points nbgrader must give it (out of 3)
 ANSWERS = {
     "ada": ("def add(a, b): return a + b", 3),
@@ -93,7 +107,12 @@ def hub(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hub")
     (tmp / "users.txt").write_text("".join(f"{name} {role}\n" for name, role in USERS.items()))
     (tmp / "exchange").mkdir()
-    (tmp / "exchange").chmod(0o777)  # nbgrader's exchange is written by every user
+    (tmp / "exchange").chmod(0o777)  # local mode: one user; start.sh gives the root to root, the course to the grader
+    # the labs run the student edition (start.sh builds it for slurm); local mode lets it use the checkout's .venv
+    edition = tmp / "student-edition"
+    subprocess.run([sys.executable, str(ROOT / "course_lib" / "edition.py"), "student", str(edition)],
+                   check=True, capture_output=True, timeout=120)
+    (edition / ".venv").symlink_to(ROOT / ".venv")
     # the grader's course: the course's own nbgrader config, and this small assignment as its only source
     course = tmp / "grader" / "course"
     (course / "solutions" / ASSIGNMENT).mkdir(parents=True)
@@ -101,9 +120,10 @@ def hub(tmp_path_factory):
     nbformat.write(smoke_assignment(), course / "solutions" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb")
 
     # every port free, the proxy's API too (its default, 8001, may be anyone's on a shared machine)
-    port, api_port, proxy_api_port, grader_port = (free_port() for _ in range(4))
+    port, api_port, proxy_api_port, grader_port, exchange_port = (free_port() for _ in range(5))
     env = hub_env(tmp, COURSE_HUB_SPAWNER="local", COURSE_HUB_HOMES=str(tmp / "homes"),
                   COURSE_HUB_URL=f"http://127.0.0.1:{port}", COURSE_HUB_GRADER_PORT=str(grader_port),
+                  COURSE_HUB_EXCHANGE_PORT=str(exchange_port), COURSE_HUB_EXCHANGE_MAX_MB="1",
                   PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
     log = tmp / "hub.log"
     proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(CONFIG), f"--JupyterHub.hub_port={api_port}",
@@ -117,7 +137,9 @@ def hub(tmp_path_factory):
             stop_hub(proc, ours)
             raise AssertionError(f"the hub did not start:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
-    yield SimpleNamespace(url=url, dir=tmp, log=log, course=course)
+    yield SimpleNamespace(url=url, dir=tmp, log=log, course=course, ledger=tmp / "grader" / "exchange-ledger.jsonl",
+                          inbound=tmp / "exchange" / COURSE / "inbound",
+                          exchange_url=f"http://127.0.0.1:{exchange_port}/services/{EXCHANGE_SERVICE}/")
     stop_hub(proc, ours)
 
 
@@ -224,8 +246,11 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 page.locator("#fetched_assignments_list").get_by_role("button", name="Submit").click()
                 expect(page.locator("#submitted_assignments_list")).to_contain_text(ASSIGNMENT)
                 shot(student, "submitted")
-            inbound = sorted(p.name.split("+")[0] for p in (hub.dir / "exchange" / COURSE / "inbound").iterdir())
+            inbound = sorted(p.name.split("+")[0] for p in hub.inbound.iterdir())
             assert inbound == sorted(ANSWERS), f"submissions are filed under the hub names: {inbound}"
+            filed = ledger(hub)  # the exchange service wrote them, and says so
+            assert sorted(e["user"] for e in filed) == sorted(ANSWERS), filed
+            assert all(f"{e['user']}+{ASSIGNMENT}+{e['timestamp']}+" in e["folder"] for e in filed), filed
             lap("3 students: lab, fetch, answer, submit")
 
             # ada's password is set now: a wrong one is refused, and her server stays closed to that browser
@@ -235,6 +260,28 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
             r = intruder.context.request.get(f"{hub.url}/user/ada/api/contents/{ASSIGNMENT}/{ASSIGNMENT}.ipynb")
             assert ANSWERS["ada"][0] not in r.text()
             assert intruder.context.request.get(f"{hub.url}/hub/api/user").status == 403
+
+            # from a terminal in her own lab, ada submits as ben, and writes submissions into inbound/ by hand: under
+            # ben's name and her own, dated in the future so that nbgrader's collect would take them as the newest
+            attack = hub.dir / "homes" / "ada" / "attack.log"
+            pages["ada"].locator("[data-command='launcher:create']").first.click()  # her lab is open: a launcher
+            pages["ada"].locator(".jp-LauncherCard[title*='terminal' i]").first.click()
+            terminal = pages["ada"].locator(".jp-Terminal .xterm-helper-textarea")
+            expect(terminal).to_be_attached()
+            terminal.focus()
+            pages["ada"].keyboard.type(
+                f"cd ~/work; nbgrader submit {ASSIGNMENT} --student=ben > ~/attack.log 2>&1; "
+                f'for who in ben ada; do d="$NBGRADER_EXCHANGE/{COURSE}/inbound/$who+{ASSIGNMENT}+{FORGED}+forged"; '
+                f'mkdir -p "$d" && cp {ASSIGNMENT}/{ASSIGNMENT}.ipynb "$d/" && echo "{FORGED}" > "$d/timestamp.txt"; '
+                "done; python -c \"import importlib.util as u; print('course_lib:', u.find_spec('course_lib').origin)\" "
+                ">> ~/attack.log; echo attack-done >> ~/attack.log\n")
+            _wait_for(lambda: "attack-done" in attack.read_text(), f"ada's terminal commands ({attack})")
+            shot("ada", "attack")
+            edition_lib = hub.dir / "student-edition" / "course_lib" / "__init__.py"
+            assert f"course_lib: {edition_lib}\n" in attack.read_text(), "a lab imports the student edition's course_lib"
+            forged = sorted(p.name for p in hub.inbound.iterdir() if FORGED in p.name)
+            assert len(forged) == 2, f"local mode: one user, ada could write inbound/ (docker: not mounted): {forged}"
+            lap("ada's attacks")
 
             # a student reaches neither another student's server nor the Formgrader (where all submissions are)
             ada = pages["ada"].context.request
@@ -250,11 +297,15 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
             shot("ada", "refused_bens_server")
             lap("isolation")
 
+
             # the instructor collects and autogrades in the Formgrader
             prof.goto(f"{hub.url}{formgrader}/manage_assignments")
             prof.locator("tr", has_text=ASSIGNMENT).locator(".glyphicon-cloud-download").click()  # collect
-            _close_modal(prof, expect, "Successfully collected")
+            collect_log = _close_modal(prof, expect, "Successfully collected")
+            check_collected(hub, collect_log, attack.read_text())
             prof.goto(f"{hub.url}{formgrader}/manage_submissions/{ASSIGNMENT}")
+            expect(prof.locator("body")).to_contain_text("ada")
+            assert FORGED[:4] not in prof.locator("body").inner_text(), "the Formgrader lists a forged submission"
             for student in ANSWERS:
                 prof.locator("tr", has_text=student).locator(".autograde a").click()
                 _close_modal(prof, expect, "Successfully autograded", timeout=120_000)
@@ -291,12 +342,107 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
     print("hub flow: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
 
-def _close_modal(page, expect, text: str, timeout: int = 60_000) -> None:
-    """Wait for the Formgrader's result dialog, check it reports success, close it."""
+def hub_token(hub, user: str) -> str:
+    """A hub API token of the user's (logged in with their password, as a browser would), holding the user's scopes."""
+    with requests.Session() as s:
+        s.get(f"{hub.url}/hub/login", timeout=30).raise_for_status()
+        xsrf = s.cookies["_xsrf"]
+        r = s.post(f"{hub.url}/hub/login", data={"username": user, "password": password(user), "_xsrf": xsrf},
+                   allow_redirects=False, timeout=30)  # logged in; no redirect to the spawn page: no lab starts
+        assert r.status_code == 302, (r.status_code, r.text[-500:])
+        # the session's xsrf token, as the hub's pages give it to their scripts, in the cookie and the header
+        xsrf = re.search(r'xsrf_token: "([^"]+)"', s.get(f"{hub.url}/hub/home", timeout=30).text).group(1)
+        for cookie in [c for c in s.cookies if c.name == "_xsrf"]:
+            s.cookies.clear(cookie.domain, cookie.path, cookie.name)
+        s.cookies.set("_xsrf", xsrf, path="/hub/")
+        r = s.post(f"{hub.url}/hub/api/users/{user}/tokens", json={"note": "test_hub", "expires_in": 600},
+                   headers={"X-XSRFToken": xsrf}, timeout=30)
+        assert r.status_code == 201, (r.status_code, r.text)
+        return r.json()["token"]
+
+
+def test_exchange_service_refuses_what_it_must_not_file(hub):
+    """The running exchange service: a request without a student's token, for an assignment that is not released,
+    too large, or with a path out of the submission is refused with a reason and writes nothing; a student's
+    request is filed under the token's user (a name in the request counts for nothing) at the service's time."""
+    probe = hub.dir / "exchange" / COURSE / "outbound" / "refusal_probe"
+    probe.mkdir(parents=True)  # released, as far as the service can tell
+    before = sorted(p.name for p in hub.inbound.iterdir()) if hub.inbound.exists() else []
+    filed_before = ledger(hub) if hub.ledger.exists() else []
+    submit = f"{hub.exchange_url}submit/"
+    small = {"files": {"refusal_probe.ipynb": base64.b64encode(b"{}").decode()}}
+
+    def post(assignment, body=small, token=None):
+        headers = {"Authorization": f"token {token}"} if token else {}
+        r = requests.post(submit + assignment, json=body, headers=headers, timeout=60)
+        return r.status_code, r.json().get("error", "") if r.headers.get("Content-Type", "").startswith("application/json") else r.text
+
+    try:
+        assert requests.get(hub.exchange_url, timeout=30).status_code == 200
+        cy, prof = hub_token(hub, "cy"), hub_token(hub, INSTRUCTOR)
+        refusals = {
+            "no token": (post("refusal_probe"), 403, "no valid JupyterHub token"),
+            "a made-up token": (post("refusal_probe", token="0" * 32), 403, "no valid JupyterHub token"),
+            "not a student": (post("refusal_probe", token=prof), 403, f"{INSTRUCTOR} is not a student of this class"),
+            "not released": (post("nope", token=cy), 404, "no released assignment 'nope'"),
+            "too large": (post("refusal_probe", {"files": {"big.bin": base64.b64encode(os.urandom(1_200_000)).decode()}},
+                               token=cy), 413, "more than the 1.0 MB limit"),
+            "leaves the folder": (post("refusal_probe", {"files": {"../../outbound/x": "eA=="}}, token=cy), 400,
+                                  "must be relative and stay inside"),
+        }
+        for case, ((status, reason), want_status, want_reason) in refusals.items():
+            assert status == want_status and want_reason in reason, f"{case}: {status} {reason!r}"
+        assert (sorted(p.name for p in hub.inbound.iterdir()) if hub.inbound.exists() else []) == before
+        assert (ledger(hub) if hub.ledger.exists() else []) == filed_before, "a refused request reached the ledger"
+
+        start = datetime.datetime.now(datetime.timezone.utc)
+        r = requests.post(submit + "refusal_probe", json={**small, "student": "ben", "timestamp": FORGED},
+                          headers={"Authorization": f"token {cy}"}, timeout=60)
+        assert r.status_code == 201, r.text
+        entry = r.json()
+        stamped = parse_utc(entry["timestamp"]).replace(tzinfo=datetime.timezone.utc)
+        assert entry["user"] == "cy" and entry["folder"].startswith("cy+refusal_probe+"), entry
+        assert start - datetime.timedelta(seconds=1) <= stamped <= datetime.datetime.now(datetime.timezone.utc)
+        assert ledger(hub)[-1] == {k: v for k, v in entry.items() if k != "secret"}
+        assert (hub.inbound / entry["folder"] / "timestamp.txt").read_text() == entry["timestamp"]
+    finally:
+        shutil.rmtree(probe)
+
+
+def ledger(hub) -> list[dict]:
+    """The exchange service's ledger: one entry per submission it filed."""
+    return [json.loads(line) for line in hub.ledger.read_text().splitlines()]
+
+
+def check_collected(hub, collect_log: str, attack_log: str) -> None:
+    """Collect took each student's newest submission as the exchange service filed it; the forged ones were skipped.
+
+    ada's `nbgrader submit --student=ben` was filed under her own name (the newest ada entry); ben's collected
+    submission is his own answer at the service's time, not the folder ada wrote under his name."""
+    submitted = hub.course / "submitted"
+    collected = {s: (submitted / s / ASSIGNMENT / "timestamp.txt").read_text().strip() for s in ANSWERS}
+    bens = (submitted / "ben" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text()
+    assert ANSWERS["ben"][0] in bens and ANSWERS["ada"][0] not in bens, "ben's collected notebook is not his answer"
+    assert not any(FORGED[:4] in t for t in collected.values()), f"a forged time was collected: {collected}"
+    newest = {}
+    for e in ledger(hub):
+        newest[e["user"]] = max(newest.get(e["user"], ""), e["timestamp"])
+    assert collected == newest, f"collected {collected}, but the service filed {newest}"
+    assert [e["user"] for e in ledger(hub)].count("ada") == 2 and [e["user"] for e in ledger(hub)].count("ben") == 1
+    assert "--student=ben is ignored" in attack_log and "filed by the hub as ada" in attack_log, attack_log
+    for who in ("ben", "ada"):
+        assert f"Skipped {who}+{ASSIGNMENT}+{FORGED}+forged: the exchange service did not file it" in collect_log, \
+            collect_log
+
+
+def _close_modal(page, expect, text: str, timeout: int = 60_000) -> str:
+    """Wait for the Formgrader's result dialog, check it reports success, close it; its text (with the log)."""
     modal = page.locator(".modal.in, .modal.show").last
     expect(modal).to_contain_text(text, timeout=timeout)
+    shown = modal.inner_text()
     modal.locator(".modal-footer button[data-dismiss='modal']").click()
     expect(page.locator(".modal.in, .modal.show")).to_have_count(0)
+    return shown
 
 
 def _wait_for(check, what: str, timeout: float = 60) -> None:
@@ -349,6 +495,16 @@ def check_hub_services(config) -> None:
     grader = services[COURSE]
     assert grader["user"] == "grader", "students' code is autograded as an unprivileged user, not as root"
     assert grader["environment"]["COURSE_ROLE"] == "instructor"
+    assert grader["environment"]["COURSE_DIR"] == str(ROOT)  # the instructor's edition: solutions, tests
+    # the exchange service files submissions as the grader; only students' lab tokens may use it
+    exchange = services[EXCHANGE_SERVICE]
+    assert exchange["user"] == "grader" and exchange["command"][-1].endswith("docker/hub/exchange_service.py")
+    assert exchange["environment"]["COURSE_EXCHANGE_STUDENTS"] == ",".join(sorted(ANSWERS))
+    assert exchange["environment"]["COURSE_EXCHANGE_LEDGER"] == grader["environment"]["COURSE_EXCHANGE_LEDGER"]
+    assert roles["exchange-submit"] == {"name": "exchange-submit", "groups": ["students"],
+                                        "scopes": [f"access:services!service={EXCHANGE_SERVICE}"]}
+    assert config.JupyterHub.load_groups["students"]["users"] == sorted(ANSWERS)
+    assert f"access:services!service={EXCHANGE_SERVICE}" in config.Spawner.server_token_scopes
     assert config.Authenticator.allowed_users == set(USERS) and config.Authenticator.admin_users == {INSTRUCTOR}
 
 
@@ -373,12 +529,18 @@ def test_docker_config_gives_each_user_an_image_a_volume_and_a_gpu_share(tmp_pat
         assert sp.mem_limit == 64 * 2**30
         assert sp.volume_binds[f"course-{user}"] == {"bind": "/home/student/work", "mode": "rw"}  # outlives the lab
         exchange = str(tmp_path / "exchange")  # COURSE_HUB_EXCHANGE: the same path on the host and inside
-        assert sp.volume_binds[exchange] == {"bind": exchange, "mode": "rw"}
+        # read-only, released assignments and feedback only: inbound/ is not in the container at all
+        exchange_binds = {h: b for h, b in sp.volume_binds.items() if h.startswith(exchange)}
+        assert exchange_binds == {f"{exchange}/{COURSE}/{part}": {"bind": f"{exchange}/{COURSE}/{part}", "mode": "ro"}
+                                  for part in ("outbound", "feedback")}
         assert sp.remove and sp.cmd == ["--ServerApp.default_url=/lab"]  # args to the image's start-lab.sh
         env, host = environment(sp), sp.extra_host_config(sp)
         assert env["COURSE_ROLE"] == "student" and env["JUPYTER_CONFIG_PATH"].endswith("docker/hub/student")
+        assert env["COURSE_EXCHANGE_URL"] == f"http://172.17.0.1:9998/services/{EXCHANGE_SERVICE}/"  # the bridge
         inside = ",".join(str(i) for i in range(len(gpus)))  # numbered from 0 in the container, as run.sh
-        assert host["ipc_mode"] == "host" and host["shm_size"] == "64G"
+        # each container its own IPC namespace and /dev/shm; nothing that reaches into other processes
+        assert host["ipc_mode"] == "private" and host["shm_size"] == "64G"
+        assert not {"cap_add", "security_opt", "privileged", "pid_mode"} & set(host), host
         if platform == "rocm":
             assert env["HIP_VISIBLE_DEVICES"] == env["ROCR_VISIBLE_DEVICES"] == inside
             assert host["devices"] == ["/dev/kfd"] + [f"/dev/dri/renderD{128 + 8 * g}" for g in gpus]
@@ -388,7 +550,9 @@ def test_docker_config_gives_each_user_an_image_a_volume_and_a_gpu_share(tmp_pat
             assert host["device_requests"][0]["device_ids"] == [str(g) for g in gpus]
         # docker-py turns it into the create-container request DockerSpawner sends (no engine needed)
         hc = docker.types.HostConfig(version="1.44", binds=sp.volume_binds, mem_limit=sp.mem_limit, **host)
-        assert hc["Memory"] == 64 * 2**30 and hc["IpcMode"] == "host" and hc["ShmSize"] == 64 * 2**30
+        assert hc["Memory"] == 64 * 2**30 and hc["IpcMode"] == "private" and hc["ShmSize"] == 64 * 2**30
+        assert f"{exchange}/{COURSE}/outbound:{exchange}/{COURSE}/outbound:ro" in hc["Binds"]
+        assert "CapAdd" not in hc and "SecurityOpt" not in hc
         if platform == "rocm":
             assert [d["PathOnHost"] for d in hc["Devices"]] == host["devices"]
         else:
@@ -417,11 +581,18 @@ def test_slurm_config_runs_each_lab_as_a_gpu_job(tmp_path, monkeypatch):
     for line in ("#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1", "#SBATCH --time=01:00:00",
                  "#SBATCH --cpus-per-task=12", "#SBATCH --mem=96G"):
         assert line in script.splitlines(), f"{line!r} not in\n{script}"
-    assert f"batchspawner-singleuser {ROOT}/.venv/bin/jupyterhub-singleuser" in script
+    # the lab runs on the student edition and the labs' environment that start.sh checks, never the checkout
+    assert f"batchspawner-singleuser {tmp_path}/lab-venv/bin/jupyterhub-singleuser" in script
+    assert f"PYTHONPATH={tmp_path}/student-edition" in script
+    assert f"cp -R {tmp_path}/student-edition/notebooks" in script
+    assert str(ROOT) not in script, "a student's job must not need the instructor's checkout"
     assert script.index("cp -R") < script.index("batchspawner-singleuser")  # notebooks copied before the lab
     bash = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert bash.returncode == 0, bash.stderr
-    assert environment(sp)["NBGRADER_EXCHANGE"] == str(tmp_path / "exchange")
+    env = environment(sp)
+    assert env["NBGRADER_EXCHANGE"] == str(tmp_path / "exchange")
+    assert env["JUPYTER_CONFIG_PATH"] == str(tmp_path / "student-config")  # start.sh's copy of docker/hub/student
+    assert str(ROOT) not in json.dumps(env)
 
 
 def test_config_refuses_unknown_roles_and_modes(tmp_path, monkeypatch):
@@ -442,8 +613,11 @@ def test_start_sh_passes_shellcheck_and_refuses_what_it_cannot_start(tmp_path):
     proc = subprocess.run([shellcheck, "--severity=info", str(start)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
     env = hub_env(tmp_path)
-    for args, message in ((["kubernetes"], "platform must be rocm or cuda"),
-                          (["rocm"], "run as root" if os.getuid() else "no " + str(tmp_path / "users.txt"))):
-        proc = subprocess.run(["bash", str(start), *args], env=env, capture_output=True, text=True, timeout=30)
+    for args, extra, message in (
+            (["kubernetes"], {}, "platform must be rocm or cuda"),
+            (["rocm"], {"COURSE_HUB_SPAWNER": "local"}, "start.sh starts docker or slurm (local is for tests)"),
+            (["rocm"], {}, "run as root" if os.getuid() else "no " + str(tmp_path / "users.txt"))):
+        proc = subprocess.run(["bash", str(start), *args], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=30)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 

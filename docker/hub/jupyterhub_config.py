@@ -1,8 +1,14 @@
 """JupyterHub for a whole class: each student's JupyterLab with the course, nbgrader's Formgrader for the instructors.
 
-    COURSE_HUB_SPAWNER=docker  one GPU node: each user's lab in the workshop image (docker/README.md), a GPU share each
-    COURSE_HUB_SPAWNER=slurm   a cluster: each user's lab is a SLURM job on a GPU partition (batchspawner)
+    COURSE_HUB_SPAWNER=docker  one GPU node: each user's lab in the student image (docker/README.md), a GPU share each
+    COURSE_HUB_SPAWNER=slurm   a cluster: each user's lab is a SLURM job on a GPU partition (batchspawner), on the
+                               student edition that start.sh builds
     COURSE_HUB_SPAWNER=local   a plain process per user, no isolation: only for tests/test_hub.py
+
+Students get the student edition (no solutions, tests or graded references: course_lib/edition.py); the Formgrader
+runs from the instructor's checkout (COURSE_DIR). Students submit through the exchange service
+(exchange_service.py), which files each submission under the hub user and its own clock's time; the
+Formgrader's collect (grader/grader_exchange.py) takes only what that service filed.
 
 Start it with docker/hub/start.sh (docker/hub/README.md). Everything below is a plain value that an
 environment variable of the same meaning overrides. The users file lists the class, one `name role` a line
@@ -24,7 +30,7 @@ USERS_FILE = Path(os.environ.get("COURSE_HUB_USERS", STATE / "users.txt"))
 GPU_MAP_FILE = Path(os.environ.get("COURSE_HUB_GPU_MAP", STATE / "gpus.txt"))  # optional: `name 0,1` a line
 N_GPUS = int(os.environ.get("COURSE_HUB_GPUS", "8"))  # without a map entry, user i of the users file gets GPU i % N
 PLATFORM = os.environ.get("COURSE_HUB_GPU", "rocm")  # rocm or cuda: which workshop image, which device flags
-IMAGE = os.environ.get("COURSE_HUB_IMAGE", f"scaling-pytorch-course:{PLATFORM}")  # as `make docker-rocm` tags it
+IMAGE = os.environ.get("COURSE_HUB_IMAGE", f"scaling-pytorch-course:{PLATFORM}")  # the student image (`make docker-rocm`)
 MEM_LIMIT = os.environ.get("COURSE_HUB_MEM_LIMIT", "96G")  # per user; an 8x MI300X node has 1.5-2 TB
 SHM_SIZE = "64G"  # seed 001's --shm-size, as docker/run.sh
 IDLE_TIMEOUT = int(os.environ.get("COURSE_HUB_IDLE_TIMEOUT", "3600"))  # s; the culler stops idle labs, work stays
@@ -33,7 +39,14 @@ EXCHANGE = os.environ.get("COURSE_HUB_EXCHANGE", "/srv/nbgrader/exchange")  # nb
 GRADER_DIR = os.environ.get("COURSE_HUB_GRADER_DIR", "/srv/nbgrader/grader")  # the Formgrader's course is in course/
 GRADER_PORT = int(os.environ.get("COURSE_HUB_GRADER_PORT", "9999"))
 GRADER_USER = os.environ.get("COURSE_HUB_GRADER_USER", "grader")  # runs students' code when autograding: not root
-START_LAB = str(COURSE_DIR / "docker" / "start-lab.sh")  # the images' entrypoint, also run by local and the grader
+START_LAB = str(COURSE_DIR / "docker" / "start-lab.sh")  # the images' entrypoint, also run by the grader
+# slurm and local: what the labs run on, never COURSE_DIR (start.sh builds the edition, copies the student config)
+EDITION = Path(os.environ.get("COURSE_HUB_EDITION", STATE / "student-edition"))  # course_lib.edition student
+LAB_VENV = Path(os.environ.get("COURSE_HUB_LAB_VENV", STATE / "lab-venv"))  # slurm: the labs' Python (README)
+EXCHANGE_SERVICE = "course-exchange"  # files submissions (exchange_service.py); the labs post to it directly
+EXCHANGE_PORT = int(os.environ.get("COURSE_HUB_EXCHANGE_PORT", "9998"))
+EXCHANGE_MAX_MB = os.environ.get("COURSE_HUB_EXCHANGE_MAX_MB", "100")  # one submission; nbgrader's max_dir_size
+LEDGER = os.environ.get("COURSE_HUB_LEDGER", f"{GRADER_DIR}/exchange-ledger.jsonl")  # what the service filed
 SLURM = dict(partition="gpu", time="01:00:00", cpus_per_gpu=12)  # course_lib.cluster.Job's defaults
 assert MODE in ("docker", "slurm", "local"), f"COURSE_HUB_SPAWNER={MODE}: use docker, slurm or local"
 assert PLATFORM in ("rocm", "cuda"), f"COURSE_HUB_GPU={PLATFORM}: use rocm or cuda"
@@ -50,6 +63,7 @@ ROLES = read_table(USERS_FILE)
 bad = {name: role for name, role in ROLES.items() if role not in ("student", "instructor")}
 assert not bad, f"{USERS_FILE}: roles must be student or instructor, not {bad}"
 INSTRUCTORS = sorted(name for name, role in ROLES.items() if role == "instructor")
+STUDENTS = sorted(name for name, role in ROLES.items() if role == "student")  # who may submit
 
 # FirstUseAuthenticator (JupyterHub's own): per-user passwords, bcrypt-hashed in a file next to the hub, no
 # system accounts, no outside identity provider. The password a listed user types at their first login becomes
@@ -70,6 +84,7 @@ c.Authenticator.admin_users = set(INSTRUCTORS)
 # --- nbgrader, "one class, one grader": the Formgrader is a hub service that only the instructors reach ---------
 c.JupyterHub.load_groups = {
     "instructors": {"users": INSTRUCTORS},
+    "students": {"users": STUDENTS},
     f"formgrade-{COURSE_ID}": {"users": INSTRUCTORS},  # add TAs here to let them grade without being admins
 }
 c.JupyterHub.load_roles = [
@@ -77,7 +92,13 @@ c.JupyterHub.load_roles = [
      "scopes": [f"access:services!service={COURSE_ID}"]},
     {"name": "idle-culler", "services": ["idle-culler"],
      "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]},
+    # students may use the exchange service, and their labs' tokens carry that right (server_token_scopes)
+    {"name": "exchange-submit", "groups": ["students"], "scopes": [f"access:services!service={EXCHANGE_SERVICE}"]},
 ]
+# a lab's JUPYTERHUB_API_TOKEN: the hub's default server scopes, plus the exchange service for students (a token
+# gets the subset its user holds): the service learns from this token whose submission it is
+c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server",
+                                 f"access:services!service={EXCHANGE_SERVICE}"]
 grader = {
     "name": COURSE_ID,
     "url": f"http://127.0.0.1:{GRADER_PORT}",
@@ -87,7 +108,8 @@ grader = {
     "environment": {
         "COURSE_DIR": str(COURSE_DIR), "COURSE_ROLE": "instructor", "WORK_DIR": GRADER_DIR,
         "PORT": str(GRADER_PORT), "LAB_IP": "127.0.0.1", "NBGRADER_EXCHANGE": EXCHANGE,
-        "JUPYTER_CONFIG_PATH": str(HERE / "grader"),  # loads the hub extension, lets Lab frame the Formgrader
+        "JUPYTER_CONFIG_PATH": str(HERE / "grader"),  # hub extension, Lab may frame the Formgrader, ledger collect
+        "COURSE_EXCHANGE_LEDGER": LEDGER,
         "JUPYTERHUB_DEFAULT_URL": "/lab",
     },
     "oauth_no_confirm": True,
@@ -96,8 +118,24 @@ if MODE == "local":  # the test runs as root with no system users: the grader ru
     grader["environment"].update(HOME=f"{GRADER_DIR}/home", COURSE_ALLOW_ROOT="1" if os.getuid() == 0 else "0")
 else:
     grader["user"] = GRADER_USER
+# the exchange service listens where the labs reach it: the docker bridge, this host for cluster nodes, loopback
+SERVICE_IP = {"docker": "172.17.0.1", "slurm": "0.0.0.0", "local": "127.0.0.1"}[MODE]
+LAB_REACHES = {"docker": "172.17.0.1", "slurm": os.environ.get("COURSE_HUB_CONNECT_IP", socket.getfqdn()),
+               "local": "127.0.0.1"}[MODE]
+exchange_service = {
+    "name": EXCHANGE_SERVICE,
+    "url": f"http://{SERVICE_IP}:{EXCHANGE_PORT}",
+    "command": [sys.executable, str(HERE / "exchange_service.py")],
+    "environment": {
+        "COURSE_EXCHANGE_ROOT": EXCHANGE, "COURSE_ID": COURSE_ID, "COURSE_EXCHANGE_STUDENTS": ",".join(STUDENTS),
+        "COURSE_EXCHANGE_LEDGER": LEDGER, "COURSE_EXCHANGE_MAX_MB": EXCHANGE_MAX_MB,
+    },
+}
+if MODE != "local":
+    exchange_service["user"] = GRADER_USER  # inbound/ and the ledger are the grader's; students cannot write them
 c.JupyterHub.services = [
     grader,
+    exchange_service,
     {"name": "idle-culler",
      "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE_TIMEOUT}", "--cull-every=300"]},
 ]
@@ -147,23 +185,39 @@ def visible(spawner) -> str:
 
 
 def gpu_host_config(spawner) -> dict:
-    """docker run's GPU and memory flags for this user (seed 001's for ROCm, NVIDIA's for CUDA), as docker/run.sh."""
+    """docker run's GPU and memory flags for this user: what ROCm or CUDA needs, and nothing shared between users.
+
+    As docker/run.sh, and unlike seed 001, no `--ipc host`: each container keeps its own IPC namespace
+    ("private": no other container can join it), so one student's processes cannot reach another's shared
+    memory. A student's ranks all run in their own container, so PyTorch's DataLoader workers and RCCL/NCCL's
+    intra-node shared-memory transport work inside it on its own /dev/shm (shm_size). No SYS_PTRACE (it lets a
+    process read another's memory; py-spy-style tools need it, the course does not) and the default seccomp
+    profile (ROCm's docs list seccomp=unconfined as optional, for numactl's memory policies in HPC set-ups).
+    """
     gpus = gpus_for(spawner.user.name)
     if PLATFORM == "rocm":
         nodes = render_nodes(gpus)
-        groups = ["video"] + [str(os.stat(n).st_gid) for n in nodes[:1] if os.path.exists(n)]  # the render group
-        return dict(devices=["/dev/kfd", *nodes], group_add=groups, ipc_mode="host", shm_size=SHM_SIZE,
-                    cap_add=["SYS_PTRACE"], security_opt=["seccomp=unconfined"])
+        # /dev/kfd: ROCm's compute interface, shared by all GPUs; /dev/dri/renderD<N>: one per GPU, only this user's
+        # (ROCm's docs: "Restricting GPU access"). Both are group video or render on the host: the container's
+        # user gets those groups (render has no fixed gid, so the render node's own gid is added)
+        groups = ["video"] + sorted({str(os.stat(n).st_gid) for n in nodes[:1] if os.path.exists(n)})
+        return dict(devices=["/dev/kfd", *nodes], group_add=groups, ipc_mode="private", shm_size=SHM_SIZE)
+    # CUDA: the NVIDIA runtime's device request for this user's GPUs; NVIDIA's recommended ulimits for PyTorch
+    # (pinned memory unlimited, 64 MB stack)
     return dict(device_requests=[dict(driver="nvidia", device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])],
-                ipc_mode="host", shm_size=SHM_SIZE,
+                ipc_mode="private", shm_size=SHM_SIZE,
                 ulimits=[dict(name="memlock", soft=-1, hard=-1), dict(name="stack", soft=67108864, hard=67108864)])
 
 
 # --- where each user's lab runs ---------------------------------------------------------------------------------
+STUDENT_CONFIG = HERE / "student"  # hub extension, student id = hub name, no Formgrader, the exchange plugins
+if MODE == "slurm":  # COURSE_DIR is closed to students on a cluster: start.sh copies the folder out
+    STUDENT_CONFIG = Path(os.environ.get("COURSE_HUB_STUDENT_CONFIG", STATE / "student-config"))
 student_env = {  # read by start-lab.sh, and by nbgrader through JUPYTER_CONFIG_PATH
     "COURSE_ROLE": "student",
     "NBGRADER_EXCHANGE": EXCHANGE,
-    "JUPYTER_CONFIG_PATH": str(HERE / "student"),  # hub extension, student id = hub name, no Formgrader
+    "JUPYTER_CONFIG_PATH": str(STUDENT_CONFIG),
+    "COURSE_EXCHANGE_URL": f"http://{LAB_REACHES}:{EXCHANGE_PORT}/services/{EXCHANGE_SERVICE}/",
 }
 
 if MODE == "docker":
@@ -175,7 +229,10 @@ if MODE == "docker":
     c.DockerSpawner.cmd = ["--ServerApp.default_url=/lab"]  # arguments to the entrypoint, start-lab.sh
     c.DockerSpawner.volumes = {
         "course-{username}": "/home/student/work",  # the user's notebooks, across restarts and image updates
-        EXCHANGE: EXCHANGE,
+        # the exchange, read-only and only what students read: released assignments and feedback. inbound/ (every
+        # submission) is not there at all: the exchange service writes it as the grader
+        **{f"{EXCHANGE}/{COURSE_ID}/{part}": {"bind": f"{EXCHANGE}/{COURSE_ID}/{part}", "mode": "ro"}
+           for part in ("outbound", "feedback")},
         str(HERE / "student"): {"bind": str(HERE / "student"), "mode": "ro"},
     }
     c.DockerSpawner.mem_limit = MEM_LIMIT
@@ -192,21 +249,29 @@ elif MODE == "slurm":
     c.SlurmSpawner.req_gres = "gpu:1"
     c.SlurmSpawner.req_nprocs = str(SLURM["cpus_per_gpu"])
     c.SlurmSpawner.req_memory = MEM_LIMIT
+    # The labs run on the student edition and a Python environment made from it (LAB_VENV), both readable by
+    # students; COURSE_DIR (solutions, tests, references) is not (README: "On a SLURM cluster").
     c.SlurmSpawner.req_prologue = (
-        f"export PATH={COURSE_DIR}/.venv/bin:$PATH TORCH_EXTENSIONS_DIR={COURSE_DIR}/.venv/torch_extensions\n"
-        f"mkdir -p ~/work && {{ [ -e ~/work/notebooks ] || cp -R {COURSE_DIR}/notebooks ~/work/; }}"
+        f"export PATH={LAB_VENV}/bin:$PATH PYTHONPATH={EDITION} TORCH_EXTENSIONS_DIR=$HOME/.cache/torch_extensions\n"
+        # DeepSpeed's ops that `make setup` built, copied where this user may take their lock files (as start-lab.sh)
+        f"mkdir -p ~/.cache && {{ [ -e ~/.cache/torch_extensions ] || cp -Rp {LAB_VENV}/torch_extensions ~/.cache/ "
+        "2>/dev/null || true; }\n"
+        f"mkdir -p ~/work && {{ [ -e ~/work/notebooks ] || cp -R {EDITION}/notebooks ~/work/; }}"
     )
-    c.SlurmSpawner.cmd = [f"{COURSE_DIR}/.venv/bin/jupyterhub-singleuser"]
+    c.SlurmSpawner.cmd = [f"{LAB_VENV}/bin/jupyterhub-singleuser"]
     c.SlurmSpawner.notebook_dir = "~/work"
     c.SlurmSpawner.environment = student_env
 
 else:  # local: tests only. Every lab runs as the hub's user, in a home under COURSE_HUB_HOMES
+    # Labs run the student edition's entrypoint on the edition (COURSE_DIR=EDITION: its notebooks; its course_lib
+    # first on PYTHONPATH). Its .venv may be a link to the checkout's (the test makes one): local mode isolates
+    # nothing, everything runs as one user (README: "What is tested").
     c.JupyterHub.spawner_class = "simple"
     homes = os.environ.get("COURSE_HUB_HOMES", "/tmp/course-hub")
     c.SimpleLocalProcessSpawner.home_dir_template = homes + "/{username}"
-    c.Spawner.cmd = ["bash", START_LAB]
+    c.Spawner.cmd = ["bash", str(EDITION / "docker" / "start-lab.sh")]
     c.Spawner.environment = {
-        **student_env, "COURSE_DIR": str(COURSE_DIR), "LAB_IP": "127.0.0.1",
+        **student_env, "COURSE_DIR": str(EDITION), "PYTHONPATH": str(EDITION), "LAB_IP": "127.0.0.1",
         "PORT": lambda spawner: str(spawner.port),  # start-lab.sh passes --port: the one the hub picked
         "COURSE_ALLOW_ROOT": "1" if os.getuid() == 0 else "0",
     }
