@@ -24,26 +24,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nbgrading  # tests/nbgrading.py: the known submissions of every assignment
+
 REPO = Path(__file__).resolve().parents[2]  # the instructor's repository (the course graded in tests is a copy)
 GRADEBOOK_ASSIGNMENT = "02_gradient_accumulation"
 GRADEBOOK_EXERCISE = "accumulate_gradients"
 
-# A known-wrong answer of GRADEBOOK_EXERCISE (the loss is not divided by the number of micro-batches): it loses that
-# exercise's two gradient tests and keeps its error test.
-NOT_DIVIDED = '''
-def accumulate_gradients(model, x, y, micro_batch):
-    n = x.shape[0]
-    if n % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} does not divide {n}")
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
-        loss = F.cross_entropy(model(xm), ym)   # forgot: / number of micro-batches
-        loss.backward()
-        total += loss.item()
-    return total / (n // micro_batch)
-'''
-NOT_DIVIDED_LOSES = ("test_accumulate_gradients", "test_accumulate_gradients_hidden")
+# A known-wrong answer of GRADEBOOK_EXERCISE, 02's own "loss_not_divided" (the loss is not divided by the number of
+# micro-batches): it loses that exercise's two gradient tests and keeps its error test.
+_NOT_DIVIDED_CASE = nbgrading.cases(GRADEBOOK_ASSIGNMENT).CASES["loss_not_divided"]
+NOT_DIVIDED = _NOT_DIVIDED_CASE["cells"][GRADEBOOK_EXERCISE]
+NOT_DIVIDED_LOSES = tuple(test for test, score in _NOT_DIVIDED_CASE["scores"].items() if score == 0)
 
 WRITE_GRADEBOOK = '''
 import sqlite3
