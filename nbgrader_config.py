@@ -97,9 +97,8 @@ def load_module(name: str):
 def installation(edition) -> list[str]:
     """The Python installation the kernel runs (the venv and the Python it was made from), less the folder of
     student-edition builds when it lies inside the venv: an older build may predate a graded reference's stub."""
-    read = []
+    read, cache = [], os.path.realpath(edition.grading_cache())
     for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}):
-        cache = os.path.realpath(edition.grading_cache())
         if os.path.dirname(cache) == prefix:
             read += [os.path.join(prefix, e) for e in os.listdir(prefix) if os.path.join(prefix, e) != cache]
         else:
@@ -107,9 +106,9 @@ def installation(edition) -> list[str]:
     return read
 
 
-def allow_lists(submission: str, scratch: str, connection_file: str, edition_path: str) -> tuple[list[str], list[str]]:
+def allow_lists(submission: str, scratch: str, connection_file: str, edition, edition_path: str) -> tuple[list[str], list[str]]:
     """What the grading kernel may read, and what it may write; refuses if the instructor's course_lib is readable."""
-    read = [*installation(load_module("edition")), *SYSTEM_READ, edition_path, os.path.realpath(connection_file)]
+    read = [*installation(edition), *SYSTEM_READ, edition_path, os.path.realpath(connection_file)]
     write = [scratch, submission, *DEVICES_WRITE]
     instructor = os.path.dirname(os.path.realpath(course_lib_file("sandbox")))
     exposed = [p for p in read + write if instructor == p or instructor.startswith(p.rstrip("/") + "/")]
@@ -157,10 +156,11 @@ class SandboxedKernelManager(AsyncKernelManager):
         self.scratch = self.scratch or scratch_folder()
         kw["cwd"] = kw.get("cwd") or self.scratch  # never nbgrader's own folder (the course root) by default
         submission = os.path.realpath(kw["cwd"])
-        edition_path = str(load_module("edition").for_grading())
+        edition = load_module("edition")
+        edition_path = str(edition.for_grading())
         kw["env"] = kernel_env(dict(kw.get("env") or os.environ), self.scratch, edition_path)
         cmd, kw = await super()._async_pre_start_kernel(**kw)
-        read, write = allow_lists(submission, self.scratch, self.connection_file, edition_path)
+        read, write = allow_lists(submission, self.scratch, self.connection_file, edition, edition_path)
         return [sys.executable, "-I", course_lib_file("sandbox"), "--read", *read, "--write", *write, "--", *cmd], kw
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
