@@ -106,7 +106,8 @@ def installation(edition) -> list[str]:
     return read
 
 
-def allow_lists(submission: str, scratch: str, connection_file: str, edition, edition_path: str) -> tuple[list[str], list[str]]:
+def allow_lists(submission: str, scratch: str, connection_file: str, edition,
+                edition_path: str) -> tuple[list[str], list[str]]:
     """What the grading kernel may read, and what it may write; refuses if the instructor's course_lib is readable."""
     read = [*installation(edition), *SYSTEM_READ, edition_path, os.path.realpath(connection_file)]
     write = [scratch, submission, *DEVICES_WRITE]
