@@ -242,7 +242,7 @@ def scaled_mm_runs(device_type: str, dtype_a: torch.dtype, dtype_b: torch.dtype)
     one = torch.ones((), device=device)
     try:
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError, AttributeError) as err:
+    except Exception as err:  # torch 2.11 refuses e5m2 x e5m2 on an H200 with a ValueError, others a RuntimeError
         return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return None
 

@@ -122,6 +122,31 @@ def test_fp8_matmul_kernel_and_emulation_agree():
         fp8.fp8_matmul(a, a)
 
 
+def test_a_pair_of_formats_the_kernel_refuses_falls_back_to_emulation(monkeypatch):
+    """An H200 under torch 2.11 refused e5m2 x e5m2 with a ValueError (not a RuntimeError), which escaped the
+    probe and stopped notebook 01's magnitude sweep. Here the CPU kernel is made to refuse that pair the same way."""
+    real = torch._scaled_mm
+
+    def refuses_e5m2_pairs(a, b, **kw):
+        if a.dtype == b.dtype == torch.float8_e5m2:
+            raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses_e5m2_pairs)
+    fp8.scaled_mm_runs.cache_clear()
+    try:
+        why = fp8.scaled_mm_runs("cpu", torch.float8_e5m2, torch.float8_e5m2)
+        assert why == "ValueError: Multiplication of two Float8_e5m2 matrices is not supported"
+        torch.manual_seed(0)
+        a, b = torch.randn(64, 48), torch.randn(48, 32) * 0.02
+        res = fp8.fp8_matmul(a, b, torch.float8_e5m2)
+        assert res.path == fp8.EMULATED and fp8.relative_error(res.out, a @ b) < 0.1
+        sweep = fp8.magnitude_sweep(a, b, [-4, 0, 4])  # every format of the sweep, e5m2 x e5m2 among them
+        assert all(len(errs) == 3 and all(e == e for e in errs) for errs in sweep.values())
+    finally:
+        fp8.scaled_mm_runs.cache_clear()  # the next test asks the real kernel again
+
+
 def test_matmul_errors_order_the_formats_by_their_mantissa():
     x, w = fp8.outlier_operands(128)
     err = {k: v["error"] for k, v in fp8.matmul_errors(x, w).items()}
