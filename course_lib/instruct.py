@@ -94,7 +94,8 @@ def make_examples(task: str = "reverse", n: int = 1000, seed: int = 0, n_words: 
             out.append(ex)
             if len(out) == n:
                 return out
-    raise ValueError(f"task={task!r} has fewer than {n} distinct examples with n_words={n_words}: ask for fewer")
+    raise ValueError(f"task={task!r} has fewer than {n} distinct examples with n_words={n_words} (it found {len(out)} "
+                     f"in {200 * n} draws, {len(seen) - len(out)} excluded): ask for fewer")
 
 
 def has_chat_template(tokenizer) -> bool:

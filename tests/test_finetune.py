@@ -3,10 +3,13 @@ fine-tune loop and CLI, the node configs and the ROCm checks."""
 
 from __future__ import annotations
 
+import ast
+import json
 import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from course_lib import accelerate_configs
 from course_lib import finetune as ft
@@ -588,3 +591,23 @@ def test_two_ranks_under_accelerate_launch_equal_one_process(hub, one_process, t
     want = param_digest(hub["weights"])
     assert ranks[0]["fsdp_digest"] == pytest.approx(want, rel=1e-9) == ranks[1]["fsdp_digest"]
     assert "1 processes" not in run.stdout and "truncated" in run.stdout
+
+
+def notebook_sizes(name: str) -> dict[str, dict]:
+    """The ``SIZES`` literal of a solution notebook's setup cell, every tier's sizes."""
+    cells = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())["cells"]
+    for cell in (c for c in cells if c["cell_type"] == "code"):
+        for node in ast.parse("".join(cell["source"])).body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SIZES"]:
+                return eval(compile(ast.Expression(node.value), name, "eval"), {"dict": dict})
+    raise AssertionError(f"{name} has no SIZES")
+
+
+@pytest.mark.parametrize("tier", ["smoke", "cpu", "gpu", "node"])
+def test_every_tier_of_notebook_07_can_make_its_data(tier):
+    """The gpu tier asked for 4000 'reverse' examples, and 16 words make only 3360: it stopped at its first data cell
+    on an H200. Each tier's counts are made here, as the notebook makes them (reverse, then sort for the base)."""
+    size = notebook_sizes("07_llama_finetune")[tier]
+    for task in ("reverse", "sort"):
+        data = ins.load_instruction_data(None, task=task, n_train=size["n_train"], n_test=size["n_test"])
+        assert len(data["train"]) == size["n_train"] and len(data["test"]) == size["n_test"]
