@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {args.only}; "
                      f"available: {[p.name[:2] for p in available]}")
     run_dir = Path(args.out).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)  # the summary is written even when the first notebook cannot start
     timings, failed = {}, []
     bar = tqdm(chosen, desc="course", unit="notebook")
     for nb in bar:
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # keep going: the summary says which notebook failed and why
             timings[nb.stem] = float("nan")
             failed.append((nb.stem, err))
+            if type(err).__name__ != "PapermillExecutionError":  # it never reached a cell: say why in full
+                traceback.print_exc()
         tqdm.write(f"{nb.stem}: {timings[nb.stem]:.1f} s")
     budget = None if args.long_runs or args.emulate else BUDGET_S.get(tier)
     summary = write_summary(run_dir, timings, f"{tier} (emulated on CPU ranks)" if args.emulate else tier, budget)

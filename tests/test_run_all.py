@@ -44,3 +44,16 @@ def test_the_long_measurements_wait_for_long_runs():
         nb = json.loads((run_all.ROOT / "solutions" / name / f"{name}.ipynb").read_text())
         params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
         assert "long_runs = False" in "".join(params["source"]), name
+
+
+def test_a_notebook_that_cannot_start_is_reported_with_its_cause(tmp_path, monkeypatch, capsys):
+    """On a GPU machine without papermill every notebook failed before its first cell, and run_all then crashed
+    writing the summary into a folder nothing had made, hiding the cause. Now: a summary, the cause, exit 1."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "papermill", None)  # `import papermill` raises ImportError, as it did there
+    out = tmp_path / "not" / "made" / "yet"
+    assert run_all.main(["--tier", "cpu", "--out", str(out), "00"]) == 1
+    assert "## 00_orientation" in (out / "summary.md").read_text() and "Failed." in (out / "summary.md").read_text()
+    err = capsys.readouterr().err
+    assert "import papermill" in err and "FAILED 00_orientation" in err
