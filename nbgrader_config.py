@@ -7,16 +7,15 @@ Collected work goes to submitted/<student>/<assignment>/; ``nbgrader autograde``
 ``generate_feedback`` and ``export`` do the rest (see README, "Grading").
 """
 
-import glob
 import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 
 from jupyter_client.manager import AsyncKernelManager
 from nbgrader.converters.autograde import Autograde
-from nbgrader.preprocessors import Execute
+from nbgrader.preprocessors import Execute, NbGraderPreprocessor
+from nbformat.v4 import new_output
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 
@@ -68,13 +67,6 @@ if sys.prefix != sys.base_prefix:  # in the course's venv
 # TMPDIR, caches, COURSE_RUN_DIR) and its own autograded folder. Nothing else of the course can be opened.
 # nbgrader's own processes (outside the kernel) are unchanged. COURSE_GRADE_UNSANDBOXED=1 grades without Landlock
 # (practice only: the scores are then not class-safe).
-SYSTEM_READ = ["/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys",
-               "/dev/urandom", "/dev/random", "/dev/zero", "/dev/full", "/dev/fd"]
-# Writable devices: /dev/null, shared memory (DeepSpeed's shm comm, multiprocessing), and the GPUs where they exist
-# (CUDA and ROCm open their device files read-write and drive them with ioctls).
-DEVICES_WRITE = ["/dev/null", "/dev/shm", "/dev/kfd", "/dev/dri", *glob.glob("/dev/nvidia*")]
-
-
 def course_lib_file(name: str) -> str:
     """The instructor's course_lib/<name>.py (beside this file, or the installed one), found without importing the
     package (that would load torch into every nbgrader command)."""
@@ -94,57 +86,6 @@ def load_module(name: str):
     return module
 
 
-def installation(edition) -> list[str]:
-    """The Python installation the kernel runs (the venv and the Python it was made from), less the folder of
-    student-edition builds when it lies inside the venv: an older build may predate a graded reference's stub."""
-    read, cache = [], os.path.realpath(edition.grading_cache())
-    for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}):
-        if os.path.dirname(cache) == prefix:
-            read += [os.path.join(prefix, e) for e in os.listdir(prefix) if os.path.join(prefix, e) != cache]
-        else:
-            read.append(prefix)
-    return read
-
-
-def allow_lists(submission: str, scratch: str, connection_file: str, edition,
-                edition_path: str) -> tuple[list[str], list[str]]:
-    """What the grading kernel may read, and what it may write; refuses if the instructor's course_lib is readable."""
-    read = [*installation(edition), *SYSTEM_READ, edition_path, os.path.realpath(connection_file)]
-    write = [scratch, submission, *DEVICES_WRITE]
-    instructor = os.path.dirname(os.path.realpath(course_lib_file("sandbox")))
-    exposed = [p for p in read + write if instructor == p or instructor.startswith(p.rstrip("/") + "/")]
-    if exposed:
-        raise RuntimeError(f"the instructor's course_lib ({instructor}) lies inside {exposed}, which the grading kernel "
-                           "can read: install the course editable (pip install -e .) so that it stays outside")
-    return read, write
-
-
-def scratch_folder() -> str:
-    """A fresh folder for one execution: HOME, TMPDIR and the caches, with copies of what the grader has built
-    (DeepSpeed's ops: a minute to rebuild, and loading them takes a lock file in their folder; matplotlib's font
-    list: seconds). Copies, not links: a kernel that wrote into a shared op would run in the next student's kernel."""
-    scratch = tempfile.mkdtemp(prefix="course-grade-")
-    for sub in ("tmp", "cache", "runs", "matplotlib"):
-        os.mkdir(os.path.join(scratch, sub))
-    ops = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if ops and os.path.isdir(ops):
-        shutil.copytree(ops, os.path.join(scratch, "torch_extensions"), symlinks=True,
-                        ignore=shutil.ignore_patterns("lock"))
-    fonts = os.environ.get("MPLCONFIGDIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "matplotlib")
-    for font_list in glob.glob(os.path.join(fonts, "fontlist-*.json")):
-        shutil.copy2(font_list, os.path.join(scratch, "matplotlib"))
-    return scratch
-
-
-def kernel_env(env: dict, scratch: str, edition_path: str) -> dict:
-    """The kernel's environment: the student edition first on PYTHONPATH, every home and cache in the scratch."""
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (edition_path, env.get("PYTHONPATH")) if p),
-            "HOME": scratch, "TMPDIR": os.path.join(scratch, "tmp"), "XDG_CACHE_HOME": os.path.join(scratch, "cache"),
-            "MPLCONFIGDIR": os.path.join(scratch, "matplotlib"), "COURSE_RUN_DIR": os.path.join(scratch, "runs"),
-            "TORCH_EXTENSIONS_DIR": os.path.join(scratch, "torch_extensions")}
-
-
 class SandboxedKernelManager(AsyncKernelManager):
     """A kernel started through course_lib.sandbox, with its own scratch folder (removed when the kernel is)."""
 
@@ -154,15 +95,16 @@ class SandboxedKernelManager(AsyncKernelManager):
         sandbox = load_module("sandbox")
         if sandbox.landlock_abi() == 0:
             sandbox.restrict([], [])  # raises the clear error, or warns under COURSE_GRADE_UNSANDBOXED=1
-        self.scratch = self.scratch or scratch_folder()
+        self.scratch = self.scratch or sandbox.scratch_folder()
         kw["cwd"] = kw.get("cwd") or self.scratch  # never nbgrader's own folder (the course root) by default
         submission = os.path.realpath(kw["cwd"])
         edition = load_module("edition")
         edition_path = str(edition.for_grading())
-        kw["env"] = kernel_env(dict(kw.get("env") or os.environ), self.scratch, edition_path)
+        kw["env"] = sandbox.grading_env(dict(kw.get("env") or os.environ), self.scratch, edition_path)
         cmd, kw = await super()._async_pre_start_kernel(**kw)
-        read, write = allow_lists(submission, self.scratch, self.connection_file, edition, edition_path)
-        return [sys.executable, "-I", course_lib_file("sandbox"), "--read", *read, "--write", *write, "--", *cmd], kw
+        read, write = sandbox.allow_lists([submission], self.scratch, [self.connection_file], edition.grading_cache(),
+                                          edition_path, os.path.dirname(course_lib_file("sandbox")))
+        return sandbox.fenced(cmd, read, write), kw
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)
@@ -180,5 +122,36 @@ class SandboxedExecute(Execute):
         super().__init__(*args, **kwargs)
 
 
-c.Autograde.autograde_preprocessors = [SandboxedExecute if p is Execute else p
-                                       for p in Autograde.autograde_preprocessors.default()]
+# ---------------------------------------------------------------- scores come from the grader, not the kernel
+# A test cell that calls check("grade_id", globals()) is scored here: course_lib.checks.grade runs the submission's
+# setup and solution cells in a fenced child process, takes back its probes' data and judges it in this process.
+# The verdict replaces what the kernel printed in that cell (an error output if it failed, the judge's message if
+# it passed), and nbgrader's SaveAutoGrades then scores the cell from it. Nothing the kernel did (patched helpers,
+# a rebound forbid, an AST transformer that swallows errors) reaches these cells' scores.
+class GradeByChecks(NbGraderPreprocessor):
+    """Write each checked test cell's verdict, computed outside the student's process, as that cell's output."""
+
+    def preprocess(self, nb, resources):
+        from course_lib.checks import grade  # torch: only in the autograde process, not every nbgrader command
+
+        verdicts = grade.grade(nb, seconds=CELL_TIMEOUT)
+        for cell in nb.cells:
+            meta = cell.metadata.get("nbgrader", {})
+            verdict = verdicts.get(meta.get("grade_id")) if meta.get("grade") else None
+            if verdict is None:
+                continue
+            cell.outputs = [new_output("stream", name="stdout", text=verdict.message + "\n")] if verdict.passed else \
+                [new_output("error", ename="AssertionError", evalue=verdict.message,
+                            traceback=[f"AssertionError (scored by the grader): {verdict.message}"])]
+        return nb, resources
+
+
+def autograde_preprocessors() -> list:
+    """nbgrader's autograde steps, with the sandboxed kernel and the grader's checks right after it."""
+    out = []
+    for p in Autograde.autograde_preprocessors.default():
+        out += [SandboxedExecute, GradeByChecks] if p is Execute else [p]
+    return out
+
+
+c.Autograde.autograde_preprocessors = autograde_preprocessors()

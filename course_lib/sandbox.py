@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import os
 import platform
+import shutil
 import stat
 import sys
+import tempfile
 
 # landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: the same numbers in the generic syscall
 # table (aarch64) and x86_64's.
@@ -144,6 +147,75 @@ def restrict(read: list[str], write: list[str]) -> None:
         _syscall(2, ctypes.c_int(ruleset), ctypes.c_uint32(0))
     finally:
         os.close(ruleset)
+
+
+# ---------------------------------------------------------------- what a grading process may reach
+# The grading kernel (nbgrader_config.py) and the process that runs a submission's code for the checks
+# (course_lib.checks.grade) are fenced alike: they read the Python installation, the system folders and the
+# student edition of course_lib (first on PYTHONPATH); they write one fresh scratch folder.
+SYSTEM_READ = ["/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys",
+               "/dev/urandom", "/dev/random", "/dev/zero", "/dev/full", "/dev/fd"]
+# Writable devices: /dev/null, shared memory (DeepSpeed's shm comm, multiprocessing), and the GPUs where they exist
+# (CUDA and ROCm open their device files read-write and drive them with ioctls).
+DEVICES_WRITE = ["/dev/null", "/dev/shm", "/dev/kfd", "/dev/dri", *glob.glob("/dev/nvidia*")]
+
+
+def installation(edition_cache: str) -> list[str]:
+    """The Python installation a grading process runs (the venv and the Python it was made from), less the folder
+    of student-edition builds when it lies inside the venv: an older build may predate a graded reference's stub."""
+    read, cache = [], os.path.realpath(edition_cache)
+    for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}):
+        if os.path.dirname(cache) == prefix:
+            read += [os.path.join(prefix, e) for e in os.listdir(prefix) if os.path.join(prefix, e) != cache]
+        else:
+            read.append(prefix)
+    return read
+
+
+def allow_lists(writable: list[str], scratch: str, readable: list[str], edition_cache: str, edition_path: str,
+                instructor: str) -> tuple[list[str], list[str]]:
+    """What a grading process may read, and what it may write: refuses if the instructor's course_lib (the
+    folder ``instructor``) would be readable through any of them."""
+    read = [*installation(edition_cache), *SYSTEM_READ, edition_path, *(os.path.realpath(p) for p in readable)]
+    write = [scratch, *writable, *DEVICES_WRITE]
+    instructor = os.path.realpath(instructor)
+    exposed = [p for p in read + write if instructor == p or instructor.startswith(p.rstrip("/") + "/")]
+    if exposed:
+        raise RuntimeError(f"the instructor's course_lib ({instructor}) lies inside {exposed}, which a grading process "
+                           "can read: install the course editable (pip install -e .) so that it stays outside")
+    return read, write
+
+
+def scratch_folder() -> str:
+    """A fresh folder for one execution: HOME, TMPDIR and the caches, with copies of what the grader has built
+    (DeepSpeed's ops: a minute to rebuild, and loading them takes a lock file in their folder; matplotlib's font
+    list: seconds). Copies, not links: a kernel that wrote into a shared op would run in the next student's kernel."""
+    scratch = tempfile.mkdtemp(prefix="course-grade-")
+    for sub in ("tmp", "cache", "runs", "matplotlib"):
+        os.mkdir(os.path.join(scratch, sub))
+    ops = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if ops and os.path.isdir(ops):
+        shutil.copytree(ops, os.path.join(scratch, "torch_extensions"), symlinks=True,
+                        ignore=shutil.ignore_patterns("lock"))
+    fonts = os.environ.get("MPLCONFIGDIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "matplotlib")
+    for font_list in glob.glob(os.path.join(fonts, "fontlist-*.json")):
+        shutil.copy2(font_list, os.path.join(scratch, "matplotlib"))
+    return scratch
+
+
+def grading_env(env: dict, scratch: str, edition_path: str) -> dict:
+    """A grading process's environment: the student edition first on PYTHONPATH, every home and cache in the
+    scratch folder."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (edition_path, env.get("PYTHONPATH")) if p),
+            "HOME": scratch, "TMPDIR": os.path.join(scratch, "tmp"), "XDG_CACHE_HOME": os.path.join(scratch, "cache"),
+            "MPLCONFIGDIR": os.path.join(scratch, "matplotlib"), "COURSE_RUN_DIR": os.path.join(scratch, "runs"),
+            "TORCH_EXTENSIONS_DIR": os.path.join(scratch, "torch_extensions")}
+
+
+def fenced(command: list[str], read: list[str], write: list[str]) -> list[str]:
+    """``command`` started through this module: it runs with only ``read`` and ``write`` reachable."""
+    return [sys.executable, "-I", os.path.abspath(__file__), "--read", *read, "--write", *write, "--", *command]
 
 
 def main(argv: list[str] | None = None) -> None:
