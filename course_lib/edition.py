@@ -46,6 +46,8 @@ STUDENT_FILES = ("pyproject.toml", "environment.yml", "docker/start-lab.sh", ".g
 # The instructor Makefile's targets a student uses; their rules are copied unchanged (student_makefile).
 STUDENT_TARGETS = ("$(VENV)/.installed", "$(SHM_OP)", "$(CPU_ADAM_OP)", "setup", "ops", "lab", "preflight")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
+# course_lib/checks/nbNN_hidden.py: the hidden tests' checks, which only the grader runs
+HIDDEN = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*_hidden.py")
 DEF = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
@@ -182,7 +184,7 @@ def stub_module(path: Path, root: Path = ROOT) -> str:
 
 def write_course_lib(dest: Path, root: Path = ROOT) -> Path:
     """Copy ``course_lib/`` (its data files too, no caches) to ``dest`` with every graded reference stubbed."""
-    shutil.copytree(root / "course_lib", dest, ignore=IGNORED)
+    shutil.copytree(root / "course_lib", dest, ignore=HIDDEN)
     for path in _modules(root):
         (dest / path.name).write_text(stub_module(path, root))
     return dest

@@ -29,6 +29,15 @@ def cases(assignment: str) -> dict:
     return mod
 
 
+def load_solution(assignment: str) -> dict:
+    return json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text())
+
+
+def checked(nb: dict) -> bool:
+    """Whether the notebook's test cells call course_lib.checks (graded outside the kernel)."""
+    return any("check(" in cell_source(c) for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade"))
+
+
 def strip_markers(source: str) -> str:
     return "\n".join(l for l in source.splitlines() if l.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
 
@@ -148,13 +157,29 @@ def bundle(cases: dict[str, dict], solution: dict, points: dict[str, float]) -> 
     return out
 
 
-def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> dict[str, dict]:
-    """The attacks of tests/submissions/attacks.py on an assignment, as known-wrong cases (0 on the tests they lose)."""
+def _attacks():
     spec = importlib.util.spec_from_file_location("submissions_attacks", ROOT / "tests" / "submissions" / "attacks.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> dict[str, dict]:
+    """The attacks of tests/submissions/attacks.py on an assignment, as known-wrong cases (0 on the tests they lose):
+    those the sandbox stops, and where the tests are checks, those on the tests themselves."""
+    mod = _attacks()
     attacks = mod.cases(assignment, {ex: tests_of(solution, ex) for ex in solution_cells(solution)})
-    return {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}} for name, a in attacks.items()}
+    out = {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}} for name, a in attacks.items()}
+    return {**out, **mod.on_the_tests(assignment)}
+
+
+def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float]) -> dict[str, float]:
+    """grade_id → score of the solution notebook with ``replace``'s solution cells, graded by calling its checks
+    (course_lib.checks.grade: the submission's code in a fenced child, the judges here), without nbgrader."""
+    from course_lib.checks import grade
+
+    verdicts = grade.grade(submission(solution, solution, replace=replace))
+    return {k: (points[k] if v.passed else 0) for k, v in verdicts.items()}
 
 
 def gradebook_rows(course: Path) -> dict[tuple[str, str, str], tuple]:

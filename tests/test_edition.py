@@ -367,6 +367,9 @@ def test_unmarked_code_is_identical(built):
         if not path.is_file() or "__pycache__" in path.parts:
             continue
         copy = built / rel
+        if path.name.endswith("_hidden.py"):  # the hidden tests' checks: only the grader has them
+            assert not copy.exists(), f"{rel} (hidden tests) is in the student edition"
+            continue
         if path.suffix != ".py" or not any(r.startswith(path.stem + ".") for r in refs):
             assert copy.read_bytes() == path.read_bytes(), f"{rel} differs in the student edition"
             continue
@@ -413,6 +416,8 @@ def test_the_edition_holds_what_a_student_needs_and_nothing_of_the_instructor(bu
     assert not [n for n in names if re.match(r"(solutions|tests|runs|\.ci|\.git|release|autograded|submitted)/", n)]
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")], names
     assert "nbgrader_config.py" not in names and "gradebook.db" not in names
+    hidden = {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_lib").rglob("*_hidden.py")}
+    assert hidden and not hidden & names, "the hidden tests' checks must stay out of the student edition"
     submissions = {p.name: p.read_bytes() for p in (ROOT / "tests" / "submissions").rglob("*") if p.is_file()}
     assert not [n for n in names if Path(n).name in submissions], "a known-wrong submission is in the edition"
     contents = {(built / n).read_bytes() for n in names}

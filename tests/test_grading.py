@@ -89,6 +89,12 @@ def test_autograde_known_submissions(course, assignment):
     if name != "solution":
         del subs[name], expected[name]
 
+    # Where the tests are checks, the known-wrong submissions are graded by calling them (test_checks_grade_...);
+    # autograde keeps one of them, whose scores there and by the checks are the same expected scores.
+    if g.checked(solution):
+        for name in [n for n in bundles if n in subs][1:]:
+            del subs[name], expected[name]
+
     # Attacks (issue 22): one notebook attacks every exercise at once (each attack loses only its exercise's tests)
     attacks = g.attack_cases(assignment, solution, points)
     for i, case in enumerate(g.bundle(attacks, solution, points).values()):
@@ -124,3 +130,20 @@ def test_autograde_known_submissions(course, assignment):
     with open(course / f"grades_{assignment}.csv") as f:
         rows = {r["student_id"]: float(r["raw_score"]) for r in csv.DictReader(f) if r["assignment"] == assignment}
     assert {s: rows[s] for s in expected} == pytest.approx({s: sum(v.values()) for s, v in expected.items()})
+
+
+@pytest.mark.parametrize("assignment", [a for a in assignments() if g.checked(g.load_solution(a))])
+def test_checks_grade_known_submissions(assignment):
+    """Every known-wrong submission and every attack on the tests, graded by calling the assignment's checks
+    (its code in a fenced child process, each judge in this one): the scores its case expects."""
+    solution = g.load_solution(assignment)
+    points = g.grade_cells(solution)
+    cases = {**g.cases(assignment).CASES, **g.attack_cases(assignment, solution, points)}
+    wrong = {}
+    for name, case in cases.items():
+        if name.startswith(("copy_reference_", "read_solutions_", "write_gradebook")):
+            continue  # the sandbox's attacks: autograde grades them, in the kernel they attack
+        got = g.checks_score(solution, case["cells"], points)
+        if got != case["scores"]:
+            wrong[name] = {k: (got.get(k), v) for k, v in case["scores"].items() if got.get(k) != v}
+    assert not wrong, f"{assignment}: (got, expected) where they differ: {wrong}"

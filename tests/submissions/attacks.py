@@ -158,3 +158,80 @@ def cases(assignment: str, tests_of: dict[str, list[str]]) -> dict[str, dict]:
         else:
             out[f"read_solutions_{exercise}"] = {"cells": {exercise: read_solutions(assignment, exercise)}, "loses": tests}
     return out
+
+
+# ---------------------------------------------------------------- attacks on the tests themselves
+# Where an assignment's test cells call check(...), the grader judges outside the kernel (course_lib.checks.grade):
+# these attacks, which beat tests that ran in the student's kernel, must score what the code beneath them deserves.
+REBIND_FORBID = '''
+import contextlib
+import sys
+
+import course_lib.grading
+
+_off = lambda *answers, **kw: contextlib.nullcontext()   # forbid(...) that forbids nothing
+course_lib.grading.forbid = forbid = _off
+for _module in list(sys.modules.values()):   # and in every module that imported it, the tests' own included
+    if getattr(_module, "__name__", "").startswith("course_lib") and hasattr(_module, "forbid"):
+        _module.forbid = _off
+'''
+
+SWALLOW_ERRORS = '''
+import ast
+
+
+class _Swallow(ast.NodeTransformer):   # every later cell runs inside try/except: no test can fail
+    def visit_Module(self, node):
+        handler = ast.ExceptHandler(type=None, name=None, body=[ast.Pass()])
+        return ast.fix_missing_locations(ast.Module(body=[ast.Try(body=node.body, handlers=[handler], orelse=[],
+                                                                  finalbody=[])], type_ignores=[]))
+
+
+get_ipython().ast_transformers.append(_Swallow())
+'''
+
+# Patching what a test compares with: per assignment, a known-wrong case and the patch appended to its cell, which
+# makes the test's reference agree with the wrong answer where the test runs in the kernel.
+PATCH_HELPERS = {
+    "00_orientation": ("one_adam_state", '''
+import torch
+
+import course_lib.memory
+
+_measured = course_lib.memory.measure_training_step
+
+
+def _agreeing(*args, **kwargs):   # the measurement the tests compare with, made to agree with the wrong answer
+    out = dict(_measured(*args, **kwargs))
+    out["optimizer states"] //= 2
+    return out
+
+
+course_lib.memory.measure_training_step = measure_training_step = _agreeing
+torch.allclose = torch.equal = lambda *args, **kwargs: True
+'''),
+}
+
+
+def _with(case: dict, extra: str) -> dict:
+    """A known-wrong case with ``extra`` appended to its (one) replaced cell: the same expected scores."""
+    (exercise, source), = case["cells"].items()
+    return {"cells": {exercise: source + extra}, "scores": case["scores"]}
+
+
+def on_the_tests(assignment: str) -> dict[str, dict]:
+    """The attacks on the tests of ``assignment`` (where they are checks), each with the scores of the known-wrong
+    case beneath it: ``rebind_forbid`` (the library's answer with forbid switched off), ``swallow_errors`` (a wrong
+    answer, every later cell wrapped in try/except) and, where PATCH_HELPERS has one, ``patch_helpers``."""
+    solution = nbgrading.load_solution(assignment)
+    if not nbgrading.checked(solution):
+        return {}
+    known, exercises = nbgrading.cases(assignment).CASES, list(nbgrading.solution_cells(solution))
+    last = exercises[-1]
+    wrong = next(c for n, c in known.items() if not n.startswith("calls_library") and list(c["cells"]) == [last])
+    out = {"rebind_forbid": _with(known[f"calls_library_{exercises[0]}"], REBIND_FORBID),
+           "swallow_errors": _with(wrong, SWALLOW_ERRORS)}
+    if assignment in PATCH_HELPERS:
+        name, patch = PATCH_HELPERS[assignment]
+        out["patch_helpers"] = _with(known[name], patch)
+    return out

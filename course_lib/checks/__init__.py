@@ -1,0 +1,99 @@
+"""Graded checks: a notebook's test cell is one call, ``check("test_llama_param_count", globals())``.
+
+A check has two halves, written side by side in ``course_lib/checks/nbNN.py`` (the visible tests, which the
+student edition keeps) and ``nbNN_hidden.py`` (the hidden ones, instructor edition only):
+
+- its **probe** runs beside the student's code. It calls the student's functions on chosen inputs, inside
+  ``forbid(...)``, and returns plain data: numbers, strings, tensors, and lists and dicts of them.
+- its **judge** runs where the student's code never ran. It computes the reference with torch and course_lib,
+  and raises ``AssertionError`` with the student's message where the data differ; else it returns what passed.
+
+In the student's own notebook both halves run in the kernel, so the visible test reads as before. Under
+nbgrader's autograde the kernel skips them: the grader (``course_lib.checks.grade``) runs the submission's
+setup and solution cells in a fenced child process, takes back the probes' data, and judges it in its own
+process, where a patched helper, a swallowed error, a rebound ``forbid`` or a gradebook write cannot reach.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+REGISTRY: dict[str, "Check"] = {}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One graded test: ``probe(namespace) -> data`` beside the student's code, ``judge(data) -> str`` in the grader."""
+
+    name: str
+    probe: Callable[[dict], Any]
+    judge: Callable[[Any], str]
+
+
+def register(name: str, probe: Callable[[dict], Any], judge: Callable[[Any], str]) -> Check:
+    """Make ``probe`` and ``judge`` the check of the test cell whose grade_id is ``name``."""
+    if name in REGISTRY and REGISTRY[name].probe.__module__ != probe.__module__:
+        raise ValueError(f"two checks are named {name!r}: each test cell's grade_id names one")
+    REGISTRY[name] = Check(name, probe, judge)
+    return REGISTRY[name]
+
+
+def load_all() -> None:
+    """Import every checks module this edition has (the student edition has no ``*_hidden`` modules)."""
+    for info in pkgutil.iter_modules(__path__):
+        if info.name not in ("child", "grade"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def plain(data: Any) -> Any:
+    """``data`` after the trip the grader's data takes (``torch.save``, then ``torch.load(weights_only=True)``):
+    raises ``TypeError`` where the data is not plain (an object of the student's, say)."""
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    buffer.seek(0)
+    try:
+        return torch.load(buffer, weights_only=True)
+    except Exception as err:  # an unpicklable-under-weights_only type
+        raise TypeError(f"the test's data must be numbers, strings, tensors, lists and dicts: {err}") from None
+
+
+def number(x: Any) -> Any:
+    """A student's number as plain data: a Python int or float (from a 0-d tensor or a numpy scalar too); anything
+    else becomes its ``repr``, which no judge takes for a number."""
+    if hasattr(x, "item") and not isinstance(x, (int, float)):
+        try:
+            x = x.item()
+        except (ValueError, RuntimeError):  # a tensor of several numbers
+            pass
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else repr(x)[:200]
+
+
+def outcome(fn: Callable, *args, **kwargs) -> dict:
+    """What calling ``fn`` gave, as data: ``{"value": ...}`` or ``{"raised": "ValueError", "message": ...}``."""
+    try:
+        return {"value": fn(*args, **kwargs)}
+    except Exception as err:  # the student's code's error is data the judge reads
+        return {"raised": type(err).__name__, "message": str(err)}
+
+
+def check(name: str, namespace: dict) -> None:
+    """A notebook's test cell: run check ``name`` on the student's code in ``namespace`` (``globals()``).
+
+    Raises ``AssertionError`` with the test's message where the code is wrong; prints what passed. Under
+    nbgrader's autograde the grader runs it outside the kernel, so here it only says so.
+    """
+    if os.environ.get("NBGRADER_EXECUTION") == "autograde":
+        print(f"{name}: scored by the grader, outside this notebook")
+        return
+    load_all()
+    if name not in REGISTRY:
+        raise KeyError(f"no check named {name!r} in this edition of course_lib (hidden tests run when you are graded)")
+    entry = REGISTRY[name]
+    print(entry.judge(plain(entry.probe(namespace))))

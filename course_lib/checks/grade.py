@@ -1,0 +1,141 @@
+"""Grade a submission by its checks, in a process the student's code never ran in.
+
+    verdicts = grade(notebook)   # {grade_id: Verdict(passed, message)} for every test cell that calls check()
+
+The submission's setup cells (the code cells before its first exercise) and its solution cells run in a child
+process (``course_lib.checks.child``), fenced by ``course_lib.sandbox``: it reads the Python installation and
+the student edition of course_lib, and writes one scratch folder. The probes' data come back as a file read with
+``torch.load(weights_only=True)``; every judge runs here, on the instructor's course_lib. nbgrader_config.py's
+``GradeByChecks`` writes the verdicts into the autograded notebook's test cells, from which nbgrader scores them;
+tests/test_grading.py calls ``grade`` directly on the known-wrong submissions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from course_lib import checks, edition, sandbox
+
+CALL = re.compile(r"""^\s*check\(\s*["'](\w+)["']""", re.MULTILINE)
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A test cell's result: whether it passed, and what to tell the student (the judge's message)."""
+
+    passed: bool
+    message: str
+
+
+def _meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def _source(cell) -> str:
+    return cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+
+
+def checked_cells(nb: dict) -> dict[str, list[str]]:
+    """``{grade_id: [check names]}`` of every test cell that calls ``check(...)``."""
+    out = {}
+    for cell in nb["cells"]:
+        names = CALL.findall(_source(cell)) if _meta(cell).get("grade") and cell["cell_type"] == "code" else []
+        if names:
+            out[_meta(cell)["grade_id"]] = names
+    return out
+
+
+def cells_to_run(nb: dict) -> list[str]:
+    """The code the child runs: the code cells before the first exercise (parameters, imports, setup; not those
+    tagged ``demo``), then every solution cell, in order."""
+    out, seen_solution = [], False
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code" or "demo" in cell.get("metadata", {}).get("tags", []):
+            continue
+        meta = _meta(cell)
+        seen_solution |= bool(meta.get("solution"))
+        if meta.get("solution") or not seen_solution and not meta.get("grade"):
+            out.append(_source(cell))
+    return out
+
+
+def hidden_modules(names: list[str]) -> list[Path]:
+    """The instructor's ``*_hidden.py`` files that define some of ``names``: the student edition lacks them, so the
+    child gets copies and loads them by path."""
+    checks.load_all()
+    files = {Path(sys.modules[checks.REGISTRY[n].probe.__module__].__file__) for n in names if n in checks.REGISTRY}
+    return sorted(f for f in files if f.stem.endswith("_hidden"))
+
+
+def run_child(cells: list[str], names: list[str], seconds: int, fence: bool = True) -> dict:
+    """Run ``cells`` then the probes of ``names`` in a fenced child; returns what it wrote (plain data only)."""
+    scratch = Path(sandbox.scratch_folder())
+    try:
+        modules = []
+        for path in hidden_modules(names):  # copies: the child may read its scratch, never the instructor's folder
+            modules.append(str(shutil.copy(path, scratch / path.name)))
+        job = {"modules": modules, "cells": cells, "names": names, "seconds": seconds, "out": str(scratch / "out.pt")}
+        (scratch / "job.json").write_text(json.dumps(job))
+        path = str(edition.for_grading())
+        env = {**sandbox.grading_env(dict(os.environ), str(scratch), path), "NBGRADER_EXECUTION": "autograde"}
+        cmd = [sys.executable, "-m", "course_lib.checks.child", str(scratch / "job.json")]
+        if fence:
+            read, write = sandbox.allow_lists([], str(scratch), [], str(edition.grading_cache()), path, str(HERE.parent))
+            cmd = sandbox.fenced(cmd, read, write)
+        limit = seconds * (len(cells) + len(names)) + 120  # every cell and probe at its limit, and the start
+        with open(scratch / "log.txt", "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        try:
+            return torch.load(scratch / "out.pt", weights_only=True)
+        except Exception as err:
+            tail = (scratch / "log.txt").read_text(errors="replace")[-2000:]
+            return {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
+                                                   f"its last output:\n{tail}"]}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
+    """One check's verdict, from its probe's data, in this process."""
+    if not isinstance(result, dict) or "data" not in result:
+        why = result.get("error") if isinstance(result, dict) else "the probe never ran"
+        context = f"\n(errors in your cells: {'; '.join(cell_errors)})" if cell_errors else ""
+        return Verdict(False, f"{name}: {why}{context}")
+    try:
+        return Verdict(True, str(checks.REGISTRY[name].judge(result["data"])))
+    except AssertionError as err:
+        return Verdict(False, f"{name}: {err}")
+    except Exception as err:  # data of the wrong shape: the student's function returned something else
+        return Verdict(False, f"{name}: {type(err).__name__}: {err}")
+
+
+def grade(nb: dict, seconds: int = 60, fence: bool = True) -> dict[str, Verdict]:
+    """``{grade_id: Verdict}`` of every test cell of ``nb`` that calls ``check``; a cell passes if all its checks do."""
+    cells = checked_cells(nb)
+    names = [n for ns in cells.values() for n in ns]
+    if not names:
+        return {}
+    out = run_child(cells_to_run(nb), names, seconds, fence)
+    results, errors = out.get("results", {}), out.get("cell_errors", [])
+    verdicts = {}
+    for grade_id, ns in cells.items():
+        each = [judge(n, results.get(n), errors) for n in ns]
+        failed = [v for v in each if not v.passed]
+        verdicts[grade_id] = failed[0] if failed else Verdict(True, "; ".join(v.message for v in each))
+    return verdicts
