@@ -15,6 +15,12 @@ test cell edited (graded only in that form: restoring the cell must give its sco
 another wrong notebook with the loop written into an exercise it leaves alone (its scores, less the looping
 exercise's cells; with one exercise, the solution).
 
+Where an assignment's test cells call ``check(...)`` (course_lib.checks: scores judged outside the kernel), its
+known-wrong submissions and attacks are graded by calling the checks (``test_checks_grade_known_submissions``,
+seconds each), and autograde keeps the solution, the release, one wrong submission (tampered: its expected scores
+are the same on both paths), one looping submission, and the attacks on the kernel itself (on the tests, and the
+gradebook write).
+
 The course graded here is exercise-only: cells tagged ``demo`` (long demonstrations that no test
 cell reads, such as notebook 06's seven DeepSpeed launches) are left out of it, because autograde
 re-runs the whole notebook for every submission. The test_notebook_NN tests execute those cells,
@@ -90,13 +96,15 @@ def test_autograde_known_submissions(course, assignment):
         del subs[name], expected[name]
 
     # Where the tests are checks, the known-wrong submissions are graded by calling them (test_checks_grade_...);
-    # autograde keeps one of them, whose scores there and by the checks are the same expected scores.
+    # autograde keeps the tampered and the looping ones, whose expected scores are the same on both paths.
     if g.checked(solution):
-        for name in [n for n in bundles if n in subs][1:]:
+        for name in [n for n in bundles if n in subs]:
             del subs[name], expected[name]
 
     # Attacks (issue 22): one notebook attacks every exercise at once (each attack loses only its exercise's tests)
     attacks = g.attack_cases(assignment, solution, points)
+    if g.checked(solution):  # scores come from the checks' fenced child: the direct test grades the copies and reads
+        attacks = {n: a for n, a in attacks.items() if not n.startswith(("copy_reference_", "read_solutions_"))}
     for i, case in enumerate(g.bundle(attacks, solution, points).values()):
         subs[f"attacks{i or ''}"] = g.submission(release, solution, replace=case["cells"])
         expected[f"attacks{i or ''}"] = case["scores"]
@@ -134,15 +142,14 @@ def test_autograde_known_submissions(course, assignment):
 
 @pytest.mark.parametrize("assignment", [a for a in assignments() if g.checked(g.load_solution(a))])
 def test_checks_grade_known_submissions(assignment):
-    """Every known-wrong submission and every attack on the tests, graded by calling the assignment's checks
-    (its code in a fenced child process, each judge in this one): the scores its case expects."""
+    """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
+    fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
+    is, so a copied reference is a stub and solutions/ cannot be read there either."""
     solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
     cases = {**g.cases(assignment).CASES, **g.attack_cases(assignment, solution, points)}
     wrong = {}
     for name, case in cases.items():
-        if name.startswith(("copy_reference_", "read_solutions_", "write_gradebook")):
-            continue  # the sandbox's attacks: autograde grades them, in the kernel they attack
         got = g.checks_score(solution, case["cells"], points)
         if got != case["scores"]:
             wrong[name] = {k: (got.get(k), v) for k, v in case["scores"].items() if got.get(k) != v}

@@ -1,25 +1,27 @@
-"""The process where a submission's code runs at grading time: ``python -m course_lib.checks.child JOB``.
+"""The processes where a submission's code runs at grading time: ``python -m course_lib.checks.child --serve``.
 
-JOB (JSON) names the hidden check modules (files: the student edition has none), the cells to run (the notebook's setup cells, then the student's
-solution cells), the checks, a time limit per cell and per check, and the file to write. The check modules are
-loaded first, so the probes hold ``forbid`` and the helpers as they were before any student code ran; the cells
-run in one namespace, as a kernel would run them (an error is kept and the next cell runs); then each probe runs
-on that namespace. The probes' data (or their errors) go to the output file with ``torch.save``, and the grader
-reads it with ``weights_only=True``: nothing but plain data comes back. The grader starts this process fenced
-(``course_lib.sandbox``), with the student edition first on its path.
-"""
+The server loads torch, course_lib (the student edition: first on its path) and the checks once (the hidden
+modules by path: the student edition has none), and snapshots what the probes use. It runs no student code itself.
+For each job file named on its stdin it forks; the fork redirects its output to the job's log, moves into the
+job's scratch folder, fences itself (``course_lib.sandbox.restrict``: the Python installation and the edition to
+read, the scratch folder to write), runs the notebook's setup cells and the student's solution cells in one
+namespace, as a kernel would (an error is kept and the next cell runs), restores what the probes use, runs each
+probe, and writes their data (or errors) with ``torch.save``. The grader reads that file with
+``weights_only=True``: nothing but plain data comes back."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import sys
+import time
 import traceback
 
 import torch
 
-from course_lib import checks, grading
+from course_lib import checks, grading, sandbox
 
 
 class OutOfTime(Exception):
@@ -90,22 +92,63 @@ def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[di
     return out
 
 
-def main(job_path: str) -> None:
-    job = json.loads(open(job_path).read())
+def prepare(modules: list[str]) -> tuple[dict, list, list]:
+    """Load the checks (this edition's visible ones, then the hidden modules by path) and snapshot what the probes
+    use: all of it before any student code runs."""
     signal.signal(signal.SIGALRM, _alarm)
-    checks.load_all()  # the visible checks of this edition
+    checks.load_all()
     loaded = [checks, grading]
-    for i, path in enumerate(job["modules"]):  # before any student code: the probes bind the real helpers
+    for i, path in enumerate(modules):
         spec = importlib.util.spec_from_file_location(f"course_lib.checks._graded{i}", path)
         loaded.append(importlib.util.module_from_spec(spec))
         spec.loader.exec_module(loaded[-1])
     loaded += [m for name, m in sorted(sys.modules.items()) if name.startswith("course_lib.checks.")]
-    frozen = snapshot(loaded)
+    return snapshot(loaded)
+
+
+def run_job(job: dict, frozen: tuple[dict, list, list]) -> None:
+    """One submission: its cells in a fresh namespace, then the probes; the data to ``job["out"]``."""
     namespace = {"__name__": "__main__", "display": print}
     cell_errors = run_cells(job["cells"], namespace, job["seconds"])
     results = run_probes(job["names"], namespace, job["seconds"], frozen)
     torch.save({"results": results, "cell_errors": cell_errors}, job["out"])
 
 
+def serve(modules: list[str]) -> None:
+    """Load once, then grade one submission per line of stdin (a job file) in a fork of this process, each fork
+    fenced to its own scratch folder before any of its code runs; answer each line with one line when it is done.
+
+    The imports (torch, transformers, course_lib) and the checks cost seconds; a fork costs milliseconds, and no
+    student code ever runs in this process, so every fork starts from the same clean state."""
+    frozen = prepare(modules)
+    for line in sys.stdin:
+        job = json.loads(open(line.strip()).read())
+        pid = os.fork()
+        if pid == 0:  # the submission's process
+            try:
+                os.setsid()  # its own process group: a time-out kills it and every rank it started
+                log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(log, 1)  # the student's prints go to the log, never into the answer to the grader
+                os.dup2(log, 2)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nor read the server's next jobs
+                os.environ.update(job["env"])
+                os.chdir(job["scratch"])
+                if job["fence"]:
+                    sandbox.restrict(job["read"], job["write"])
+                run_job(job, frozen)
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + job["limit"]
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.05)
+        print("done", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: python -m course_lib.checks.child --serve [HIDDEN_CHECKS.py ...]  (then job files on stdin)")
+    serve(sys.argv[2:])

@@ -12,6 +12,7 @@ tests/test_grading.py calls ``grade`` directly on the known-wrong submissions.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -77,38 +78,59 @@ def hidden_modules(names: list[str]) -> list[Path]:
     return sorted(f for f in files if f.stem.endswith("_hidden"))
 
 
-def run_child(cells: list[str], names: list[str], seconds: int, fence: bool = True) -> dict:
-    """Run ``cells`` then the probes of ``names`` in a fenced child; returns what it wrote (plain data only)."""
-    scratch = Path(sandbox.scratch_folder())
-    try:
-        modules = []
-        for path in hidden_modules(names):  # copies: the child may read its scratch, never the instructor's folder
-            modules.append(str(shutil.copy(path, scratch / path.name)))
-        job = {"modules": modules, "cells": cells, "names": names, "seconds": seconds, "out": str(scratch / "out.pt")}
-        (scratch / "job.json").write_text(json.dumps(job))
-        path = str(edition.for_grading())
-        env = {**sandbox.grading_env(dict(os.environ), str(scratch), path), "NBGRADER_EXECUTION": "autograde"}
-        cmd = [sys.executable, "-m", "course_lib.checks.child", str(scratch / "job.json")]
-        if fence:
-            read, write = sandbox.allow_lists([], str(scratch), [], str(edition.grading_cache()), path, str(HERE.parent))
-            cmd = sandbox.fenced(cmd, read, write)
-        limit = seconds * (len(cells) + len(names)) + 120  # every cell and probe at its limit, and the start
-        with open(scratch / "log.txt", "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+class Server:
+    """``course_lib.checks.child --serve``, started with the student edition first on its path: one fenced fork per
+    submission. Started on first use for a set of hidden check modules and kept for the grader's whole run."""
+
+    def __init__(self, modules: list[Path]):
+        self.folder = Path(sandbox.scratch_folder())  # the hidden checks' copies: never the instructor's folder
+        copies = [str(shutil.copy(path, self.folder / path.name)) for path in modules]
+        self.edition = str(edition.for_grading())
+        env = {**sandbox.grading_env(dict(os.environ), str(self.folder), self.edition), "NBGRADER_EXECUTION": "autograde"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "course_lib.checks.child", "--serve", *copies],
+                                     cwd=self.folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, cells: list[str], names: list[str], seconds: int, fence: bool = True) -> dict:
+        """Run ``cells`` then the probes of ``names`` in a fenced fork; returns what it wrote (plain data only)."""
+        scratch = Path(sandbox.scratch_folder())
         try:
-            return torch.load(scratch / "out.pt", weights_only=True)
-        except Exception as err:
-            tail = (scratch / "log.txt").read_text(errors="replace")[-2000:]
-            return {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
-                                                   f"its last output:\n{tail}"]}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            read, write = sandbox.allow_lists([], str(scratch), [], str(edition.grading_cache()), self.edition,
+                                              str(HERE.parent))
+            job = {"cells": cells, "names": names, "seconds": seconds, "out": str(scratch / "out.pt"),
+                   "log": str(scratch / "log.txt"), "scratch": str(scratch), "fence": fence, "read": read,
+                   "write": write, "limit": seconds * (len(cells) + len(names)) + 60,
+                   "env": {k: v for k, v in sandbox.grading_env({}, str(scratch), self.edition).items() if k != "PYTHONPATH"}}
+            (scratch / "job.json").write_text(json.dumps(job))
+            self.proc.stdin.write(f"{scratch / 'job.json'}\n")
+            self.proc.stdin.flush()
+            if self.proc.stdout.readline().strip() != "done":
+                raise RuntimeError(f"the grading server stopped (exit code {self.proc.poll()})")
+            try:
+                return torch.load(scratch / "out.pt", weights_only=True)
+            except Exception as err:
+                tail = (scratch / "log.txt").read_text(errors="replace")[-2000:] if (scratch / "log.txt").exists() else ""
+                return {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
+                                                       f"its last output:\n{tail}"]}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_SERVERS: dict[tuple[Path, ...], Server] = {}
+
+
+def server_for(names: list[str]) -> Server:
+    """The running server that holds the hidden checks among ``names`` (started on first use, stopped at exit)."""
+    key = tuple(hidden_modules(names))
+    if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:
+        if not _SERVERS:
+            atexit.register(lambda: [s.close() for s in _SERVERS.values()])
+        _SERVERS[key] = Server(list(key))
+    return _SERVERS[key]
 
 
 def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
@@ -131,7 +153,7 @@ def grade(nb: dict, seconds: int = 60, fence: bool = True) -> dict[str, Verdict]
     names = [n for ns in cells.values() for n in ns]
     if not names:
         return {}
-    out = run_child(cells_to_run(nb), names, seconds, fence)
+    out = server_for(names).run(cells_to_run(nb), names, seconds, fence)
     results, errors = out.get("results", {}), out.get("cell_errors", [])
     verdicts = {}
     for grade_id, ns in cells.items():
