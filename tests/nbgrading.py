@@ -33,9 +33,15 @@ def load_solution(assignment: str) -> dict:
     return json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text())
 
 
+def checked_ids(nb: dict) -> set[str]:
+    """The grade_ids of the test cells that call course_lib.checks (graded outside the kernel)."""
+    return {c["metadata"]["nbgrader"]["grade_id"] for c in nb["cells"]
+            if c["metadata"].get("nbgrader", {}).get("grade") and "check(" in cell_source(c)}
+
+
 def checked(nb: dict) -> bool:
-    """Whether the notebook's test cells call course_lib.checks (graded outside the kernel)."""
-    return any("check(" in cell_source(c) for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade"))
+    """Whether any of the notebook's test cells call course_lib.checks."""
+    return bool(checked_ids(nb))
 
 
 def strip_markers(source: str) -> str:

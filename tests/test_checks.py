@@ -28,7 +28,7 @@ def test_the_reference_solution_passes_every_check_and_the_release_none():
 
 def test_a_looping_cell_loses_its_exercise_only():
     loops = g.submission(SOLUTION, SOLUTION, replace={"training_memory": g.LOOP})
-    verdicts = grade.grade(loops, seconds=5)
+    verdicts = grade.grade(loops, seconds=20)  # each cell and probe: time enough on a loaded machine
     lost = {k for k, v in verdicts.items() if not v.passed}
     assert lost == {"test_training_memory", "test_training_memory_hidden"}, verdicts
 

@@ -97,14 +97,17 @@ def test_autograde_known_submissions(course, assignment):
 
     # Where the tests are checks, the known-wrong submissions are graded by calling them (test_checks_grade_...);
     # autograde keeps the tampered and the looping ones, whose expected scores are the same on both paths.
-    if g.checked(solution):
-        for name in [n for n in bundles if n in subs]:
+    # (A test cell still written inline is graded by autograde alone: a bundle that loses points there stays.)
+    checked = g.checked_ids(solution)
+    for name in [n for n in bundles if n in subs and checked]:
+        if all(k in checked for k, v in expected[name].items() if v != points[k]):
             del subs[name], expected[name]
 
     # Attacks (issue 22): one notebook attacks every exercise at once (each attack loses only its exercise's tests)
     attacks = g.attack_cases(assignment, solution, points)
-    if g.checked(solution):  # scores come from the checks' fenced child: the direct test grades the copies and reads
-        attacks = {n: a for n, a in attacks.items() if not n.startswith(("copy_reference_", "read_solutions_"))}
+    # where scores come from the checks' fenced child, the direct test grades the copies and the reads
+    attacks = {n: a for n, a in attacks.items() if not n.startswith(("copy_reference_", "read_solutions_"))
+               or not all(k in checked for k, v in a["scores"].items() if v != points[k])}
     for i, case in enumerate(g.bundle(attacks, solution, points).values()):
         subs[f"attacks{i or ''}"] = g.submission(release, solution, replace=case["cells"])
         expected[f"attacks{i or ''}"] = case["scores"]
@@ -150,7 +153,8 @@ def test_checks_grade_known_submissions(assignment):
     cases = {**g.cases(assignment).CASES, **g.attack_cases(assignment, solution, points)}
     wrong = {}
     for name, case in cases.items():
-        got = g.checks_score(solution, case["cells"], points)
-        if got != case["scores"]:
-            wrong[name] = {k: (got.get(k), v) for k, v in case["scores"].items() if got.get(k) != v}
+        got = g.checks_score(solution, case["cells"], points)  # the test cells that call check(): the others
+        want = {k: v for k, v in case["scores"].items() if k in got}  # are autograde's (test_autograde_...)
+        if got != want:
+            wrong[name] = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     assert not wrong, f"{assignment}: (got, expected) where they differ: {wrong}"

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -52,27 +53,41 @@ def run_cells(cells: list[str], namespace: dict, seconds: int) -> list[str]:
 
 
 def snapshot(modules: list) -> tuple[dict, list, list]:
-    """Taken before any student code runs: the checks as registered, the globals of the modules the probes use
-    (theirs, ``course_lib.grading``'s, the registry's) and the code of every function in them."""
-    code = []
+    """Taken before any student code runs: the checks as registered; the names of every module the probes and the
+    instruments they measure with live in (every course_lib module loaded, the checks', ``torch`` itself) and of
+    every class defined there (``torch.Tensor`` and ``torch.nn.Module`` too); and the code of every function there."""
+    spaces, code = [], []
+    classes = [torch.Tensor, torch.nn.Module]
     for module in modules:
-        for value in vars(module).values():
+        spaces.append((module, dict(vars(module))))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and getattr(value, "__module__", None) == module.__name__:
+                classes.append(value)
             for fn in (value, getattr(value, "__wrapped__", None)):  # forbid is a contextmanager's wrapper
                 if callable(fn) and hasattr(fn, "__code__"):
                     code.append((fn, fn.__code__, fn.__defaults__))
-    return dict(checks.REGISTRY), [(vars(m), dict(vars(m))) for m in modules], code
+    spaces += [(cls, dict(vars(cls))) for cls in classes]
+    for cls in classes:
+        for fn in list(vars(cls).values()):
+            if hasattr(fn, "__code__"):
+                code.append((fn, fn.__code__, fn.__defaults__))
+    return dict(checks.REGISTRY), spaces, code
 
 
 def restore(frozen: tuple[dict, list, list]) -> None:
-    """Undo what a solution cell rebound or patched there: the registry, ``forbid`` and the probes' globals and code."""
+    """Undo what a solution cell rebound or patched there: the registry, every snapshotted name that now holds
+    something else (names the cell added stay: nothing the probes run reads them) and every function's code."""
     registry, spaces, code = frozen
     checks.REGISTRY.clear()
     checks.REGISTRY.update(registry)
-    for space, saved in spaces:
-        space.clear()
-        space.update(saved)
+    for owner, saved in spaces:
+        now = vars(owner)
+        for name, value in saved.items():
+            if now.get(name, now) is not value:
+                setattr(owner, name, value)
     for fn, original, defaults in code:
-        fn.__code__, fn.__defaults__ = original, defaults
+        if fn.__code__ is not original or fn.__defaults__ is not defaults:
+            fn.__code__, fn.__defaults__ = original, defaults
 
 
 def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[dict, list, list]) -> dict:
@@ -102,8 +117,9 @@ def prepare(modules: list[str]) -> tuple[dict, list, list]:
         spec = importlib.util.spec_from_file_location(f"course_lib.checks._graded{i}", path)
         loaded.append(importlib.util.module_from_spec(spec))
         spec.loader.exec_module(loaded[-1])
-    loaded += [m for name, m in sorted(sys.modules.items()) if name.startswith("course_lib.checks.")]
-    return snapshot(loaded)
+    loaded += [m for name, m in sorted(sys.modules.items())
+               if name.startswith("course_lib") and m is not None and m not in loaded]
+    return snapshot([*loaded, torch])
 
 
 def run_job(job: dict, frozen: tuple[dict, list, list]) -> None:
@@ -127,11 +143,13 @@ def serve(modules: list[str]) -> None:
         if pid == 0:  # the submission's process
             try:
                 os.setsid()  # its own process group: a time-out kills it and every rank it started
+                torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (a bf16 Linear did)
                 log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(log, 1)  # the student's prints go to the log, never into the answer to the grader
                 os.dup2(log, 2)
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nor read the server's next jobs
                 os.environ.update(job["env"])
+                tempfile.tempdir = None  # the server's cached folder is not this job's: take TMPDIR (its scratch)
                 os.chdir(job["scratch"])
                 if job["fence"]:
                     sandbox.restrict(job["read"], job["write"])

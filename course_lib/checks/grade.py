@@ -2,12 +2,12 @@
 
     verdicts = grade(notebook)   # {grade_id: Verdict(passed, message)} for every test cell that calls check()
 
-The submission's setup cells (the code cells before its first exercise) and its solution cells run in a child
-process (``course_lib.checks.child``), fenced by ``course_lib.sandbox``: it reads the Python installation and
-the student edition of course_lib, and writes one scratch folder. The probes' data come back as a file read with
-``torch.load(weights_only=True)``; every judge runs here, on the instructor's course_lib. nbgrader_config.py's
-``GradeByChecks`` writes the verdicts into the autograded notebook's test cells, from which nbgrader scores them;
-tests/test_grading.py calls ``grade`` directly on the known-wrong submissions.
+The submission's setup cells (the code cells before its first exercise), its solution cells and the given
+read-only cells run in a fork of a grading server (``course_lib.checks.child``), fenced by ``course_lib.sandbox``:
+it reads the Python installation and the student edition of course_lib, and writes one scratch folder. The probes'
+data come back as a file read with ``torch.load(weights_only=True)``; every judge runs here, on the instructor's
+course_lib. nbgrader_config.py's ``GradeByChecks`` writes the verdicts into the autograded notebook's test cells,
+from which nbgrader scores them; tests/test_grading.py calls ``grade`` directly on the known-wrong submissions.
 """
 
 from __future__ import annotations
@@ -57,15 +57,17 @@ def checked_cells(nb: dict) -> dict[str, list[str]]:
 
 
 def cells_to_run(nb: dict) -> list[str]:
-    """The code the child runs: the code cells before the first exercise (parameters, imports, setup; not those
-    tagged ``demo``), then every solution cell, in order."""
+    """The code the child runs, in order: the code cells before the first exercise (parameters, imports, setup; not
+    those tagged ``demo``), every solution cell, and every given read-only cell (nbgrader's ``locked``: helpers and
+    tables the student's code may call), but no test cell and no measurement between the exercises."""
     out, seen_solution = [], False
     for cell in nb["cells"]:
         if cell["cell_type"] != "code" or "demo" in cell.get("metadata", {}).get("tags", []):
             continue
         meta = _meta(cell)
         seen_solution |= bool(meta.get("solution"))
-        if meta.get("solution") or not seen_solution and not meta.get("grade"):
+        given = meta.get("locked") and not meta.get("grade")
+        if meta.get("solution") or given or not seen_solution and not meta.get("grade"):
             out.append(_source(cell))
     return out
 
@@ -124,11 +126,14 @@ _SERVERS: dict[tuple[Path, ...], Server] = {}
 
 
 def server_for(names: list[str]) -> Server:
-    """The running server that holds the hidden checks among ``names`` (started on first use, stopped at exit)."""
+    """The running server that holds the hidden checks among ``names``: started on first use and kept while the
+    same assignment is graded (one at a time: another assignment's stops it), stopped at exit."""
     key = tuple(hidden_modules(names))
     if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:
         if not _SERVERS:
             atexit.register(lambda: [s.close() for s in _SERVERS.values()])
+        for other in list(_SERVERS):
+            _SERVERS.pop(other).close()
         _SERVERS[key] = Server(list(key))
     return _SERVERS[key]
 

@@ -210,6 +210,61 @@ def _agreeing(*args, **kwargs):   # the measurement the tests compare with, made
 course_lib.memory.measure_training_step = measure_training_step = _agreeing
 torch.allclose = torch.equal = lambda *args, **kwargs: True
 '''),
+    "01_mixed_precision": ("scaler_never_grows", '''
+import torch
+
+_init = torch.amp.GradScaler.__init__
+
+
+def _never_grows(self, *args, **kwargs):   # the reference scaler the tests compare with, made to agree with the wrong answer
+    kwargs["growth_interval"] = 2**30
+    _init(self, *args, **kwargs)
+
+
+torch.amp.GradScaler.__init__ = _never_grows
+'''),
+    "02_gradient_accumulation": ("loss_not_divided", '''
+import course_lib.grading
+
+course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+'''),
+    "04_ddp": ("sum_not_divided", '''
+import course_lib.grading
+
+course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+'''),
+    "07_llama_finetune": ("lora_one_layer", '''
+import course_lib.lora
+
+_trainable = course_lib.lora.trainable_parameters
+
+
+def _agreeing(model):   # the count the tests compare with, made to agree with the wrong answer: one layer's
+    return _trainable(model) // model.config.num_hidden_layers
+
+
+course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
+'''),
+    "08_model_parallelism": ("backward_too_soon", '''
+import course_lib.pp
+
+
+def _agreeing_makespan(order, t_f=1.0, t_b=2.0):   # the simulation the tests compare with: the formula's bubble
+    return {"bubble": course_lib.pp.bubble_formula(len(order), len(order[0]) // 2)}
+
+
+def _agreeing_orders(timeline):   # "the order torch ran": the wrong order itself
+    return one_f_one_b_order(len({e["rank"] for e in timeline}), len({e["mb"] for e in timeline}))
+
+
+course_lib.pp.schedule_makespan, course_lib.pp.rank_orders = _agreeing_makespan, _agreeing_orders
+'''),
+    "03_activation_checkpointing": ("no_recomputation", '''
+import course_lib.memory
+
+# the meter the tests read, made to see nothing kept (the block still runs, so its gradients are right)
+course_lib.memory.activation_bytes = activation_bytes = lambda model, forward: (forward(), 0)[1]
+'''),
 }
 
 
@@ -224,10 +279,11 @@ def on_the_tests(assignment: str) -> dict[str, dict]:
     case beneath it: ``rebind_forbid`` (the library's answer with forbid switched off), ``swallow_errors`` (a wrong
     answer, every later cell wrapped in try/except) and, where PATCH_HELPERS has one, ``patch_helpers``."""
     solution = nbgrading.load_solution(assignment)
-    if not nbgrading.checked(solution):
+    checked = nbgrading.checked_ids(solution)  # an exercise whose tests are still inline keeps the kernel's weakness
+    exercises = [ex for ex in nbgrading.solution_cells(solution) if set(nbgrading.tests_of(solution, ex)) <= checked]
+    if not exercises:
         return {}
-    known, exercises = nbgrading.cases(assignment).CASES, list(nbgrading.solution_cells(solution))
-    last = exercises[-1]
+    known, last = nbgrading.cases(assignment).CASES, exercises[-1]
     wrong = next(c for n, c in known.items() if not n.startswith("calls_library") and list(c["cells"]) == [last])
     out = {"rebind_forbid": _with(known[f"calls_library_{exercises[0]}"], REBIND_FORBID),
            "swallow_errors": _with(wrong, SWALLOW_ERRORS)}
