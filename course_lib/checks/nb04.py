@@ -1,0 +1,419 @@
+"""Notebook 04's visible tests: each rank's batches on 2 forked ranks (disjoint shards, set_epoch), the Prefetcher
+(every item, overlap with the step), ``average_gradients`` on 2 ranks against DDP and one process, and
+``BucketedDDP`` on 2 ranks (DDP's gradients step by step, the buckets and their async all-reduces).
+
+The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that
+need ranks (DDP's gradients) are forked by the judges, from torch's and course_lib's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import os
+import tempfile
+import threading
+from time import perf_counter, sleep  # bound here: a solution cell that rebinds time.sleep cannot reach the probes
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+import course_lib.distributed as toolkit
+from course_lib import ddp
+from course_lib.checks import number, register
+from course_lib.data import synthetic_images
+from course_lib.distributed import CollectiveLog
+from course_lib.grading import forbid, grads, max_rel_diff, params
+from course_lib.launch import WorkerError, fork_is_safe, run_forked
+from course_lib.models import SmallCNN
+
+# course_lib's and torch's answers, out of reach while the student's code runs
+LOADERS = (toolkit.sharded_loader, toolkit.step_batches)
+AVERAGE = (ddp.all_reduce_gradients,)
+BUCKETED_INIT = (ddp.BucketedDDP, ddp.bucket_parameters, ddp.all_reduce_gradients, DDP)
+BUCKETED_STEP = (ddp.BucketedDDP, ddp.all_reduce_gradients, DDP)
+
+
+def student(ns: dict, *names: str) -> dict:
+    """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
+    reaches the names the student's code looks up), else only the named definitions (sent by value)."""
+    return ns if fork_is_safe() else {name: ns[name] for name in names}
+
+
+def packed(data) -> bytes:
+    """A rank's data as bytes (tensors through multiprocessing's queue would be shared through file descriptors)."""
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    return buffer.getvalue()
+
+
+def unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def forked(fn, nprocs: int, *args) -> list:
+    """fn(rank, world_size, *args) on nprocs real processes; a rendezvous that failed before the code ran is retried."""
+    for attempt in range(3):
+        try:
+            return run_forked(fn, nprocs, *args, timeout=15)
+        except WorkerError as err:
+            if "init_process_group" not in str(err) or attempt == 2:
+                raise
+
+
+def as_data(x, depth: int = 0):
+    """The student's batches as data: lists and tuples kept as such, ints and floats kept, anything else its repr
+    (which no judge takes for an int)."""
+    if isinstance(x, (list, tuple)) and depth < 4:
+        return type(x)(as_data(v, depth + 1) for v in x) if type(x) in (list, tuple) else repr(x)[:200]
+    if isinstance(x, (bool, int, float)) and type(x) in (bool, int, float):
+        return x
+    if isinstance(x, torch.Tensor) and x.dim() == 1:  # its length kept, its items not taken for ints
+        return [repr(v)[:200] for v in x[:1000]]
+    return repr(x)[:200]
+
+
+# ---------------------------------------------------------------- rank_batches
+def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tuple, seed: int = 0) -> list:
+    """Per rank, ``{epoch: the student's rank_batches(...)}`` on ``nprocs`` forked ranks, course_lib's loaders forbidden."""
+    space = student(ns, "rank_batches")
+
+    def rank(r, world):
+        with forbid(*LOADERS, namespace=space):
+            return {e: as_data(space["rank_batches"](n, dist.get_rank(), dist.get_world_size(), e, batch_size, seed))
+                    for e in epochs}
+
+    return forked(rank, nprocs)
+
+
+def judge_shards(got: list) -> str:
+    seen = []
+    for r, b in enumerate(got):
+        assert isinstance(b[0], list) and len(b[0]) == 5 and all(isinstance(x, (list, tuple)) and len(x) == 4
+                                                                  for x in b[0]), \
+            f"rank {r}: expected 5 batches of 4, got {b[0]}"
+        assert all(isinstance(i, int) for x in b[0] for i in x), "return Python ints"
+        seen += [i for x in b[0] for i in x]
+    assert len(seen) == len(set(seen)), "two ranks read the same sample in one epoch: the shards must be disjoint"
+    assert set(seen) == set(range(40)), "together the ranks must read every sample once"
+    return "disjoint shards that cover the data set"
+
+
+register("test_rank_batches", lambda ns: batches_per_rank(ns, 2, 40, 4, (0,)), judge_shards)
+
+
+def probe_epochs(ns: dict) -> dict:
+    return {"a": batches_per_rank(ns, 2, 40, 4, (0, 1)), "b": batches_per_rank(ns, 2, 40, 4, (0,))}
+
+
+def judge_epochs(got: dict) -> str:
+    a, b = got["a"], got["b"]
+    for r in range(2):
+        assert a[r][0] == b[r][0], f"rank {r}: epoch 0 gave different batches in two calls"
+        assert a[r][0] != a[r][1], f"rank {r}: epoch 1 replays epoch 0's order: call set_epoch(epoch)"
+    return "a new order every epoch, the same order for the same epoch"
+
+
+register("test_rank_batches_epochs", probe_epochs, judge_epochs)
+
+
+# ---------------------------------------------------------------- Prefetcher
+def guarded(fn, timeout: float = 5.0):
+    """fn() in a thread, so that a loop that never ends fails the test instead of hanging."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), (f"the loop still waits after {timeout:.0f} s: does it end when the iterable ends, "
+                                   "and when reading it fails?")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def yours(ns: dict, fn, timeout: float = 5.0):
+    """fn() guarded, course_lib's Prefetcher out of reach while the student's class runs."""
+    # imported here, not in the grading server: the module computes its IDCT table with torch at import, and a
+    # fork of a process that ran torch's threaded kernels can hang in its next one (a copied module re-running it)
+    import course_lib.dataloader as feeding
+
+    with forbid(feeding.Prefetcher, namespace=ns):
+        return guarded(fn, timeout)
+
+
+def writable_tempdir() -> None:
+    """Where the grading process's inherited temporary folder is not writable, the one its environment names:
+    a loader's worker shares its batches through a socket made there."""
+    try:
+        os.rmdir(tempfile.mkdtemp())
+    except OSError:
+        tempfile.tempdir = None
+
+
+def small_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.arange(24.0).view(12, 2), torch.arange(12)), batch_size=4, num_workers=1)
+
+
+def batch_data(batch):
+    """A batch that came through the student's Prefetcher, as data: its tensors (detached) or its repr."""
+    if isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch):
+        return [t.detach().cpu().clone() for t in batch]
+    return repr(batch)[:200]
+
+
+def probe_prefetcher(ns: dict) -> dict:
+    Prefetcher = ns["Prefetcher"]
+
+    def two_passes():
+        p = Prefetcher(range(20), depth=3)
+        return list(p), list(p)
+
+    first, second = yours(ns, two_passes)
+    writable_tempdir()
+    got = yours(ns, lambda: list(Prefetcher(small_loader(), depth=2, device="cpu")))
+    return {"first": as_data(list(first)), "second": as_data(list(second)), "batches": [batch_data(b) for b in got]}
+
+
+def judge_prefetcher(got: dict) -> str:
+    assert got["first"] == list(range(20)), f"expected the items 0..19 in order, got {got['first']}"
+    assert got["second"] == list(range(20)), \
+        f"a second pass gave {got['second']}: each iter() starts a new pass over the iterable"
+    want = list(small_loader())
+    mine = got["batches"]
+    assert len(mine) == len(want) and all(isinstance(g, list) and len(g) == 2 and torch.equal(g[0], w[0])
+                                          and torch.equal(g[1], w[1]) for g, w in zip(mine, want)), \
+        "the DataLoader's batches changed on the way"
+    return "every item in order, every pass; a DataLoader's batches come through unchanged"
+
+
+register("test_Prefetcher", probe_prefetcher, judge_prefetcher)
+
+N_ITEMS, T_ITEM = 10, 0.04  # 10 items that take 40 ms each to load, a 40 ms step
+
+
+def probe_overlap(ns: dict) -> dict:
+    Prefetcher = ns["Prefetcher"]
+
+    def slow_items(n, seconds):
+        for i in range(n):
+            sleep(seconds)  # loading (sleep releases the GIL, as torch's decoding kernels do)
+            yield i
+
+    def timed_loop(n, t_load, t_step, depth):
+        t0, seen = perf_counter(), []
+        for item in Prefetcher(slow_items(n, t_load), depth=depth):
+            sleep(t_step)  # the step: the GPU busy, the host free
+            seen.append(item)
+        return seen, perf_counter() - t0
+
+    for _attempt in range(2):  # a second try, in case the machine was busy during the first
+        seen, took = yours(ns, lambda: timed_loop(N_ITEMS, T_ITEM, T_ITEM, 2))
+        if took < 0.75 * 2 * N_ITEMS * T_ITEM:
+            break
+    return {"seen": as_data(list(seen)), "took": float(took)}
+
+
+def judge_overlap(got: dict) -> str:
+    n, t, took = N_ITEMS, T_ITEM, got["took"]
+    assert got["seen"] == list(range(n)), f"items missing or out of order: {got['seen']}"
+    assert took < 0.75 * 2 * n * t, (f"{n} items that take {t * 1e3:.0f} ms to load and a {t * 1e3:.0f} ms step: "
+                                     f"{took:.2f} s; without overlap that is {2 * n * t:.2f} s, with it about "
+                                     f"{(n + 1) * t:.2f} s: read the next items in the thread while the loop works")
+    return f"{n} steps in {took:.2f} s ({2 * n * t:.2f} s one after the other): loading overlaps with the step"
+
+
+register("test_Prefetcher_overlap", probe_overlap, judge_overlap)
+
+
+# ---------------------------------------------------------------- average_gradients
+def cnn(frozen_bias: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = SmallCNN(width=8)
+    if frozen_bias:
+        m.head.bias.requires_grad_(False)
+    return m
+
+
+def average_probe(ns: dict, nprocs: int, n: int, frozen_bias: bool = False) -> list:
+    """Per rank, the gradients after the student's ``average_gradients``, each rank on its part of a batch of ``n``."""
+    space = student(ns, "average_gradients")
+
+    def rank(r, world):
+        m = cnn(frozen_bias)
+        x, y = synthetic_images(n, seed=3).tensors
+        F.cross_entropy(m(x.chunk(world)[r]), y.chunk(world)[r]).backward()
+        with forbid(*AVERAGE, namespace=space):  # course_lib's answer, out of reach
+            space["average_gradients"](m)
+        return packed(grads(m))
+
+    return [unpacked(g) for g in forked(rank, nprocs)]
+
+
+def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
+    """torch's DDP on this rank's part of the batch: its gradients."""
+    d = DDP(cnn(frozen_bias))
+    x, y = synthetic_images(n, seed=3).tensors
+    F.cross_entropy(d(x.chunk(world)[r]), y.chunk(world)[r]).backward()
+    return packed(grads(d.module))
+
+
+@functools.lru_cache(maxsize=None)
+def ddp_grads(nprocs: int, n: int, frozen_bias: bool = False) -> list:
+    return [unpacked(g) for g in forked(ddp_rank_grads, nprocs, n, frozen_bias)]
+
+
+def one_process_grads(n: int, frozen_bias: bool = False) -> dict:
+    m = cnn(frozen_bias)
+    x, y = synthetic_images(n, seed=3).tensors
+    F.cross_entropy(m(x), y).backward()
+    return grads(m)
+
+
+def judge_average(got: list, nprocs: int, n: int, frozen_bias: bool, label: str = "") -> None:
+    ref, theirs = one_process_grads(n, frozen_bias), ddp_grads(nprocs, n, frozen_bias)
+    assert len(got) == nprocs
+    for r, (mine, d) in enumerate(zip(got, theirs)):
+        assert max_rel_diff(mine, d) < 1e-5, f"{label}rank {r}: your gradients differ from DDP's"
+        assert max_rel_diff(mine, ref) < 1e-5, (f"{label}rank {r}: not the whole batch's gradient" if label else
+                                                f"rank {r}: not the gradient of one process on the whole batch")
+
+
+def judge_average_2(got: list) -> str:
+    judge_average(got, 2, 16, False)
+    return "every rank holds DDP's gradients"
+
+
+register("test_average_gradients", lambda ns: average_probe(ns, 2, 16), judge_average_2)
+
+
+# ---------------------------------------------------------------- BucketedDDP
+CAP = 0.01  # MiB: SmallCNN(width=8) fills 5 buckets
+KEEP = ("what", "t", "numel", "async_op", "waited", "launched_at")
+
+
+def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_by_rank: bool = False,
+                   frozen: bool = False) -> list:
+    """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n``: its
+    buckets (by name), each step's gradients after finish_gradient_synchronization and collectives, the weights."""
+    space = student(ns, "BucketedDDP")
+
+    def rank(r, world):
+        torch.set_num_threads(1)
+        x, y = synthetic_images(n * steps, seed=3).tensors
+        logs = []
+        with forbid(*BUCKETED_INIT, namespace=space):
+            mine = space["BucketedDDP"](cnn(frozen) if not seed_by_rank else seeded(r, frozen), bucket_cap_mb=cap)
+        names = {id(p): k for k, p in mine.module.named_parameters()}
+        for p in mine.module.parameters():  # registered after the student's: marks the moment a gradient is in
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: logs[-1].mark("grad"))
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+        out = {"grads": [], "events": [], "n_buckets": len(mine.buckets),
+               "buckets": [[names[id(p)] for p in b] for b in mine.buckets]}
+        for s in range(steps):
+            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+            xs, ys = xg.chunk(world)[r], yg.chunk(world)[r]
+            with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
+                logs.append(log)
+                F.cross_entropy(mine(xs), ys).backward()
+                mine.finish_gradient_synchronization()
+            out["grads"].append(grads(mine.module))
+            out["events"].append([{k: e[k] for k in KEEP if k in e} for e in log.events])
+            opt.step()
+            opt.zero_grad()
+        out["weights"] = params(mine.module)
+        return packed(out)
+
+    return [unpacked(run) for run in forked(rank, nprocs)]
+
+
+def seeded(seed: int, frozen: bool) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = SmallCNN(width=8)
+    if frozen:
+        m.head.bias.requires_grad_(False)
+    return m
+
+
+def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> bytes:
+    """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients."""
+    torch.set_num_threads(1)
+    theirs, one = DDP(cnn(frozen)), cnn(frozen)
+    x, y = synthetic_images(n * steps, seed=3).tensors
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, one)]
+    out = {"ddp": [], "one": []}
+    for s in range(steps):
+        xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+        F.cross_entropy(theirs(xg.chunk(world)[r]), yg.chunk(world)[r]).backward()
+        F.cross_entropy(one(xg), yg).backward()
+        out["ddp"].append(grads(theirs.module))
+        out["one"].append(grads(one))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return packed(out)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
+    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen)]
+
+
+def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:
+    refs = reference_runs(len(runs), n, steps, frozen)
+    for r, (run, ref) in enumerate(zip(runs, refs)):
+        for s, (mine, ev) in enumerate(zip(run["grads"], run["events"])):
+            a, b = max_rel_diff(mine, ref["ddp"][s]), max_rel_diff(mine, ref["one"][s])
+            unwaited = [e for e in ev if e.get("what") == "all_reduce" and not e.get("waited")]
+            assert not unwaited, (f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on: "
+                                  "call wait() on every handle in finish_gradient_synchronization before reading it")
+            assert a < 1e-5, f"{label}, rank {r}, step {s}: your gradients differ from DDP's (max rel. diff {a:.1e})"
+            assert b < 1e-5, f"{label}, rank {r}, step {s}: not one process's gradient on the whole batch ({b:.1e})"
+        for k, v in run["weights"].items():
+            assert (v == runs[0]["weights"][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
+
+
+def judge_bucketed(runs: list) -> str:
+    check_bucketed(runs, "2 ranks", 16, 2)
+    return "DDP's gradients on every rank, two steps running"
+
+
+register("test_BucketedDDP", lambda ns: bucketed_probe(ns, 2, 16, 2, CAP), judge_bucketed)
+
+WANT_BUCKETS = [["head.bias"], ["head.weight"], ["features.2.1.bias", "features.2.1.weight", "features.2.0.bias"],
+                ["features.2.0.weight"], ["features.1.1.bias", "features.1.1.weight", "features.1.0.bias",
+                "features.1.0.weight", "features.0.1.bias", "features.0.1.weight", "features.0.0.bias",
+                "features.0.0.weight"]]
+
+
+def probe_buckets(ns: dict) -> list:
+    return [{"buckets": run["buckets"], "events": run["events"]} for run in bucketed_probe(ns, 2, 16, 1, CAP)]
+
+
+def judge_buckets(runs: list) -> str:
+    want = WANT_BUCKETS
+    for r, run in enumerate(runs):
+        assert run["buckets"] == want, f"rank {r}: buckets {run['buckets']}, expected (cap {CAP} MiB) {want}"
+        ev = run["events"][0]
+        launches = [i for i, e in enumerate(ev) if e["what"] == "all_reduce"]
+        grads_in = [i for i, e in enumerate(ev) if e["what"] == "grad"]
+        assert len(launches) == len(want), (f"rank {r}: {len(launches)} dist.all_reduce calls in one backward for "
+                                            f"{len(want)} buckets: one per bucket")
+        assert all(ev[i]["async_op"] for i in launches), "launch each bucket with dist.all_reduce(..., async_op=True)"
+        assert launches[0] < grads_in[-1], ("your first all-reduce started after the last gradient had arrived: "
+                                            "launch each bucket from the hook, when its last gradient is in")
+    return "5 buckets, 5 all-reduces, the first one during backward"
+
+
+register("test_BucketedDDP_buckets", probe_buckets, judge_buckets)

@@ -1,0 +1,304 @@
+"""Notebook 07's visible tests: the response labels, the LoRA layer (one layer and a tiny Llama), the LoRA count
+and NF4 on single blocks (against bitsandbytes' indices, stored here)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+
+import torch
+
+from course_lib import lora, nf4  # nf4 first: it quiets the bitsandbytes log line that importing peft can write
+import peft
+from peft.tuners.lora import Linear as PeftLinear, LoraLayer as PeftLoraLayer
+from course_lib.checks import number, register
+from course_lib.finetune import load_tokenizer
+from course_lib.grading import forbid
+from course_lib.instruct import (IGNORE_INDEX, example_texts, load_instruction_data, pack_examples, pad_batch,
+                                 tokenize_example)
+from course_lib.lora import ALL_LINEAR, apply_lora, lora_linear, trainable_parameters
+from course_lib.models import build_llama, llama_config
+
+# What each exercise builds, out of reach while the student's code runs.
+LABELLING = (tokenize_example, pad_batch, pack_examples)
+PEFT = (PeftLinear, PeftLoraLayer, peft.get_peft_model, lora.lora_linear, lora.apply_lora)
+COUNTS = (lora.lora_trainable_parameters, lora.linear_shapes)
+NF4_ANSWERS = (nf4.quantize_nf4, nf4.dequantize_nf4, nf4.nf4_round_trip, nf4.nearest_level, nf4.blockwise_absmax,
+               nf4.unpack_4bit, nf4.round_trip_model)
+_bnb = None if nf4.bitsandbytes_error() else importlib.import_module("bitsandbytes.functional")
+if _bnb is not None:
+    NF4_ANSWERS += (_bnb.quantize_4bit, _bnb.dequantize_4bit)
+
+# The notebook's given table (its cell "nf4_table"): QLoRA's 16 NF4 levels as published.
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])
+
+
+def tensor(x):
+    """A tensor the student's code returned, as data (detached, on the CPU); anything else as its ``repr``."""
+    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else repr(x)[:200]
+
+
+def is_tensor(x, what: str) -> None:
+    assert isinstance(x, torch.Tensor), f"{what}: return a tensor, not {x}"
+
+
+# ---------------------------------------------------------------- response_labels
+def labelling_batch() -> tuple[dict, list[int], list[int]]:
+    """A padded batch of the first six training examples of the notebook's data, as the graded run makes them
+    (seed 0, the smoke tier's sizes, the package's own data and tokenizer), its prompt lengths and lengths."""
+    data = load_instruction_data(None, task="reverse", n_train=200, n_test=16, seed=0)
+    base_data = load_instruction_data(None, task="sort", n_train=200, n_test=16, seed=7)
+    tok = load_tokenizer(None, example_texts(data["train"] + base_data["train"]), vocab_size=384)
+    feats = [tokenize_example(tok, e) for e in data["train"][:6]]
+    return (pad_batch(feats, tok.pad_token_id), [f["labels"].count(IGNORE_INDEX) for f in feats],
+            [len(f["input_ids"]) for f in feats])
+
+
+def student_labels(ns: dict) -> dict:
+    """The student's labels of the batch, and the batch's input_ids after the call."""
+    batch, plen, lens = labelling_batch()
+    with forbid(*LABELLING, namespace=ns):
+        labels = ns["response_labels"](batch["input_ids"], plen, lens)
+    return {"labels": tensor(labels), "input_ids after": batch["input_ids"].clone()}
+
+
+def judge_labels(got: dict) -> str:
+    batch, plen, lens = labelling_batch()
+    labels = got["labels"]
+    assert torch.equal(got["input_ids after"], batch["input_ids"]), "input_ids was modified: return a new tensor"
+    is_tensor(labels, "labels")
+    assert labels.shape == batch["input_ids"].shape, f"expected shape {tuple(batch['input_ids'].shape)}"
+    resp = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    for i, (p, n) in enumerate(zip(plen, lens)):
+        resp[i, p:n] = True
+    assert torch.equal(labels[resp], batch["labels"][resp]), "response tokens must keep their ids as labels"
+    assert bool((labels[:, :min(plen)] == IGNORE_INDEX).all()), "prompt positions must be -100"
+    return "prompt masked, response kept"
+
+
+register("test_response_labels", student_labels, judge_labels)
+
+
+# ---------------------------------------------------------------- LoRALinear
+def base_layer(in_features: int, seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(in_features, 12)
+
+
+def adapters_and_input(r: int, shape: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The A (r x in) and B (12 x r) both layers get, and the input, from their own generator."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(r, shape[-1], generator=g) * 0.3, torch.randn(12, r, generator=g) * 0.3
+    return a, b, torch.randn(*shape, generator=g)
+
+
+def my_pair(ns: dict, r: int, alpha: float, dropout: float = 0.0, shape=(5, 16), seed: int = 0):
+    """The student's layer on a copy of the base layer, with the chosen A and B, and the input."""
+    base = base_layer(shape[-1], seed)
+    with forbid(*PEFT, namespace=ns):
+        mine = ns["LoRALinear"](copy.deepcopy(base), r, alpha, dropout)
+    a, b, x = adapters_and_input(r, shape, seed)
+    mine.lora_A.weight.data.copy_(a)
+    mine.lora_B.weight.data.copy_(b)
+    return mine, x
+
+
+def their_pair(r: int, alpha: float, dropout: float = 0.0, shape=(5, 16), seed: int = 0):
+    """peft's layer on a copy of the same base layer, with the same A and B, the base layer and the input."""
+    base = base_layer(shape[-1], seed)
+    theirs = lora_linear(copy.deepcopy(base), r, alpha, dropout)
+    a, b, x = adapters_and_input(r, shape, seed)
+    theirs.lora_A["default"].weight.data.copy_(a)
+    theirs.lora_B["default"].weight.data.copy_(b)
+    return base, theirs, x
+
+
+def fresh_input() -> torch.Tensor:
+    return torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+
+
+def probe_layer(ns: dict) -> dict:
+    base0 = base_layer(16, 0)
+    with forbid(*PEFT, namespace=ns):
+        fresh = ns["LoRALinear"](copy.deepcopy(base0), 4, 8)
+        out = {"trainable": {n: list(p.shape) for n, p in fresh.named_parameters() if p.requires_grad},
+               "A": tensor(fresh.lora_A.weight), "B": tensor(fresh.lora_B.weight), "fresh y": tensor(fresh(fresh_input()))}
+    mine, x = my_pair(ns, 4, 8)
+    with forbid(*PEFT, namespace=ns):
+        y = mine(x)
+        y.sum().backward()
+    return {**out, "y": tensor(y), "A grad": tensor(mine.lora_A.weight.grad)}
+
+
+def judge_layer(got: dict) -> str:
+    trainable = {n: tuple(s) for n, s in got["trainable"].items()}
+    assert trainable == {"lora_A.weight": (4, 16), "lora_B.weight": (12, 4)}, \
+        f"only lora_A (r x in) and lora_B (out x r) train; trainable here: {trainable}"
+    is_tensor(got["B"], "lora_B.weight")
+    assert (got["B"] == 0).all(), "lora_B starts at zero, so the adapted layer starts as the base layer"
+    bound = 1 / math.sqrt(16)  # kaiming_uniform_ with a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))
+    is_tensor(got["A"], "lora_A.weight")
+    assert got["A"].abs().max() <= bound and got["A"].std() > 0.6 * bound / math.sqrt(3), \
+        "initialise lora_A with nn.init.kaiming_uniform_(weight, a=math.sqrt(5))"
+    with torch.no_grad():
+        base_y = base_layer(16, 0)(fresh_input())
+    is_tensor(got["fresh y"], "the layer's output")
+    assert torch.equal(got["fresh y"], base_y), "at the start (B = 0) the output must be the base layer's"
+
+    _, theirs, x = their_pair(4, 8)
+    y_ref = theirs(x)
+    y_ref.sum().backward()
+    is_tensor(got["y"], "the layer's output")
+    assert torch.allclose(got["y"], y_ref, atol=1e-5), \
+        f"output differs from peft's by {(got['y'] - y_ref).abs().max():.2e}: base(x) + lora_B(lora_A(x)) * alpha / r"
+    assert isinstance(got["A grad"], torch.Tensor), f"A's gradient differs from peft's: lora_A.weight.grad is {got['A grad']}"
+    assert torch.allclose(got["A grad"], theirs.lora_A["default"].weight.grad, atol=1e-5), "A's gradient differs from peft's"
+    return "one layer: peft's outputs and gradients"
+
+
+register("test_LoRALinear", probe_layer, judge_layer)
+
+
+# ---------------------------------------------------------------- LoRALinear on a tiny Llama
+def add_lora(layer_class, model, r, alpha, target_modules, dropout=0.0):
+    """The notebook's given add_lora: freeze ``model``, put ``layer_class`` on every named nn.Linear."""
+    model.requires_grad_(False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in target_modules and isinstance(child, torch.nn.Linear):
+                setattr(parent, name, layer_class(child, r, alpha, dropout))
+    return model
+
+
+def copy_adapters(peft_model, model):
+    """The notebook's given copy_adapters: ``model``'s LoRA layers get the A and B of ``peft_model``."""
+    for name, module in peft_model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and "default" in module.lora_A:
+            mine = model.get_submodule(name.removeprefix("base_model.model."))
+            mine.lora_A.weight.data.copy_(module.lora_A["default"].weight)
+            mine.lora_B.weight.data.copy_(module.lora_B["default"].weight)
+    return model
+
+
+def tiny_llamas():
+    """A 2-layer tiny Llama and peft's LoRA (r=4, alpha=8, every linear layer) on a copy, its B random."""
+    cfg = llama_config("tiny", num_hidden_layers=2)
+    torch.manual_seed(0)
+    llama = build_llama(cfg)
+    torch.manual_seed(1)
+    peft_llama = apply_lora(copy.deepcopy(llama), r=4, alpha=8, target_modules=ALL_LINEAR)
+    for m in peft_llama.modules():
+        if isinstance(m, PeftLinear):
+            m.lora_B["default"].weight.data.normal_(0, 0.05)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    return llama, peft_llama, ids
+
+
+def probe_llama(ns: dict) -> dict:
+    llama, peft_llama, ids = tiny_llamas()
+    with forbid(*PEFT, namespace=ns):
+        my_llama = copy_adapters(peft_llama, add_lora(ns["LoRALinear"], copy.deepcopy(llama), r=4, alpha=8,
+                                                      target_modules=ALL_LINEAR))
+    trainable = number(trainable_parameters(my_llama))
+    with torch.no_grad(), forbid(*PEFT, namespace=ns):
+        logits = my_llama(input_ids=ids).logits
+    return {"trainable": trainable, "logits": tensor(logits)}
+
+
+def judge_llama(got: dict) -> str:
+    _, peft_llama, ids = tiny_llamas()
+    assert got["trainable"] == trainable_parameters(peft_llama), \
+        f"peft trains {trainable_parameters(peft_llama)} parameters, your layers {got['trainable']}"
+    with torch.no_grad():
+        ref = peft_llama(input_ids=ids).logits
+    is_tensor(got["logits"], "the logits")
+    assert torch.allclose(got["logits"], ref, atol=1e-4), f"logits differ from peft's by {(got['logits'] - ref).abs().max():.2e}"
+    return "tiny Llama: peft's trainable count and logits"
+
+
+register("test_LoRALinear_llama", probe_llama, judge_llama)
+
+
+# ---------------------------------------------------------------- lora_params
+def small_config():
+    return llama_config("tiny", num_hidden_layers=2)
+
+
+def peft_count(r: int, targets) -> int:
+    """What peft trains on the 2-layer tiny Llama, LoRA of rank ``r`` on ``targets``."""
+    return trainable_parameters(apply_lora(build_llama(small_config()), r=r, target_modules=tuple(targets)))
+
+
+def student_count(ns: dict, config, r: int, targets) -> int | float | str:
+    with forbid(*COUNTS, namespace=ns):
+        return number(ns["lora_params"](config, r, list(targets)))
+
+
+def judge_count(got) -> str:
+    want = peft_count(4, ("q_proj", "o_proj"))
+    assert got == want, f"peft trains {want}, you counted {got}"
+    return "matches peft"
+
+
+register("test_lora_params", lambda ns: student_count(ns, small_config(), 4, ("q_proj", "o_proj")), judge_count)
+
+
+# ---------------------------------------------------------------- nf4_quantize
+def my_nf4(ns: dict, w: torch.Tensor, blocksize: int = 64) -> dict:
+    """The student's codes, absmax and round trip of ``w``, course_lib's and bitsandbytes' NF4 out of reach."""
+    ns.setdefault("NF4", NF4.clone())  # the notebook's given table, where the graded run has not defined it
+    with forbid(*NF4_ANSWERS, namespace=ns):
+        codes, absmax = ns["nf4_quantize"](w, blocksize)
+        back = ns["nf4_dequantize"](codes, absmax, w.shape, blocksize)
+    return {"codes": tensor(codes), "absmax": tensor(absmax), "back": tensor(back)}
+
+
+def single_blocks() -> list[tuple[torch.Tensor, int, str]]:
+    """Three tensors, each one block, and the NF4 index of each value as bitsandbytes 0.50.2 stores it (quantize_4bit
+    with quant_type="nf4" on the float32 values, then its packed bytes in hex: one hex digit per value, in order)."""
+    w = torch.sin(torch.arange(64) * 0.37) * 0.02
+    w[10] = 0.0
+    return [(w, 64, "7befffed9571000137befffed9521000137befffed9521000137befffed95210"),
+            ((torch.sin(torch.arange(64) * 0.91) * torch.linspace(0.5, 2, 64)).reshape(4, 16), 64,
+             "7aa95447bb95348cc84249dc8324add8214bed7114ced6114dfd5005dfd4006e"),
+            (torch.cos(torch.arange(32) * 1.3).reshape(2, 16).bfloat16(), 32, "fa01cf802ef503ee305fe208fc10afa0")]
+
+
+def probe_nf4(ns: dict) -> dict:
+    blocks = single_blocks()
+    return {"first": my_nf4(ns, blocks[0][0]), "stored": [my_nf4(ns, w, bs) for w, bs, _ in blocks]}
+
+
+def judge_nf4(got: dict) -> str:
+    blocks = single_blocks()
+    w = blocks[0][0]
+    codes, absmax, back = got["first"]["codes"], got["first"]["absmax"], got["first"]["back"]
+    for name, x in (("codes", codes), ("absmax", absmax), ("the round trip", back)):
+        is_tensor(x, name)
+    assert tuple(codes.shape) == (64,) and not codes.is_floating_point() and 0 <= codes.min() and codes.max() <= 15, \
+        f"codes: one integer index 0..15 per value, of shape (numel,); got {codes.dtype} of shape {tuple(codes.shape)}"
+    assert absmax.numel() == 1 and torch.allclose(absmax.reshape(-1).float(), w.abs().max().reshape(1)), \
+        "absmax: the block's largest |value|, one per block"
+    assert codes[10] == 7 and back[10] == 0, "an exact zero is stored as the level 0.0 (index 7) and comes back as 0"
+    for (w, _, hexes), mine in zip(blocks, got["stored"]):
+        codes, back = mine["codes"], mine["back"]
+        is_tensor(codes, "codes")
+        is_tensor(back, "the round trip")
+        want = torch.tensor([int(digit, 16) for digit in hexes])
+        ref = (NF4[want] * w.float().abs().max()).reshape(w.shape)  # each tensor is one block
+        assert tuple(back.shape) == tuple(w.shape), f"nf4_dequantize must return shape {tuple(w.shape)}, not {tuple(back.shape)}"
+        assert codes.numel() == want.numel(), f"codes: one index per value, {want.numel()} here, not {codes.numel()}"
+        off = (codes.reshape(-1).long() != want).nonzero().flatten().tolist()
+        assert not off, (f"shape {tuple(w.shape)}: your indices differ from bitsandbytes' at positions {off[:8]}: each value "
+                         f"goes to the NF4 level nearest to value / absmax (not to a grid of evenly spaced levels)")
+        assert torch.allclose(back.float(), ref, rtol=1e-5, atol=1e-8), \
+            (f"your round trip differs from the stored levels × absmax by up to {(back.float() - ref).abs().max():.2e}: "
+             f"a value comes back as NF4[index] × its block's absmax")
+    return "single blocks: bitsandbytes' NF4 indices, and their levels × absmax back"
+
+
+register("test_nf4_quantize", probe_nf4, judge_nf4)

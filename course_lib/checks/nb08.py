@@ -1,0 +1,250 @@
+"""Notebook 08's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives)
+and the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import course_lib.pp as pp
+import course_lib.tp as tp
+from course_lib.checks import number, plain, register
+from course_lib.distributed import CollectiveBytes
+from course_lib.grading import forbid
+from course_lib.launch import WorkerError, fork_is_safe, run_forked
+
+# What each exercise builds, out of reach while the student's code runs.
+TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
+              tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
+PP_ANSWERS = (pp.one_f_one_b_order, pp.gpipe_order, pp.torch_order, Schedule1F1B, ScheduleGPipe)
+PAIR = ("ColumnParallelLinear", "RowParallelLinear")
+
+
+def forked(fn, nprocs: int, *args) -> list:
+    """fn(rank, world_size, *args) on nprocs forked CPU ranks; a rendezvous that failed before fn ran is retried."""
+    for attempt in range(3):
+        try:
+            return run_forked(fn, nprocs, *args, timeout=45)
+        except WorkerError as err:
+            if "init_process_group" not in str(err) or attempt == 2:
+                raise
+
+
+def tensor(x):
+    """A tensor the student's code gave, as data (detached, on the CPU); None stays None; anything else its repr."""
+    if x is None:
+        return None
+    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else repr(x)[:200]
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair
+def mlp(d: int = 8, h: int = 16, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, h, bias=bias), nn.GELU(), nn.Linear(h, d, bias=bias))
+
+
+def mlp_input(d: int) -> torch.Tensor:
+    return torch.randn(6, d, generator=torch.Generator().manual_seed(1))
+
+
+def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict:
+    """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's;
+    their output, the gradients of every weight (this rank's slice) and of the input, and the collectives."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    ref = mlp(d, h, bias)
+    mine = copy.deepcopy(ref)
+    x = mlp_input(d).requires_grad_(True)
+    with forbid(*TP_ANSWERS, namespace=ns):
+        mine[2], mine[4] = ns["ColumnParallelLinear"](ref[2]), ns["RowParallelLinear"](ref[4])
+        with CollectiveBytes() as comm:
+            out = mine(x)
+            forward_calls = dict(comm.calls_by_kind)
+            out.pow(2).sum().backward()
+    grads = {"first layer": mine[0].weight.grad, "column weight": mine[2].weight.grad,
+             "row weight": mine[4].weight.grad, "input": x.grad}
+    if bias:
+        grads.update({"column bias": mine[2].bias.grad, "row bias": mine[4].bias.grad})
+    return packed({"output": tensor(out), "grads": {k: tensor(g) for k, g in grads.items()},
+                   "forward calls": {str(k): number(v) for k, v in forward_calls.items()},
+                   "calls": {str(k): number(v) for k, v in comm.calls_by_kind.items()},
+                   "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}})
+
+
+def packed(data) -> bytes:
+    """A rank's data as bytes (``torch.save``): tensors sent through the ranks' queue as shared memory can be lost
+    when the rank exits first."""
+    buffer = io.BytesIO()
+    torch.save(plain(data), buffer)
+    return buffer.getvalue()
+
+
+def unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def in_ranks(ns: dict, fn, nprocs: int, *args) -> list:
+    """``fn(rank, world, *args, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
+    safe (a machine with GPUs) the ranks are spawned and get the student's pair only, by value."""
+    space = ns if fork_is_safe() else {k: ns[k] for k in PAIR if k in ns}
+    return forked(functools.partial(fn, ns=space), nprocs, *args)
+
+
+def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
+    return [unpacked(run) for run in in_ranks(ns, tp_rank, world, d, h, bias)]
+
+
+def reference(d: int, h: int, bias: bool) -> tuple[torch.Tensor, dict]:
+    """The unsplit MLP's output and its full gradients, in one process."""
+    ref = mlp(d, h, bias)
+    x = mlp_input(d).requires_grad_(True)
+    out = ref(x)
+    out.pow(2).sum().backward()
+    grads = {"first layer": ref[0].weight.grad, "column weight": ref[2].weight.grad, "row weight": ref[4].weight.grad,
+             "input": x.grad}
+    if bias:
+        grads.update({"column bias": ref[2].bias.grad, "row bias": ref[4].bias.grad})
+    return out.detach(), grads
+
+
+def rank_slice(name: str, g: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """This rank's part of the unsplit gradient ``g``: rows of the column layer, columns of the row layer's weight."""
+    if name in ("column weight", "column bias"):
+        return g[rank * n:(rank + 1) * n]
+    if name == "row weight":
+        return g[:, rank * n:(rank + 1) * n]
+    return g
+
+
+def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool) -> None:
+    want, full = reference(d, h, bias)
+    assert len(runs) == world, f"{label}: {len(runs)} ranks answered, expected {world}"
+    n = h // world
+    for r, run in enumerate(runs):
+        assert isinstance(run["output"], torch.Tensor), f"{label}, rank {r}: the output is {run['output']}, not a tensor"
+        gap = float((run["output"] - want).abs().max())
+        assert gap < 1e-5, (f"{label}, rank {r}: the output differs from the unsplit MLP's by "
+                            f"{gap:.1e}: is the bias added once, after the all-reduce?")
+        for name, g_full in full.items():
+            g, ref_g = run["grads"][name], rank_slice(name, g_full, r, n)
+            assert g is not None, (f"{label}, rank {r}: the {name} got no gradient: a collective without a "
+                                   "backward cut the graph (use your autograd functions)")
+            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: the {name}'s gradient is {g}, not a tensor"
+            rel = float((g - ref_g).abs().max() / ref_g.abs().max())
+            assert rel < 1e-5, (f"{label}, rank {r}: the {name}'s gradient is off by {rel:.1e} (relative): "
+                                "CopyToTP's backward must sum the input's gradient over the ranks")
+
+
+def probe_pair(ns: dict) -> list:
+    return [{k: run[k] for k in ("output", "grads")} for run in tp_runs(ns, 2, 8, 16, True)]
+
+
+def judge_pair(runs: list) -> str:
+    judge_tp(runs, "2 ranks", 2, 8, 16, True)
+    return "2 ranks: the unsplit MLP's output and gradients"
+
+
+register("test_tensor_parallel_pair", probe_pair, judge_pair)
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair: its collectives
+def probe_collectives(ns: dict) -> list:
+    return [{k: run[k] for k in ("forward calls", "calls", "bytes")} for run in tp_runs(ns, 2, 8, 16, True)]
+
+
+def judge_collectives(runs: list) -> str:
+    assert len(runs) == 2, f"{len(runs)} ranks answered, expected 2"
+    for r, run in enumerate(runs):
+        assert run["forward calls"] == {"all_reduce": 1}, (f"rank {r}: forward ran {run['forward calls']}: the pair "
+                                                           "needs one all-reduce, after the row-parallel layer")
+        assert run["calls"] == {"all_reduce": 2}, f"rank {r}: forward and backward ran {run['calls']}"
+        assert run["bytes"] == {"all_reduce": 2 * 6 * 8 * 4}, f"rank {r}: {run['bytes']} bytes"
+    return f"one all-reduce forward, one backward, of {6 * 8 * 4} bytes each"
+
+
+register("test_tensor_parallel_pair_collectives", probe_collectives, judge_collectives)
+
+
+# ---------------------------------------------------------------- one_f_one_b_order
+def action(a) -> tuple:
+    """One action of the student's order as plain data: its strings kept, its numbers as numbers."""
+    return tuple(x if isinstance(x, str) else number(x) for x in a)
+
+
+def order_of(ns: dict, p: int, m: int) -> list:
+    """The student's ``one_f_one_b_order(p, m)``, the library's orders and torch's schedules forbidden."""
+    with forbid(*PP_ANSWERS, namespace=ns):
+        order = ns["one_f_one_b_order"](p, m)
+    return [[action(a) for a in rank] for rank in order]
+
+
+def orders(ns: dict, shapes) -> dict:
+    return {f"{p},{m}": order_of(ns, p, m) for p, m in shapes}
+
+
+def as_order(order) -> list:
+    return [[tuple(a) for a in rank] for rank in order]
+
+
+def check_order(order: list, p: int, m: int) -> None:
+    order = as_order(order)
+    assert len(order) == p, f"p={p}, m={m}: {len(order)} ranks' orders, expected {p}"
+    everything = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+    for r, actions in enumerate(order):
+        assert sorted(actions) == everything, f"p={p}, m={m}, rank {r}: every F and B of every micro-batch once: {actions}"
+        alive = peak = 0
+        for kind, _ in actions:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak <= p - r, (f"p={p}, m={m}, rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most "
+                               f"p - r = {p - r}: start the backwards after the warm-up")
+    try:
+        sim = pp.schedule_makespan(order, t_f=1.0, t_b=2.0)
+    except ValueError as err:
+        raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
+    assert abs(sim["bubble"] - pp.bubble_formula(p, m)) < 1e-9, (f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, "
+                                                                 f"1F1B's is {pp.bubble_formula(p, m):.3f}")
+
+
+def judge_orders(got: dict, shapes) -> None:
+    for p, m in shapes:
+        check_order(got[f"{p},{m}"], p, m)
+
+
+SHAPES = ((2, 4), (4, 4), (4, 8))
+
+register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
+         lambda got: judge_orders(got, SHAPES) or "runnable, at most p - r in flight, bubble (p-1)/(m+p-1)")
+
+
+# ---------------------------------------------------------------- one_f_one_b_order: what torch ran
+def measured_rank(rank: int, world: int, m: int, layers: int, batch: int) -> list:
+    warnings.filterwarnings("ignore")
+    res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
+    return pp.rank_orders(res["timeline"])
+
+
+@functools.lru_cache(maxsize=None)
+def torch_ran(p: int, m: int, layers: int, batch: int) -> tuple:
+    """The order torch's Schedule1F1B ran on p real ranks (one step), per rank: measured here, in the grader."""
+    return tuple(tuple(tuple(a) for a in rank) for rank in forked(measured_rank, p, m, layers, batch)[0])
+
+
+def ran(p: int, m: int, layers: int, batch: int) -> list:
+    return as_order(torch_ran(p, m, layers, batch))
+
+
+def judge_measured(got: list) -> str:
+    torch_order = ran(2, 4, 2, 8)
+    assert as_order(got) == torch_order, f"your order {as_order(got)}\ntorch ran   {torch_order}"
+    return f"the order torch ran: {torch_order}"
+
+
+register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge_measured)
