@@ -76,8 +76,8 @@ def probe_bytes(ns: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def measured_bytes() -> dict:
     """The bytes each part takes on rank 0 of 2 real ranks training the tiny Llama, full and grad_op."""
-    runs = run_forked(fsdp.sweep, 2, [dict(strategy=s, steps=1, batch=2, seq=8, device="cpu") for s in ("full", "grad_op")],
-                      timeout=120)
+    runs = run_forked(fsdp.sweep, 2, [dict(strategy=s, steps=1, batch=2, seq=8, device="cpu")
+                                      for s in ("full", "grad_op")], timeout=120)
     return {r["strategy"]: dict(r["bytes"]) for r in runs[0]["runs"]}
 
 
@@ -328,7 +328,8 @@ def probe_held(ns: dict) -> list:
 def judge_held(runs: list) -> str:
     total, sizes = full_bytes(), [-(-p.numel() // 2) for p in mlp().parameters()]
     for r, run in enumerate(runs):
-        assert run["shard_sizes"] == sizes, f"rank {r}: shard sizes {run['shard_sizes']}: each is ceil(numel / world size)"
+        assert run["shard_sizes"] == sizes, \
+            f"rank {r}: shard sizes {run['shard_sizes']}: each is ceil(numel / world size)"
         assert run["held"] <= total / 2 + 4 * 4, (f"rank {r} holds {run['held']} bytes of a {total}-byte model: keep "
                                                   "only this rank's slices, and move the module to the meta device")
     return f"each rank holds {run['held']} of {total} bytes"

@@ -36,10 +36,12 @@ def probe_bytes(ns: dict) -> list:
 def judge_bytes(got: list) -> str:
     for ((s, w, ss), (wt, wb, g, o)), mine in zip(EXPECT.items(), got, strict=True):
         for k, v in zip(KEYS, (wt, wb, g, o)):
-            assert isinstance(mine[k], (int, float)), f"{s}, world {w}, shard_size {ss}: {k} should be a number, not {mine[k]}"
+            assert isinstance(mine[k], (int, float)), \
+                f"{s}, world {w}, shard_size {ss}: {k} should be a number, not {mine[k]}"
             assert abs(mine[k] - v) < 1e-6 * v, f"{s}, world {w}, shard_size {ss}: {k}={mine[k]}, expected {v}"
         assert isinstance(mine["total"], (int, float)), f"{s}: total should be a number, not {mine['total']}"
-        assert abs(mine["total"] - (wt + g + o)) < 1e-6 * mine["total"], f"{s}: total is weights + gradients + optimizer states"
+        assert abs(mine["total"] - (wt + g + o)) < 1e-6 * mine["total"], \
+            f"{s}: total is weights + gradients + optimizer states"
     return "no_shard, hybrid, other world sizes and the totals"
 
 
