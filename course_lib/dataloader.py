@@ -13,6 +13,7 @@ overlapped with compute (GPU only). ``Prefetcher`` runs any iterable ahead in a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import queue
@@ -40,8 +41,14 @@ def idct_matrix(n: int = BLOCK) -> torch.Tensor:
 # C.T @ X @ C for every block at once, as one matmul of the flattened blocks (vec(C.T X C) = vec(X) (C ⊗ C)),
 # in fixed point (scaled by 2**12) as libjpeg's integer IDCT does. Integer matmuls run on the calling thread:
 # a float one would go to MKL, whose threads spin against every other process when the cores are busy.
+# Built on first use, not at import: a float op at import starts OpenMP's thread pool, and a process that forks
+# after that (the grader, run_forked) can hang in its children.
 _FRACTION_BITS = 12
-_IDCT2 = torch.round(torch.kron(idct_matrix(), idct_matrix()) * 2**_FRACTION_BITS).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=1)
+def _idct2() -> torch.Tensor:
+    return torch.round(torch.kron(idct_matrix(), idct_matrix()) * 2**_FRACTION_BITS).to(torch.int32)
 
 
 def _coefficients(index: int, size: int, seed: int) -> torch.Tensor:
@@ -55,7 +62,7 @@ def _decode_rounds(coeffs: torch.Tensor, rounds: int) -> torch.Tensor:
     processes sharing a core take longer, as real decoders do)."""
     x = torch.zeros_like(coeffs)
     for _ in range(rounds):  # each round feeds a little of the last one back, so none can be skipped
-        x = ((coeffs + (x >> 6)) @ _IDCT2) >> _FRACTION_BITS
+        x = ((coeffs + (x >> 6)) @ _idct2()) >> _FRACTION_BITS
     return x
 
 

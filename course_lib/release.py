@@ -27,16 +27,18 @@ def assignments(root: Path = ROOT) -> list[str]:
     return sorted(p.name for p in (root / "solutions").iterdir() if (p / f"{p.name}.ipynb").exists())
 
 
-def make_course(dest: Path, root: Path = ROOT, drop_tags: tuple[str, ...] = ()) -> Path:
+def make_course(dest: Path, root: Path = ROOT, drop_tags: tuple[str, ...] = (),
+                only: tuple[str, ...] | None = None) -> Path:
     """A scratch nbgrader course at ``dest``: the config, the solutions, and their generated release.
 
     ``drop_tags=("demo",)`` leaves out the cells tagged so (long demonstrations, not exercises):
-    an exercise-only course that grades in a fraction of the time.
+    an exercise-only course that grades in a fraction of the time. ``only`` keeps those assignments alone.
     """
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(root / "nbgrader_config.py", dest / "nbgrader_config.py")
+    unwanted = [a for a in assignments(root) if a not in only] if only is not None else []
     shutil.copytree(root / "solutions", dest / "solutions", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", *unwanted))
     for nb_path in (dest / "solutions").glob("*/*.ipynb") if drop_tags else ():
         nb = json.loads(nb_path.read_text())
         nb["cells"] = [c for c in nb["cells"] if not set(drop_tags) & set(c.get("metadata", {}).get("tags", []))]

@@ -75,3 +75,58 @@ def test_functions_fit_on_a_screen_and_public_ones_say_what_they_do(name):
     public += [c for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")]
     undocumented = [f.name for f in public if not ast.get_docstring(f)]
     assert not undocumented, f"{name}.py: public {undocumented} have no docstring"
+
+
+# course_lib/checks/: the graded tests (a probe and a judge per test cell) and the grader that runs them. They sit
+# above the whole library, which they test: they may import any of it, and nothing in the library imports them.
+CHECKS = PACKAGE / "checks"
+GRADER_API = {"__init__", "child", "grade"}  # what nbgrader_config and the notebooks call: documented like the library
+
+
+def checks_modules() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text()) for p in sorted(CHECKS.glob("*.py"))}
+
+
+def checks_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(checks module, line) of every import of ``course_lib.checks.X`` in ``tree`` ("__init__" for the package)."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            names = [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names if n.module == "course_lib.checks"]
+        else:
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+        for name in names:
+            if name == "course_lib.checks" or name.startswith("course_lib.checks."):
+                out.append((name.split(".")[2] if name.count(".") >= 2 else "__init__", n.lineno))
+    return out
+
+
+def test_no_library_module_imports_the_checks():
+    importers = {name: checks_imports(tree) for name, tree in modules().items() if checks_imports(tree)}
+    assert not importers, f"the library imports the graded checks (they sit above it): {importers}"
+
+
+@pytest.mark.parametrize("name", sorted(checks_modules()))
+def test_a_visible_check_never_imports_a_hidden_one_and_imports_sit_at_the_top(name):
+    """The student edition ships nbNN.py without nbNN_hidden.py: an import of a hidden module from a visible one
+    would break the student's own notebook."""
+    tree = checks_modules()[name]
+    hidden = [(t, line) for t, line in checks_imports(tree) if t.endswith("_hidden")]
+    assert name.endswith("_hidden") or not hidden, f"checks/{name}.py imports hidden checks: {hidden}"
+    nested = [(t, line) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for t, line in course_imports(f) + checks_imports(f)]
+    assert not nested, f"checks/{name}.py imports course_lib modules inside functions: {nested}"
+    for t, line in course_imports(tree):
+        assert t in LAYER_OF or t == "checks", f"checks/{name}.py:{line} imports course_lib.{t}, which has no layer"
+
+
+@pytest.mark.parametrize("name", sorted(checks_modules()))
+def test_check_functions_fit_on_a_screen_and_the_grader_says_what_it_does(name):
+    tree = checks_modules()[name]
+    long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"checks/{name}.py: {long} are longer than {MAX_FUNCTION_LINES} lines"
+    if name in GRADER_API:
+        public = [f.name for f in tree.body if isinstance(f, (ast.FunctionDef, ast.ClassDef)) and not f.name.startswith("_")]
+        undocumented = [f for f in public if not ast.get_docstring(next(n for n in tree.body if getattr(n, "name", "") == f))]
+        assert not undocumented, f"checks/{name}.py: public {undocumented} have no docstring"

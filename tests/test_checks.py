@@ -56,3 +56,48 @@ def test_the_student_edition_has_the_visible_checks_and_not_the_hidden_ones(tmp_
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "test_llama_param_count" in out.stdout and "_hidden" not in out.stdout, out.stdout
+
+
+def test_loading_course_lib_and_every_check_starts_no_thread():
+    """The grading server forks a child per submission after loading course_lib and the checks: a thread started
+    at import (an OpenMP pool from a large float op, a monitor) would be missing in the child, and a lock it held
+    would hang it. So no module may start one when it is imported."""
+    code = ("import os, pkgutil, importlib, torch\n"
+            "before = len(os.listdir('/proc/self/task'))\n"
+            "import course_lib, course_lib.checks as c\n"
+            "c.load_all()\n"
+            "for m in pkgutil.iter_modules(course_lib.__path__):\n"
+            "    importlib.import_module('course_lib.' + m.name)\n"
+            "print(before, len(os.listdir('/proc/self/task')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == before, f"importing course_lib started {after - before} thread(s)"
+
+
+# One multi-rank check of each notebook whose tests start ranks: on a machine with GPUs, run_forked spawns its
+# ranks and a probe sends them the student's definitions by value (cloudpickle), not the forked namespace.
+SPAWNED = {"04_ddp": "test_average_gradients", "05_fsdp": "test_ShardedModule",
+           "06_deepspeed_zero": "test_ShardedOptimizer", "08_model_parallelism": "test_tensor_parallel_pair"}
+
+
+@pytest.mark.parametrize("assignment", sorted(SPAWNED))
+def test_multi_rank_checks_pass_and_fail_on_the_gpu_machines_spawned_ranks(assignment, monkeypatch):
+    """The grading path a GPU machine takes (``fork_is_safe()`` is False there), forced on this CPU: the reference
+    passes, and a known-wrong submission of that exercise still fails, in spawned ranks inside the fence."""
+    monkeypatch.setenv("COURSE_SPAWN_RANKS", "1")  # read by the grading server started below, and by its ranks
+    solution = g.load_solution(assignment)
+    test_id = SPAWNED[assignment]
+    meta = lambda c: c.get("metadata", {}).get("nbgrader", {})  # noqa: E731
+    only = {**solution, "cells": [c for c in solution["cells"] if not meta(c).get("grade") or meta(c)["grade_id"] == test_id]}
+    exercise = next(ex for ex in g.solution_cells(solution) if test_id in g.tests_of(solution, ex))
+    wrong = next(c for n, c in g.cases(assignment).CASES.items()
+                 if list(c["cells"]) == [exercise] and c["scores"][test_id] == 0 and not n.startswith("calls_"))
+    server = grade.Server(grade.hidden_modules([test_id]))
+    try:
+        right = grade.grade(g.submission(only, only), seconds=120, server=server)[test_id]
+        failed = grade.grade(g.submission(only, only, replace=wrong["cells"]), seconds=120, server=server)[test_id]
+    finally:
+        server.close()
+    assert right.passed, right.message
+    assert not failed.passed and "WorkerError" not in failed.message, failed.message

@@ -1,28 +1,23 @@
-"""nbgrader's real autograde on known submissions of every notebook.
+"""Grading: every notebook's known submissions by its checks, and nbgrader's real autograde on two of them.
 
-Per assignment, one autograde run grades: the reference solution (full marks), the untouched
-release (zero on every test cell), each known-wrong submission of tests/submissions/ (its
-expected partial scores), a submission whose test cell was edited to pass (restored, so it
-scores as the wrong code deserves), and one that loops forever in one exercise (loses only
-that exercise's cells, within the cell timeout). Grading never changes a submitted file.
-The attacks of tests/submissions/attacks.py (copy a course_lib reference, read solutions/, write the gradebook),
-which the grading kernel's sandbox stops, are graded in the same run: one more notebook per assignment, its
-exercises attacked at once; the gradebook of every student the attack does not grade is unchanged after it.
-Each autograded notebook costs a whole execution, so known-wrong submissions of different exercises share
-one notebook where each loses points only on its own exercise's tests (``nbgrading.bundle``), and two
-checks ride on them instead of adding their own: the tampered one is the first wrong notebook with a failed
-test cell edited (graded only in that form: restoring the cell must give its scores), and the looping one is
-another wrong notebook with the loop written into an exercise it leaves alone (its scores, less the looping
-exercise's cells; with one exercise, the solution).
+Every test cell of every notebook calls ``check(...)`` (course_lib.checks): its score is judged outside the
+kernel, from data a fenced child process returns. So the known-wrong submissions and the attacks of every
+notebook are graded by calling the checks (``test_checks_grade_known_submissions``, seconds each), and the whole
+pipeline, nbgrader's autograde with the sandboxed kernel and ``GradeByChecks``, runs on two notebooks that
+prove it (``PIPELINE``): 02, whose code runs in one process and whose attacks include writing the gradebook, and
+04, whose tests start ranks. What autograde adds over the direct path is the same for every notebook (the
+collection, the restored test cells, the kernel's timeout, the gradebook), and the instructor-flow test runs it
+once more on 00 with nbgrader's exchange.
 
-Where an assignment's test cells call ``check(...)`` (course_lib.checks: scores judged outside the kernel), its
-known-wrong submissions and attacks are graded by calling the checks (``test_checks_grade_known_submissions``,
-seconds each), and autograde keeps the solution, the release, one wrong submission (tampered: its expected scores
-are the same on both paths), one looping submission, and the attacks on the kernel itself (on the tests, and the
-gradebook write).
+On each of those two, one autograde run grades: the reference solution (full marks), the untouched release (zero
+on every test cell), a wrong submission with one of its failed test cells edited to pass (autograde restores the
+cell, so it scores what the wrong code deserves), one that loops forever in one exercise (it loses only that
+exercise's cells, within the cell timeout), and the attacks on the kernel itself (tests/submissions/attacks.py:
+swallowing every later cell's errors, rebinding the tests' helpers, writing the gradebook, whose other students'
+rows must not change). Grading never changes a submitted file.
 
 The course graded here is exercise-only: cells tagged ``demo`` (long demonstrations that no test
-cell reads, such as notebook 06's seven DeepSpeed launches) are left out of it, because autograde
+cell reads, such as notebook 04's torchrun launch) are left out of it, because autograde
 re-runs the whole notebook for every submission. The test_notebook_NN tests execute those cells,
 and the instructor-flow test grades complete notebooks.
 """
@@ -44,30 +39,43 @@ CELL_TIMEOUT = 20  # seconds per cell; a submissions module may ask for more (ce
 # test of that exercise (the tests run the student's code inside course_lib.grading.forbid).
 
 
-@pytest.fixture(scope="module")
-def course(tmp_path_factory, deepspeed_ops):
-    return make_course(tmp_path_factory.mktemp("grading") / "course", drop_tags=("demo",))
 
 
 @pytest.mark.parametrize("assignment", assignments())
-def test_autograde_known_submissions(course, assignment):
-    solution = json.loads((course / "solutions" / assignment / f"{assignment}.ipynb").read_text())
-    release = json.loads((course / "release" / assignment / f"{assignment}.ipynb").read_text())
+def test_every_exercise_has_known_wrong_submissions_that_score_every_cell(assignment):
+    """Grading rule 2 holds for every exercise: a ``calls_library_<exercise>`` submission calls course_lib and is
+    expected to score 0 on that exercise's tests; every case lists every test cell."""
+    solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
     known = g.cases(assignment)
     assert len(known.CASES) >= 2, "each notebook needs at least two known-wrong submissions"
-
     for exercise in g.solution_cells(solution):
         case = known.CASES.get(f"calls_library_{exercise}")
         assert case, f"{assignment}: no known-wrong submission calls_library_{exercise} (the library's answer)"
         assert "course_lib" in "".join(case["cells"].values()), f"calls_library_{exercise} must call course_lib"
         assert all(case["scores"][t] == 0 for t in g.tests_of(solution, exercise)), \
             f"calls_library_{exercise} must be expected to score 0 on {g.tests_of(solution, exercise)}"
-
-    expected = {"solution": points, "release": {k: 0 for k in points}}
-    subs = {"solution": g.submission(release, solution), "release": g.submission(release, solution, blank=True)}
     for name, case in known.CASES.items():
         assert set(case["scores"]) == set(points), f"{name}: scores must list every test cell {sorted(points)}"
+    assert set(g.checked_ids(solution)) == set(points), "every test cell is a check (scored outside the kernel)"
+
+
+PIPELINE = ("02_gradient_accumulation", "04_ddp")
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    return make_course(tmp_path_factory.mktemp("grading") / "course", drop_tags=("demo",), only=PIPELINE)
+
+
+@pytest.mark.parametrize("assignment", PIPELINE)
+def test_autograde_known_submissions(course, assignment):
+    solution = json.loads((course / "solutions" / assignment / f"{assignment}.ipynb").read_text())
+    release = json.loads((course / "release" / assignment / f"{assignment}.ipynb").read_text())
+    points = g.grade_cells(solution)
+    known = g.cases(assignment)
+    expected = {"solution": points, "release": {k: 0 for k in points}}
+    subs = {"solution": g.submission(release, solution), "release": g.submission(release, solution, blank=True)}
     bundles = g.bundle(known.CASES, solution, points)
     for name, case in bundles.items():
         subs[name] = g.submission(release, solution, replace=case["cells"])
@@ -144,7 +152,7 @@ def test_autograde_known_submissions(course, assignment):
 
 
 @pytest.mark.parametrize("assignment", [a for a in assignments() if g.checked(g.load_solution(a))])
-def test_checks_grade_known_submissions(assignment):
+def test_checks_grade_known_submissions(assignment, deepspeed_ops):
     """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
     fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
     is, so a copied reference is a stub and solutions/ cannot be read there either."""

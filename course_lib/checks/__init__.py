@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from course_lib.launch import WorkerError, fork_is_safe, run_forked
+
 REGISTRY: dict[str, "Check"] = {}
 
 
@@ -81,6 +83,38 @@ def outcome(fn: Callable, *args, **kwargs) -> dict:
         return {"value": fn(*args, **kwargs)}
     except Exception as err:  # the student's code's error is data the judge reads
         return {"raised": type(err).__name__, "message": str(err)}
+
+
+def student(ns: dict, *names: str) -> dict:
+    """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
+    reaches the names the student's code looks up), else only the named definitions, which a spawned rank gets
+    by value (cloudpickle)."""
+    return ns if fork_is_safe() else {name: ns[name] for name in names}
+
+
+def packed(data: Any) -> bytes:
+    """A rank's data as bytes (``torch.save``): tensors sent through multiprocessing's queue as themselves would be
+    shared through file descriptors and a listener socket in a temporary folder, which the grading fence does not
+    allow, and can be lost when the rank exits first."""
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    return buffer.getvalue()
+
+
+def unpacked(data: bytes) -> Any:
+    """What ``packed`` packed, read as plain data only."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def forked(fn: Callable, nprocs: int, *args, timeout: float = 30) -> list:
+    """``fn(rank, world_size, *args)`` on ``nprocs`` ranks (``run_forked``), with a rendezvous that failed before any
+    code ran retried (twice): a busy machine, not the student's code."""
+    for attempt in range(3):
+        try:
+            return run_forked(fn, nprocs, *args, timeout=timeout)
+        except WorkerError as err:
+            if "init_process_group" not in str(err) or attempt == 2:
+                raise
 
 
 def check(name: str, namespace: dict) -> None:

@@ -152,13 +152,14 @@ def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
         return Verdict(False, f"{name}: {type(err).__name__}: {err}")
 
 
-def grade(nb: dict, seconds: int = 60, fence: bool = True) -> dict[str, Verdict]:
-    """``{grade_id: Verdict}`` of every test cell of ``nb`` that calls ``check``; a cell passes if all its checks do."""
+def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None = None) -> dict[str, Verdict]:
+    """``{grade_id: Verdict}`` of every test cell of ``nb`` that calls ``check``; a cell passes if all its checks do.
+    ``server``: a grading server of the caller's (else the shared one for these checks)."""
     cells = checked_cells(nb)
     names = [n for ns in cells.values() for n in ns]
     if not names:
         return {}
-    out = server_for(names).run(cells_to_run(nb), names, seconds, fence)
+    out = (server or server_for(names)).run(cells_to_run(nb), names, seconds, fence)
     results, errors = out.get("results", {}), out.get("cell_errors", [])
     verdicts = {}
     for grade_id, ns in cells.items():

@@ -8,9 +8,7 @@ need ranks (DDP's gradients) are forked by the judges, from torch's and course_l
 
 from __future__ import annotations
 
-import copy
 import functools
-import io
 import os
 import tempfile
 import threading
@@ -22,13 +20,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+import course_lib.dataloader as feeding
 import course_lib.distributed as toolkit
 from course_lib import ddp
-from course_lib.checks import number, register
+from course_lib.checks import forked, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
 from course_lib.grading import forbid, grads, max_rel_diff, params
-from course_lib.launch import WorkerError, fork_is_safe, run_forked
 from course_lib.models import SmallCNN
 
 # course_lib's and torch's answers, out of reach while the student's code runs
@@ -36,33 +34,6 @@ LOADERS = (toolkit.sharded_loader, toolkit.step_batches)
 AVERAGE = (ddp.all_reduce_gradients,)
 BUCKETED_INIT = (ddp.BucketedDDP, ddp.bucket_parameters, ddp.all_reduce_gradients, DDP)
 BUCKETED_STEP = (ddp.BucketedDDP, ddp.all_reduce_gradients, DDP)
-
-
-def student(ns: dict, *names: str) -> dict:
-    """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
-    reaches the names the student's code looks up), else only the named definitions (sent by value)."""
-    return ns if fork_is_safe() else {name: ns[name] for name in names}
-
-
-def packed(data) -> bytes:
-    """A rank's data as bytes (tensors through multiprocessing's queue would be shared through file descriptors)."""
-    buffer = io.BytesIO()
-    torch.save(data, buffer)
-    return buffer.getvalue()
-
-
-def unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def forked(fn, nprocs: int, *args) -> list:
-    """fn(rank, world_size, *args) on nprocs real processes; a rendezvous that failed before the code ran is retried."""
-    for attempt in range(3):
-        try:
-            return run_forked(fn, nprocs, *args, timeout=15)
-        except WorkerError as err:
-            if "init_process_group" not in str(err) or attempt == 2:
-                raise
 
 
 def as_data(x, depth: int = 0):
@@ -87,7 +58,7 @@ def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tup
             return {e: as_data(space["rank_batches"](n, dist.get_rank(), dist.get_world_size(), e, batch_size, seed))
                     for e in epochs}
 
-    return forked(rank, nprocs)
+    return forked(rank, nprocs, timeout=15)
 
 
 def judge_shards(got: list) -> str:
@@ -144,10 +115,6 @@ def guarded(fn, timeout: float = 5.0):
 
 def yours(ns: dict, fn, timeout: float = 5.0):
     """fn() guarded, course_lib's Prefetcher out of reach while the student's class runs."""
-    # imported here, not in the grading server: the module computes its IDCT table with torch at import, and a
-    # fork of a process that ran torch's threaded kernels can hang in its next one (a copied module re-running it)
-    import course_lib.dataloader as feeding
-
     with forbid(feeding.Prefetcher, namespace=ns):
         return guarded(fn, timeout)
 
@@ -257,7 +224,7 @@ def average_probe(ns: dict, nprocs: int, n: int, frozen_bias: bool = False) -> l
             space["average_gradients"](m)
         return packed(grads(m))
 
-    return [unpacked(g) for g in forked(rank, nprocs)]
+    return [unpacked(g) for g in forked(rank, nprocs, timeout=15)]
 
 
 def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
@@ -270,7 +237,7 @@ def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def ddp_grads(nprocs: int, n: int, frozen_bias: bool = False) -> list:
-    return [unpacked(g) for g in forked(ddp_rank_grads, nprocs, n, frozen_bias)]
+    return [unpacked(g) for g in forked(ddp_rank_grads, nprocs, n, frozen_bias, timeout=15)]
 
 
 def one_process_grads(n: int, frozen_bias: bool = False) -> dict:
@@ -335,7 +302,7 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_b
         out["weights"] = params(mine.module)
         return packed(out)
 
-    return [unpacked(run) for run in forked(rank, nprocs)]
+    return [unpacked(run) for run in forked(rank, nprocs, timeout=15)]
 
 
 def seeded(seed: int, frozen: bool) -> torch.nn.Module:
@@ -367,7 +334,7 @@ def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> byte
 
 @functools.lru_cache(maxsize=None)
 def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen)]
+    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen, timeout=15)]
 
 
 def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:

@@ -8,7 +8,6 @@ need ranks (the measured bytes, ``fully_shard``'s gradients) are forked by the j
 from __future__ import annotations
 
 import functools
-import io
 import warnings
 
 import torch
@@ -20,45 +19,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 import course_lib.distributed as toolkit
 from course_lib import fsdp, memory
-from course_lib.checks import number, register
+from course_lib.checks import forked, number, packed, register, student, unpacked
 from course_lib.data import lm_batch
 from course_lib.grading import forbid
-from course_lib.launch import WorkerError, fork_is_safe, run_forked
+from course_lib.launch import run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 
 # course_lib's and torch's answers, out of reach while the student's code runs
 ESTIMATES = (memory.estimate_model_state, memory.training_bytes_per_param)
 HAND = (fsdp.ShardedModule, fsdp.GatherParameter, toolkit.rank_slice, toolkit.gather_slices, fully_shard)
-
-
-def student(ns: dict, *names: str) -> dict:
-    """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
-    reaches the names the student's code looks up), else only the named definitions, which a spawned rank gets
-    by value (cloudpickle)."""
-    return ns if fork_is_safe() else {name: ns[name] for name in names}
-
-
-def packed(data) -> bytes:
-    """A rank's data as bytes: tensors sent through multiprocessing's queue as themselves would be shared through
-    file descriptors and a listener socket in a temporary folder, which the grading fence does not allow."""
-    buffer = io.BytesIO()
-    torch.save(data, buffer)
-    return buffer.getvalue()
-
-
-def unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def forked(fn, nprocs: int, *args, timeout: float = 30) -> list:
-    """``run_forked``, with a rendezvous that failed before any code ran retried."""
-    for attempt in range(3):
-        try:
-            return run_forked(fn, nprocs, *args, timeout=timeout)
-        except WorkerError as err:
-            if "init_process_group" not in str(err) or attempt == 2:
-                raise
 
 
 # ---------------------------------------------------------------- shard_state_bytes

@@ -20,8 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import zero
-from course_lib.checks import number, register
-from course_lib.checks.nb05 import forked, packed, student, unpacked
+from course_lib.checks import forked, number, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.grading import forbid, max_rel_diff, params
 from course_lib.launch import launch

@@ -10,8 +10,7 @@ import warnings
 import torch
 
 from course_lib import zero
-from course_lib.checks import number, register
-from course_lib.checks.nb05 import forked, packed, student, unpacked
+from course_lib.checks import forked, number, packed, register, student, unpacked
 from course_lib.checks.nb06 import (ADAMW, SGD, SHARDED, judge_offload, judge_sharded, my_config, offload_probe,
                                     one_process, sharded_probe, trains)
 from course_lib.grading import forbid

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
 import warnings
 
 import torch
@@ -15,26 +14,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import course_lib.pp as pp
 import course_lib.tp as tp
-from course_lib.checks import number, plain, register
+from course_lib.checks import forked, number, packed, plain, register, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
-from course_lib.launch import WorkerError, fork_is_safe, run_forked
+from course_lib.launch import fork_is_safe
 
 # What each exercise builds, out of reach while the student's code runs.
 TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
               tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
 PP_ANSWERS = (pp.one_f_one_b_order, pp.gpipe_order, pp.torch_order, Schedule1F1B, ScheduleGPipe)
 PAIR = ("ColumnParallelLinear", "RowParallelLinear")
-
-
-def forked(fn, nprocs: int, *args) -> list:
-    """fn(rank, world_size, *args) on nprocs forked CPU ranks; a rendezvous that failed before fn ran is retried."""
-    for attempt in range(3):
-        try:
-            return run_forked(fn, nprocs, *args, timeout=45)
-        except WorkerError as err:
-            if "init_process_group" not in str(err) or attempt == 2:
-                raise
 
 
 def tensor(x):
@@ -72,29 +61,17 @@ def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict
              "row weight": mine[4].weight.grad, "input": x.grad}
     if bias:
         grads.update({"column bias": mine[2].bias.grad, "row bias": mine[4].bias.grad})
-    return packed({"output": tensor(out), "grads": {k: tensor(g) for k, g in grads.items()},
+    return packed(plain({"output": tensor(out), "grads": {k: tensor(g) for k, g in grads.items()},
                    "forward calls": {str(k): number(v) for k, v in forward_calls.items()},
                    "calls": {str(k): number(v) for k, v in comm.calls_by_kind.items()},
-                   "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}})
-
-
-def packed(data) -> bytes:
-    """A rank's data as bytes (``torch.save``): tensors sent through the ranks' queue as shared memory can be lost
-    when the rank exits first."""
-    buffer = io.BytesIO()
-    torch.save(plain(data), buffer)
-    return buffer.getvalue()
-
-
-def unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
+                   "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
 
 
 def in_ranks(ns: dict, fn, nprocs: int, *args) -> list:
     """``fn(rank, world, *args, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
     safe (a machine with GPUs) the ranks are spawned and get the student's pair only, by value."""
     space = ns if fork_is_safe() else {k: ns[k] for k in PAIR if k in ns}
-    return forked(functools.partial(fn, ns=space), nprocs, *args)
+    return forked(functools.partial(fn, ns=space), nprocs, *args, timeout=45)
 
 
 def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
@@ -234,7 +211,7 @@ def measured_rank(rank: int, world: int, m: int, layers: int, batch: int) -> lis
 @functools.lru_cache(maxsize=None)
 def torch_ran(p: int, m: int, layers: int, batch: int) -> tuple:
     """The order torch's Schedule1F1B ran on p real ranks (one step), per rank: measured here, in the grader."""
-    return tuple(tuple(tuple(a) for a in rank) for rank in forked(measured_rank, p, m, layers, batch)[0])
+    return tuple(tuple(tuple(a) for a in rank) for rank in forked(measured_rank, p, m, layers, batch, timeout=45)[0])
 
 
 def ran(p: int, m: int, layers: int, batch: int) -> list:
