@@ -4,7 +4,7 @@ solutions/<assignment>/<assignment>.ipynb is the source (one notebook per assign
 ``nbgrader generate_assignment`` writes release/, and ``python -m course_lib.release``
 copies that into notebooks/ (committed, so a clone opens and runs with no instructor step).
 Collected work goes to submitted/<student>/<assignment>/; ``nbgrader autograde``,
-``generate_feedback`` and ``export`` do the rest (see README, "Grading").
+``generate_feedback`` and ``export`` do the rest (see README, "Instructors", and docs/grading.md).
 """
 
 import importlib.util

@@ -15,7 +15,7 @@ Two forms, rendered from ``course_lib/templates/``:
 
 The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments
 (``deepspeed`` gets ``--module module``). Nothing here talks to a cluster: the scripts are text
-that ``sbatch`` takes; see README, "Workshop: Docker images and clusters".
+that ``sbatch`` takes; see docs/workshop.md, "Workshop: Docker images and clusters".
 """
 
 from __future__ import annotations

@@ -15,6 +15,35 @@ import os
 from pathlib import Path
 
 
+# How a claim's finding was reached. Only a measured one is a verdict on this machine.
+KINDS = {
+    "measured": "measured on this device",
+    "predicted": "arithmetic from a formula or a config: nothing ran",
+    "simulated": "ran here, but padded, emulated or calibrated so that it shows the effect",
+    "not measured here": "needs hardware this run did not have (a GPU)",
+}
+
+
+def verdict(claim: dict) -> str:
+    """What the summary shows for a claim: held / did not hold for a measured one, else its kind's finding."""
+    kind = claim.get("kind", "measured")  # results written before claims had kinds were all measurements
+    if kind == "measured":
+        return "held" if claim["held"] else "did not hold"
+    if kind == "not measured here":
+        return "not measured here"
+    return f"{kind}: {'agrees' if claim['agrees'] else 'disagrees'}"
+
+
+def kind_counts(claims: list[dict]) -> dict[str, int]:
+    """``{"held": n, "did not hold": n, "predicted": n, "simulated": n, "not measured here": n}`` (zeros left out)."""
+    out: dict[str, int] = {}
+    for c in claims:
+        key = verdict(c) if c.get("kind", "measured") == "measured" else c["kind"]
+        out[key] = out.get(key, 0) + 1
+    order = ["held", "did not hold", "predicted", "simulated", "not measured here"]
+    return {k: out[k] for k in order if k in out}
+
+
 def run_dir() -> Path:
     """Where executed notebooks, results and figures go (created on first use)."""
     d = Path(os.environ.get("COURSE_RUN_DIR", "runs")).resolve()
@@ -56,11 +85,24 @@ class Results:
         self._save()
         return value
 
-    def claim(self, claim: str, measured: str, held: bool, source: str = "") -> bool:
-        """A claim from the seeds checked against this run's measurement."""
-        self.data["claims"].append({"claim": claim, "measured": measured, "held": bool(held), "source": source})
+    def claim(self, claim: str, measured: str, held: bool | None = None, source: str = "",
+              kind: str = "measured") -> bool | None:
+        """A claim from the seeds and what this run found; ``kind`` says how (``KINDS``).
+
+        Only a ``measured`` claim holds or fails: ``held`` is its verdict. A ``predicted`` or ``simulated`` one
+        records in ``agrees`` whether the arithmetic or the simulation agrees with it (``held`` is None: nothing on
+        this machine decided it); one ``not measured here`` records neither. Returns the verdict or the agreement.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}: use one of {list(KINDS)}")
+        if (held is None) != (kind == "not measured here"):
+            raise ValueError(f"a {kind} claim {'takes no' if held is not None else 'needs a'} held=True/False: {claim!r}")
+        entry = {"claim": claim, "measured": measured, "kind": kind, "source": source,
+                 "held": bool(held) if kind == "measured" else None,
+                 "agrees": bool(held) if kind in ("predicted", "simulated") else None}
+        self.data["claims"].append(entry)
         self._save()
-        return bool(held)
+        return entry["held"] if kind == "measured" else entry["agrees"]
 
     def figure(self, fig, name: str) -> Path:
         """Save a matplotlib figure as a PNG beside the results."""

@@ -76,6 +76,15 @@ def write_summary(run_dir: Path, timings: dict[str, float], tier: str, budget_s:
     lines = ["# Course run summary", "", f"Tier: **{tier}**", "", "| system | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in system_report().items()]
     over = over_budget(timings, budget_s)
+    claims = [c for name in timings if (run_dir / "results" / f"{name}.json").exists()
+              for c in results.load(name, run_dir)["claims"]]
+    if claims:
+        total = results.kind_counts(claims)
+        lines += ["", "Claims of the whole run, by how each was reached (only a measured claim holds or fails):", "",
+                  "| kind | what it means | claims |", "| --- | --- | --- |"]
+        lines += [f"| measured | {results.KINDS['measured']} | {total.get('held', 0)} held, "
+                  f"{total.get('did not hold', 0)} did not |"]
+        lines += [f"| {k} | {meaning} | {total.get(k, 0)} |" for k, meaning in results.KINDS.items() if k != "measured"]
     for name, seconds in timings.items():
         budget = "" if budget_s is None else f" (budget {budget_s:.0f} s{': OVER' if name in over else ''})"
         lines += ["", f"## {name}", "", f"Executed in {seconds:.1f} s{budget}." if seconds == seconds else "Failed."]
@@ -91,9 +100,12 @@ def write_summary(run_dir: Path, timings: dict[str, float], tier: str, budget_s:
                 shown = f"{val:.4g}" if isinstance(val, float) else str(val)
                 lines.append(f"| {key} | {shown} | {v['unit']} |")
         if data["claims"]:
-            lines += ["", "| claim | source | measured here | held? |", "| --- | --- | --- | --- |"]
+            counts = ", ".join(f"{n} {k}" for k, n in results.kind_counts(data["claims"]).items())
+            lines += ["", f"Claims: {counts}. Only a measured claim holds or fails here.", "",
+                      "| claim | source | what this run found | kind | verdict |", "| --- | --- | --- | --- | --- |"]
             for c in data["claims"]:
-                lines.append(f"| {c['claim']} | {c['source']} | {c['measured']} | {'yes' if c['held'] else 'no'} |")
+                lines.append(f"| {c['claim']} | {c['source']} | {c['measured']} | {c.get('kind', 'measured')} | "
+                             f"{results.verdict(c)} |")
         for fig in data["figures"]:
             lines += ["", f"![{Path(fig).stem}]({fig})"]
     path = run_dir / "summary.md"

@@ -3,7 +3,7 @@
 ``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): nearly every test process
 works one core (a notebook's kernel, nbgrader's autograde), so two of them keep a 2-core machine busy. Each
 test module runs whole on one worker, so its module- and session-scoped fixtures (a notebook executed once,
-a running hub) are built once; test_grading's autograde runs, the largest part of the suite, go in two lanes.
+a running hub) are built once; test_grading's gradings, the largest part of the suite, go in two lanes.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ SAME_WORKER = {"test_run_all": "test_notebook_02"}
 # on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
 ALONE = {"test_browser", "test_hub", "test_notebook_08", "test_pp"}
-# The autograde runs, over half of the parallel part, in two lanes of 12 to 18 minutes each (2 cores), run first: the
-# assignments whose tests start several ranks on one worker, those that run in the kernel alone (and the
-# instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
+# The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on two) run
+# first, in two lanes: the assignments whose tests start several ranks on one worker, those that run in one process
+# (and the instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
 # 15% slower than beside a one-process test. The other modules follow, the longest first, shared out as the
 # workers free up.

@@ -326,11 +326,31 @@ def test_results_round_trip(tmp_path, monkeypatch):
     r = results.Results("99_test")
     r.record("ratio", torch.tensor(2.5), unit="x")
     r.record("nan", float("nan"))
-    r.claim("two is more than one", "2 > 1", 2 > 1, "arithmetic")
+    assert r.claim("two is more than one", "2 > 1", 2 > 1, "arithmetic") is True
     loaded = results.load("99_test")
     assert loaded["values"]["ratio"] == {"value": 2.5, "unit": "x"}
     assert loaded["values"]["nan"]["value"] is None
-    assert loaded["claims"][0]["held"] is True
+    assert loaded["claims"][0]["held"] is True and loaded["claims"][0]["kind"] == "measured"
+
+
+def test_only_a_measured_claim_holds_or_fails(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    r = results.Results("99_test")
+    assert r.claim("fits in 80 GB", "141 GB by arithmetic", False, kind="predicted") is False
+    assert r.claim("8 workers keep up", "with a calibrated loader", True, kind="simulated") is True
+    assert r.claim("offload frees the GPU", "no GPU here", kind="not measured here") is None
+    r.claim("loss matches", "1e-7", True)
+    claims = results.load("99_test")["claims"]
+    assert [c["held"] for c in claims] == [None, None, None, True]
+    assert [c["agrees"] for c in claims] == [False, True, None, None]
+    assert [results.verdict(c) for c in claims] == ["predicted: disagrees", "simulated: agrees", "not measured here", "held"]
+    assert results.kind_counts(claims) == {"held": 1, "predicted": 1, "simulated": 1, "not measured here": 1}
+    with pytest.raises(ValueError, match="use one of"):
+        r.claim("x", "y", True, kind="guessed")
+    with pytest.raises(ValueError, match="needs a held"):
+        r.claim("x", "y")  # a measured claim without its verdict
+    with pytest.raises(ValueError, match="takes no held"):
+        r.claim("x", "y", True, kind="not measured here")
 
 
 def test_system_report_names_the_stack():

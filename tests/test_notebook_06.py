@@ -1,5 +1,7 @@
 """Notebook 06 (DeepSpeed ZeRO) executes on the CPU tier with DeepSpeed's real engine on 2 ranks."""
 
+import torch
+
 from conftest import claim, value
 
 VARIANTS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
@@ -21,8 +23,9 @@ def test_checkpoint_resume_is_exact_and_claims_held(executed):
     res = executed("06_deepspeed_zero")
     assert value(res, "resume_max_abs_loss_diff") < 1e-6
     assert value(res, "resume_digest_rel_diff") < 1e-6
-    # every claim held, but DeepSpeed's "5-7x faster than torch's AdamW", whose verdict is this CPU's to give
-    assert all(c["held"] for c in res["claims"] if not c["claim"].startswith("DeepSpeed's CPU Adam")), res["claims"]
+    # every measured claim held, but DeepSpeed's "5-7x faster than torch's AdamW", whose verdict is this CPU's to give
+    measured = [c for c in res["claims"] if c["kind"] == "measured"]
+    assert all(c["held"] for c in measured if not c["claim"].startswith("DeepSpeed's CPU Adam")), measured
     # the ZeRO paper's arithmetic for Llama-3.1-8B on 8 GPUs: 16 bytes/param / 8 -> about 16 GB
     assert 15 < value(res, "llama_8b_zero3_gb_per_gpu_of_8") < 17
 
@@ -72,7 +75,10 @@ def test_the_size_prediction_reproduces_seed_004_and_says_it_is_a_prediction(exe
     assert 8e9 < largest["zero2_offload"] < 16e9
     assert largest["zero3_nvme"] >= 100e9
     verdict = claim(res, "ZeRO-Offload trains ~10x larger")
-    assert verdict["measured"].startswith("PREDICTION, not measured") and verdict["held"]
+    assert verdict["measured"].startswith("PREDICTION, not measured") and verdict["kind"] == "predicted"
+    assert verdict["agrees"] and verdict["held"] is None  # arithmetic: not a verdict on this machine
+    offload = claim(res, "ZeRO-Offload moves the optimizer states off the GPU")  # measured only where a GPU is
+    assert offload["kind"] == ("measured" if torch.cuda.is_available() else "not measured here"), offload
     assert "06_deepspeed_zero_offload_largest_model.png" in " ".join(res["figures"])
     assert "06_deepspeed_zero_cpu_adam.png" in " ".join(res["figures"])
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from course_lib import run_all
+from course_lib import results, run_all
 
 
 def test_summary_gathers_values_claims_and_figures(executed, course_run_dir):
@@ -10,9 +10,26 @@ def test_summary_gathers_values_claims_and_figures(executed, course_run_dir):
     path = run_all.write_summary(course_run_dir, {"02_gradient_accumulation": res["seconds"]}, "cpu")
     text = path.read_text()
     assert "| accum_vs_big_max_rel_diff |" in text
-    assert "| claim | source | measured here | held? |" in text
+    assert "| claim | source | what this run found | kind | verdict |" in text
+    held = sum(c["held"] for c in res["claims"])
+    assert f"| measured | {results.KINDS['measured']} | {held} held," in text  # the whole run's count, by kind
+    assert f"Claims: {held} held" in text
     for fig in res["figures"]:
         assert f"]({fig})" in text and (course_run_dir / fig).stat().st_size > 1000
+
+
+def test_summary_counts_and_shows_each_kind_apart(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    r = results.Results("06_deepspeed_zero")
+    r.claim("ZeRO matches DDP", "1e-7", True)
+    r.claim("ZeRO matches DDP again", "1e-2", False)
+    r.claim("10x larger models", "9.8x from memory arithmetic", True, kind="predicted")
+    r.claim("offload frees the GPU", "no GPU here", kind="not measured here")
+    text = run_all.write_summary(tmp_path, {"06_deepspeed_zero": 1.0}, "cpu").read_text()
+    assert "Claims: 1 held, 1 did not hold, 1 predicted, 1 not measured here." in text
+    assert "| 10x larger models |  | 9.8x from memory arithmetic | predicted | predicted: agrees |" in text
+    assert "| offload frees the GPU |  | no GPU here | not measured here | not measured here |" in text
+    assert f"| predicted | {results.KINDS['predicted']} | 1 |" in text and "| 1 held, 1 did not |" in text
 
 
 def test_every_solution_notebook_is_found_in_order():
