@@ -210,14 +210,21 @@ def clear_stale_extension_locks(root: str | None = None) -> list[Path]:
 
 
 def extensions_dir() -> str:
-    """Where torch keeps JIT-built extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR, else torch's default.
-
-    ``make``, the images, .ci/run and nbgrader_config.py set it to .venv/torch_extensions, where
-    ``make setup`` (``make ops``) builds DeepSpeed's CPU comm op.
-    """
+    """Where torch keeps JIT-built extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR; else, in the course's
+    venv, .venv/torch_extensions, where ``make setup`` (``make ops``) builds DeepSpeed's CPU ops; else torch's
+    default. ``make``, the images and .ci/run set the variable; everything else asks here."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    return os.path.join(sys.prefix, "torch_extensions") if sys.prefix != sys.base_prefix else get_default_build_root()
+
+
+def use_extensions_dir() -> str:
+    """Set TORCH_EXTENSIONS_DIR to ``extensions_dir()`` unless it is set: DeepSpeed and every process started from
+    here (a grading kernel, torchrun's ranks) then load the ops ``make setup`` built instead of building their own."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    return os.environ["TORCH_EXTENSIONS_DIR"]
 
 
 def _open_files() -> set[str]:

@@ -50,8 +50,13 @@ def estimate_model_state(n_params: int, weight_dtype: str = "float32", optimizer
     return out
 
 
+def layer_activation_values(config) -> int:
+    """Values one Llama layer keeps per token for backward: about 10·d + 4·ffn (see ``llama_activation_bytes``)."""
+    return 10 * config.hidden_size + 4 * config.intermediate_size
+
+
 def llama_activation_bytes(config, batch: int, seq: int, dtype_bytes: int = 4, checkpointed: bool = False,
-                           logits_bytes: int = 4) -> int:
+                           logits_bytes: int = 4, recomputing: bool = False) -> int:
     """Rough activation bytes a Llama forward keeps for backward (attention through SDPA).
 
     Per layer and token about 10·d + 4·ffn values: the inputs of the two norms and of the
@@ -60,11 +65,13 @@ def llama_activation_bytes(config, batch: int, seq: int, dtype_bytes: int = 4, c
     every layer checkpointed only each layer's input (d values) stays. The logits for the
     loss (V per token, ``logits_bytes`` each: float32 for the plain loss) come on top,
     checkpointing or not; ``logits_bytes=0`` leaves them out for a loss that counts its own.
+    ``recomputing=True`` (with ``checkpointed``) gives the peak in backward, where one layer's activations exist
+    again while it is recomputed.
     """
-    d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    per_token_layer = d if checkpointed else 10 * d + 4 * ffn
-    tokens = batch * seq
-    return tokens * (layers * per_token_layer * dtype_bytes + config.vocab_size * logits_bytes)
+    layers, tokens = config.num_hidden_layers, batch * seq
+    per_token_layer = config.hidden_size if checkpointed else layer_activation_values(config)
+    again = layer_activation_values(config) if checkpointed and recomputing else 0
+    return tokens * ((layers * per_token_layer + again) * dtype_bytes + config.vocab_size * logits_bytes)
 
 
 class SavedTensorMeter:

@@ -415,9 +415,7 @@ def deepspeed_ops_probe(device_type: str) -> dict[str, str | None]:
 def ops_env(device_type: str) -> dict[str, str]:
     """The environment DeepSpeed's ops are loaded with: CPU ranks hide the GPUs as ``launch`` does; both look for the
     ops where the notebooks do (TORCH_EXTENSIONS_DIR, which make and the images set, else the venv's folder)."""
-    env = {}
-    if "TORCH_EXTENSIONS_DIR" not in os.environ and sys.prefix != sys.base_prefix:
-        env["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")  # as nbgrader_config.py does
+    env = {"TORCH_EXTENSIONS_DIR": extensions_dir()}
     if device_type == "cpu":
         env.update(CPU_ONLY_ENV)
     return env
@@ -428,7 +426,7 @@ def check_deepspeed_ops(quick: bool = False) -> list[Row]:
     if quick:
         return [Row("DeepSpeed ops", SKIPPED, "--quick loads no ops")]
     env = ops_env("cpu")
-    folder = Path(env.get("TORCH_EXTENSIONS_DIR") or extensions_dir())
+    folder = Path(env["TORCH_EXTENSIONS_DIR"])
     prebuilt = all((folder / op / f"{op}.so").exists() for op in ("deepspeed_shm_comm", "cpu_adam"))
     start = time.perf_counter()
     _, result, out = run_probe("deepspeed_ops_probe('cpu')", env)

@@ -139,10 +139,9 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
     else:
         state = estimate_model_state(n, "float32", "adamw")["total"]
     tokens = micro_batch * seq_len
+    # the logits are counted below, as this loss keeps them; with checkpointing, one layer is recomputed at a time
     acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing,
-                                  logits_bytes=0)  # the logits are counted below, as this loss keeps them
-    if checkpointing:  # one layer's activations exist again while it is recomputed
-        acts += tokens * (10 * config.hidden_size + 4 * config.intermediate_size) * 2
+                                  logits_bytes=0, recomputing=True)
     if chunked_loss:
         logits = min(tokens, chunk_tokens) * config.vocab_size * (4 + 2) + tokens * config.hidden_size * 4
     else:

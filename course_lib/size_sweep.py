@@ -76,9 +76,8 @@ def predicted_bytes(strategy: str, config, micro_batch: int, seq_len: int, check
     if strategy == "zero3_nvme":
         where["CPU"] += 4 * 2**30  # pinned swap buffers
     tokens = micro_batch * seq_len
-    acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing, logits_bytes=0)
-    if checkpointing:
-        acts += tokens * (10 * config.hidden_size + 4 * config.intermediate_size) * 2
+    acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing, logits_bytes=0,
+                                  recomputing=True)
     acts += tokens * config.vocab_size * 10
     where["GPU"] += acts + min(_GPU_WORKING_SET[strategy], 2 * n)
     return where

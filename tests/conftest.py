@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-# DeepSpeed's CPU op where `make setup` built it (make and .ci/run export this; plain `pytest` gets it here)
-if sys.prefix != sys.base_prefix:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# DeepSpeed's CPU op where `make setup` built it (make and .ci/run export this; plain `pytest` gets it here). Imported
+# after the thread settings above: importing torch reads them.
+from course_lib.launch import use_extensions_dir  # noqa: E402
+
+use_extensions_dir()
 TIMES: dict[str, float] = {}
 
 

@@ -393,3 +393,17 @@ def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
     assert namespace["activation_bytes"] is activation_bytes and memory.activation_bytes is activation_bytes
     assert kept(lin, lambda: lin(x).sum()) == 4 * 2 * 4 and Wrapped("cpu").get_scale() == 2.0**16
     assert float(before.scale(torch.ones(()))) == 2.0**16
+
+
+def test_the_activation_formula_has_one_home():
+    """10·d + 4·ffn values per layer and token (memory.layer_activation_values); checkpointing keeps d per layer,
+    and its backward peak holds one layer's activations again (the recipe and the offload sweep predict with it)."""
+    config = models.llama_config("tiny")
+    per_layer = memory.layer_activation_values(config)
+    assert per_layer == 10 * config.hidden_size + 4 * config.intermediate_size
+    full = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0)
+    kept = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0, checkpointed=True)
+    peak = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0, checkpointed=True, recomputing=True)
+    assert full == 32 * config.num_hidden_layers * per_layer * 2 and kept == 32 * config.num_hidden_layers * config.hidden_size * 2
+    assert peak - kept == 32 * per_layer * 2
+    assert memory.llama_activation_bytes(config, 2, 16, recomputing=True) == memory.llama_activation_bytes(config, 2, 16)
