@@ -73,7 +73,10 @@ class BucketedDDP(nn.Module):
     async all-reduce of the bucket, flattened, while backward goes on with earlier layers.
     ``finish_gradient_synchronization()`` (after backward, before the optimizer step) waits for all of
     them, divides by the world size and writes the averages back into ``.grad``. One collective per
-    bucket per backward; every parameter that requires a gradient must get one in each backward.
+    bucket per backward; every parameter that requires a gradient must get one in each backward: a
+    parameter that the forward skipped leaves its bucket unlaunched, and ``finish_gradient_synchronization``
+    raises ``RuntimeError`` naming it, where silence would let the ranks' gradients drift apart (torch's
+    DDP raises too, at the next forward, unless ``find_unused_parameters=True``).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
@@ -82,7 +85,8 @@ class BucketedDDP(nn.Module):
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src=0)
         self.buckets = bucket_parameters(module.parameters(), bucket_cap_mb)
-        self._arrived = [0] * len(self.buckets)
+        self._names = {id(p): name for name, p in module.named_parameters()}  # for the unused-parameter error
+        self._arrived: list[set[int]] = [set() for _ in self.buckets]  # per bucket, the ids of gradients in
         self._in_flight: list[tuple[int, torch.Tensor, object]] = []
         self._sync = True
         for i, bucket in enumerate(self.buckets):
@@ -101,24 +105,45 @@ class BucketedDDP(nn.Module):
         finally:
             self._sync = True
 
-    def _gradient_arrived(self, i: int, _param: torch.Tensor) -> None:
+    def _gradient_arrived(self, i: int, param: torch.Tensor) -> None:
         if not self._sync:
             return
-        self._arrived[i] += 1
-        if self._arrived[i] == len(self.buckets[i]):
+        self._arrived[i].add(id(param))  # which one, not just how many: the error names the missing ones
+        if len(self._arrived[i]) == len(self.buckets[i]):
             flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
             self._in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket's all-reduce and write the averaged gradients back; ready for the next backward."""
+        """Wait for every bucket's all-reduce and write the averaged gradients back; ready for the next backward.
+
+        Raises ``RuntimeError`` naming the parameters that got no gradient where a bucket never filled (a
+        parameter the forward did not use), after waiting for the buckets that did leave and resetting, so
+        the next step starts clean. A backward that counted nothing (all of it under ``no_sync``) has nothing
+        to synchronise.
+        """
         world = dist.get_world_size()
         for i, flat, work in self._in_flight:
-            work.wait()
+            work.wait()  # even when we raise below: nothing may stay in flight into the next step
             flat /= world
             for p, g in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
                 p.grad.copy_(g.view_as(p.grad))
+        counted = any(self._arrived)
+        unused = [(i, self._names[id(p)]) for i, bucket in enumerate(self.buckets) for p in bucket
+                  if counted and id(p) not in self._arrived[i]]
         self._in_flight.clear()
-        self._arrived = [0] * len(self.buckets)
+        self._arrived = [set() for _ in self.buckets]
+        if unused:
+            raise RuntimeError(_unused_parameters_message(unused))
+
+
+def _unused_parameters_message(unused: list[tuple[int, str]]) -> str:
+    """``BucketedDDP``'s error for the ``(bucket, name)`` of parameters that got no gradient in a backward."""
+    which = ", ".join(f"{name} (bucket {i})" for i, name in unused)
+    return (f"BucketedDDP: {len(unused)} parameter(s) that require a gradient got none in this backward: {which}. "
+            "Their buckets were never all-reduced, so the ranks' gradients would differ. Use every parameter in "
+            "forward, or set requires_grad=False on the ones you do not train (torch's DistributedDataParallel "
+            "raises at the next forward, \"Expected to have finished reduction in the prior iteration ...\", "
+            "unless it is given find_unused_parameters=True, which searches the graph for them after every forward).")
 
 
 def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,

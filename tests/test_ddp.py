@@ -157,3 +157,51 @@ def test_throughput_times_every_data_parallel_mode_and_refuses_unknown_ones():
         return out
 
     assert all(v > 0 for v in run_forked(modes, 2, timeout=120)[0].values())
+
+
+class _Detour(nn.Module):
+    """SmallCNN(width=8) and a layer ``spare`` that the forward uses only while ``use_spare`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.spare, self.use_spare = SmallCNN(width=8), nn.Linear(10, 10), True
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.spare(out) if self.use_spare else out
+
+
+def _skip_a_layer_then_use_it(rank, world_size, cap):
+    torch.set_num_threads(1)
+    mine = ddp.BucketedDDP(_Detour(), bucket_cap_mb=cap)
+    x, y = synthetic_images(8, seed=1).tensors
+    xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    mine.module.use_spare = False
+    F.cross_entropy(mine(xs), ys).backward()
+    try:
+        mine.finish_gradient_synchronization()
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    with mine.no_sync():  # a skipped layer under no_sync is no error: nothing is counted there
+        F.cross_entropy(mine(xs), ys).backward()
+    mine.zero_grad()
+    mine.module.use_spare = True  # the same wrapper, a step that uses every parameter: it must have reset
+    F.cross_entropy(mine(xs), ys).backward()
+    mine.finish_gradient_synchronization()
+    one = _Detour()
+    F.cross_entropy(one(x), y).backward()
+    return {"error": error, "buckets": len(mine.buckets), "gap": max_rel_diff(grads(mine.module), grads(one))}
+
+
+@pytest.mark.parametrize("cap", [100.0, 0.001])
+def test_bucketed_ddp_names_a_parameter_the_forward_skipped_and_recovers(cap):
+    """torch's DDP raises where a parameter gets no gradient; silence would leave its bucket unreduced."""
+    for run in run_forked(_skip_a_layer_then_use_it, 2, cap, timeout=120):
+        assert run["buckets"] == (1 if cap > 1 else 7)  # one bucket, or several that did leave before the error
+        assert run["error"] is not None, "a bucket that never filled must raise, not diverge silently"
+        assert "spare.weight" in run["error"] and "spare.bias" in run["error"], run["error"]
+        assert "body." not in run["error"], "only the parameters without a gradient are named"
+        assert "requires_grad=False" in run["error"] and "find_unused_parameters=True" in run["error"]
+        assert run["gap"] < 1e-5  # the next step is a normal one: one process's gradients on the whole batch

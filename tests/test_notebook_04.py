@@ -71,7 +71,8 @@ def test_throughput_is_measured_and_dataparallel_is_marked_not_measured(executed
     # and the claim's verdict is the one that ratio gives
     speedup = value(res, "ddp_speedup")
     assert speedup == pytest.approx(value(res, "samples_per_s_2_rank") / value(res, "samples_per_s_1_rank"), rel=1e-9)
-    assert claim(res, "Multi-GPU DDP: Nx speed")["held"] == (speedup >= 1.4)
+    nx = claim(res, "Multi-GPU DDP: Nx speed")  # CPU ranks stand in for GPUs here: simulated, not a verdict
+    assert (nx["kind"], nx["held"], nx["agrees"]) == ("simulated", None, speedup >= 1.4), nx
     assert value(res, "ddp_weights_per_rank_ratio") == 1.0
     assert value(res, "dp_vs_ddp_measured") is False  # no GPUs in CI
     assert "Not measured" in value(res, "dp_vs_ddp_note")
@@ -89,7 +90,8 @@ def test_feeding_every_rank_measures_workers_against_the_step(executed):
     assert needed == math.ceil(consumed / per_worker)
     # the verdict is the one the measured rates give, whatever they were on this machine
     verdict = claim(res, "num_workers=8 keeps each GPU fed")
-    assert verdict["held"] == (needed <= 8) and f"{needed} worker(s) per rank" in verdict["measured"]
+    assert verdict["kind"] == "simulated" and verdict["held"] is None  # a calibrated loader: it holds by design
+    assert verdict["agrees"] == (needed <= 8) and f"{needed} worker(s) per rank" in verdict["measured"]
     assert value(res, "host_cores") >= 1
     assert value(res, "feed_decode_rounds_per_sample") >= 1
 

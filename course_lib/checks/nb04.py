@@ -1,6 +1,7 @@
 """Notebook 04's visible tests: each rank's batches on 2 forked ranks (disjoint shards, set_epoch), the Prefetcher
 (every item, overlap with the step), ``average_gradients`` on 2 ranks against DDP and one process, and
-``BucketedDDP`` on 2 ranks (DDP's gradients step by step, the buckets and their async all-reduces).
+``BucketedDDP`` on 2 ranks (DDP's gradients step by step, the buckets and their async all-reduces, the error for a
+parameter that the forward skipped).
 
 The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that
 need ranks (DDP's gradients) are forked by the judges, from torch's and course_lib's own code.
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import course_lib.dataloader as feeding
 import course_lib.distributed as toolkit
 from course_lib import ddp
-from course_lib.checks import forked, packed, register, student, unpacked
+from course_lib.checks import forked, outcome, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
 from course_lib.grading import forbid, grads, max_rel_diff, params
@@ -384,3 +385,86 @@ def judge_buckets(runs: list) -> str:
 
 
 register("test_BucketedDDP_buckets", probe_buckets, judge_buckets)
+
+
+class Detour(torch.nn.Module):
+    """``cnn()`` and a layer ``spare`` that the forward uses only while ``use_spare`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare, self.use_spare = cnn(), torch.nn.Linear(10, 10), True
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.spare(out) if self.use_spare else out
+
+
+def unused_step(mine, space: dict, xs, ys) -> dict:
+    """One step of the student's wrapper under the fence: what backward and finish_gradient_synchronization gave,
+    as data, and the all-reduces it launched."""
+    def step():
+        F.cross_entropy(mine(xs), ys).backward()
+        mine.finish_gradient_synchronization()
+
+    with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
+        got = outcome(step)
+    got.pop("value", None)  # None, or whatever the student returned: not data the judge reads
+    got["launched"] = sum(e["what"] == "all_reduce" for e in log.events)
+    return got
+
+
+def probe_unused(ns: dict) -> list:
+    """Per rank and cap (one bucket, many): a step whose forward skips ``spare`` (an error expected), then, on the
+    same wrapper, a step that uses every parameter (the all-reduces it launched)."""
+    space = student(ns, "BucketedDDP")
+
+    def rank(r, world):
+        torch.set_num_threads(1)
+        x, y = synthetic_images(16, seed=3).tensors
+        xs, ys = x.chunk(world)[r], y.chunk(world)[r]
+        runs = []
+        for cap in (100.0, CAP):
+            with forbid(*BUCKETED_INIT, namespace=space):
+                made = outcome(space["BucketedDDP"], Detour(), bucket_cap_mb=cap)
+            if "raised" in made:
+                runs.append({"init": made})
+                continue
+            mine = made["value"]
+            mine.module.use_spare = False
+            skipped = unused_step(mine, space, xs, ys)
+            mine.module.zero_grad()
+            mine.module.use_spare = True
+            after = unused_step(mine, space, xs, ys)
+            runs.append({"skipped": skipped, "after": after, "n_buckets": len(mine.buckets)})
+        return packed(runs)
+
+    return [unpacked(run) for run in forked(rank, 2, timeout=15)]
+
+
+def judge_unused(got: list) -> str:
+    # the gradients' values are test_BucketedDDP's: here, the error, and that the next step launches every bucket
+    for r, runs in enumerate(got):
+        for cap, run in zip((100.0, CAP), runs, strict=True):
+            label = f"rank {r}, bucket_cap_mb={cap}"
+            assert "init" not in run, f"{label}: BucketedDDP(...) raised {run.get('init')}"
+            skipped, after = run["skipped"], run["after"]
+            assert skipped.get("raised") == "RuntimeError", (
+                f"{label}: the forward skipped the layer `spare`, so its bucket never filled and was never "
+                f"all-reduced, and finish_gradient_synchronization {_said(skipped)}: raise RuntimeError instead")
+            for name in ("spare.weight", "spare.bias"):
+                assert name in skipped["message"], (f"{label}: the error must name each parameter that got no "
+                                                     f"gradient ({name}); it said: {skipped['message'][:300]}")
+            assert "body." not in skipped["message"], f"{label}: name only the parameters that got no gradient"
+            assert "raised" not in after, (f"{label}: after the error, a step that uses every parameter "
+                                           f"{_said(after)}: reset what the hooks recorded before raising")
+            assert after["launched"] == run["n_buckets"], (
+                f"{label}: after the error, a step that uses every parameter launched {after['launched']} "
+                f"all-reduce(s) for {run['n_buckets']} buckets: reset what the hooks recorded before raising")
+    return "a skipped parameter is named in a RuntimeError; the next step launches every bucket again"
+
+
+def _said(got: dict) -> str:
+    return f"raised {got['raised']}: {got['message'][:200]}" if "raised" in got else "returned without an error"
+
+
+register("test_BucketedDDP_unused", probe_unused, judge_unused)

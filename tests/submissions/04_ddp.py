@@ -72,13 +72,14 @@ class BucketedDDP(torch.nn.Module):
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
-        self.arrived = [0] * len(self.buckets)
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.arrived = [set() for _ in self.buckets]
         self.in_flight = []
 
         def hook_for(i):
             def hook(param):
-                self.arrived[i] += 1
-                if self.arrived[i] == len(self.buckets[i]):
+                self.arrived[i].add(id(param))
+                if len(self.arrived[i]) == len(self.buckets[i]):
                     flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
                     self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
             return hook
@@ -99,8 +100,13 @@ class BucketedDDP(torch.nn.Module):
             for p in self.buckets[i]:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
+        unused = [f"{self.names[id(p)]} (bucket {i})" for i, bucket in enumerate(self.buckets)
+                  for p in bucket if id(p) not in self.arrived[i]]
         self.in_flight = []
-        self.arrived = [0] * len(self.buckets)
+        self.arrived = [set() for _ in self.buckets]
+        if unused:
+            raise RuntimeError(f"no gradient for {', '.join(unused)}: use every parameter in forward, "
+                               "or set requires_grad=False on the unused ones")
 '''
 
 
@@ -113,14 +119,35 @@ BUCKETED_SUM_NOT_AVERAGED = _edit("            flat /= world_size\n", "")
 BUCKETED_WAITS_FOR_THE_LAST_ONLY = _edit(  # a bucket never waited on: its sum may not be there yet
     "            work.wait()\n", "            if i == self.in_flight[-1][0]:\n                work.wait()\n")
 BUCKETED_AFTER_BACKWARD = _edit(  # right gradients, no overlap: every bucket leaves after backward has ended
-    "                p.register_post_accumulate_grad_hook(hook_for(i))\n", "                pass\n").replace(
+    "                if len(self.arrived[i]) == len(self.buckets[i]):\n"
+    "                    flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])\n"
+    "                    self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n", "").replace(
     "        world_size = dist.get_world_size()\n",
     "        world_size = dist.get_world_size()\n"
     "        for i, bucket in enumerate(self.buckets):\n"
-    "            flat = torch.cat([q.grad.reshape(-1) for q in bucket])\n"
-    "            self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n")
-BUCKETED_COUNTS_NOT_RESET = _edit("        self.in_flight = []\n        self.arrived = [0] * len(self.buckets)\n",
+    "            if len(self.arrived[i]) == len(bucket):\n"
+    "                flat = torch.cat([q.grad.reshape(-1) for q in bucket])\n"
+    "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n")
+BUCKETED_COUNTS_NOT_RESET = _edit("        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n",
                                   "        self.in_flight = []\n")
+# the course's BucketedDDP before issue 23: a parameter the forward skips leaves its bucket unsent, without a word,
+# and the ranks' gradients differ from then on
+BUCKETED_SILENT = _edit(
+    "        unused = [f\"{self.names[id(p)]} (bucket {i})\" for i, bucket in enumerate(self.buckets)\n"
+    "                  for p in bucket if id(p) not in self.arrived[i]]\n", "").replace(
+    "        if unused:\n"
+    "            raise RuntimeError(f\"no gradient for {', '.join(unused)}: use every parameter in forward, \"\n"
+    "                               \"or set requires_grad=False on the unused ones\")\n", "")
+# the error, but raised before the reset: the next step starts from the failed step's bookkeeping
+BUCKETED_RAISES_BEFORE_RESET = _edit(
+    "        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n"
+    "        if unused:\n"
+    "            raise RuntimeError(f\"no gradient for {', '.join(unused)}: use every parameter in forward, \"\n"
+    "                               \"or set requires_grad=False on the unused ones\")\n",
+    "        if unused:\n"
+    "            raise RuntimeError(f\"no gradient for {', '.join(unused)}: use every parameter in forward, \"\n"
+    "                               \"or set requires_grad=False on the unused ones\")\n"
+    "        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n")
 BUCKETED_FROZEN_IN_A_BUCKET = _edit("reversed([p for p in module.parameters() if p.requires_grad])",
                                     "reversed(list(module.parameters()))")
 BUCKETED_NO_BROADCAST = _edit("        for t in list(module.parameters()) + list(module.buffers()):\n"
@@ -150,7 +177,8 @@ class BucketedDDP(torch.nn.Module):   # torch's DDP does the work; nothing to fi
 
 _EX1_FULL = {"test_rank_batches": 2, "test_rank_batches_epochs": 1, "test_rank_batches_hidden": 2}
 _EX2_FULL = {"test_average_gradients": 2, "test_average_gradients_hidden": 2}
-_EX3_FULL = {"test_BucketedDDP": 3, "test_BucketedDDP_buckets": 3, "test_BucketedDDP_hidden": 4}
+_EX3_FULL = {"test_BucketedDDP": 3, "test_BucketedDDP_buckets": 3, "test_BucketedDDP_unused": 2,
+             "test_BucketedDDP_hidden": 4}
 
 CALLS_LIBRARY_RANK_BATCHES = '''
 def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
@@ -270,12 +298,15 @@ CASES = {
         ("bucketed_waits_for_the_last_only", BUCKETED_WAITS_FOR_THE_LAST_ONLY,
          dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
         ("bucketed_after_backward", BUCKETED_AFTER_BACKWARD, dict(test_BucketedDDP_buckets=0)),
-        ("bucketed_counts_not_reset", BUCKETED_COUNTS_NOT_RESET, dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
+        # not reset after any step, so not after the error either: the unused test's next step fails too
+        ("bucketed_counts_not_reset", BUCKETED_COUNTS_NOT_RESET,
+         dict(test_BucketedDDP=0, test_BucketedDDP_unused=0, test_BucketedDDP_hidden=0)),
+        ("bucketed_silent_on_unused", BUCKETED_SILENT, dict(test_BucketedDDP_unused=0)),
+        ("bucketed_raises_before_reset", BUCKETED_RAISES_BEFORE_RESET, dict(test_BucketedDDP_unused=0)),
         ("bucketed_frozen_in_a_bucket", BUCKETED_FROZEN_IN_A_BUCKET, dict(test_BucketedDDP_hidden=0)),
         ("bucketed_no_broadcast", BUCKETED_NO_BROADCAST, dict(test_BucketedDDP_hidden=0)),
-        ("calls_library_BucketedDDP", CALLS_LIBRARY_BUCKETED,
-         dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
-        ("calls_torch_ddp", CALLS_TORCH_DDP, dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
+        ("calls_library_BucketedDDP", CALLS_LIBRARY_BUCKETED, {k: 0 for k in _EX3_FULL}),
+        ("calls_torch_ddp", CALLS_TORCH_DDP, {k: 0 for k in _EX3_FULL}),
     ]},
     "prefetcher_unbounded": {  # overlaps, but runs the whole iterable ahead
         "cells": {"Prefetcher": PREFETCHER_UNBOUNDED},
