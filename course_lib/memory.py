@@ -228,6 +228,33 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return out
 
 
+class GradientMeter:
+    """The peak bytes of gradients a model holds while backward runs, on any device (a CPU too).
+
+    It hooks every parameter (``register_post_accumulate_grad_hook``); each time one gradient is complete it adds
+    up the gradients the model's parameters hold at that moment. Attach it before an optimizer that registers
+    hooks of its own (ZeRO-Offload's sends each gradient away and frees it): hooks run in the order they were
+    registered, so the meter sees every gradient once before it can leave. ``peak`` is the largest sum seen,
+    ``after`` what the parameters held when the last backward ended; ``reset()`` starts over.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.peak = 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._count)
+
+    def _count(self, _param: torch.Tensor) -> None:
+        self.peak = max(self.peak, tensor_bytes(p.grad for p in self.params))
+
+    @property
+    def after(self) -> int:
+        return tensor_bytes(p.grad for p in self.params)
+
+    def reset(self) -> None:
+        self.peak = 0
+
+
 class PeakMemory:
     """Peak GPU memory allocated inside a ``with`` block (CUDA and ROCm); None on CPU."""
 

@@ -24,6 +24,7 @@ a GPU train is ``size_sweep``'s question.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import torch
@@ -348,32 +349,49 @@ def tokens_to_hide(bytes_per_param: float, link_bytes_per_s: float, optimizer_pa
 
 # graded: 06_deepspeed_zero OffloadedAdamW
 class OffloadedAdamW:
-    """ZeRO-Offload's optimizer on one device, by hand: the model keeps its (16-bit) weights and, from the
-    backward to the step, their gradients; the fp32 master weights and AdamW's m and v live on ``offload_device``.
+    """ZeRO-Offload's optimizer on one device, by hand: the model keeps only its (16-bit) weights; every gradient
+    leaves for ``offload_device`` during backward, as soon as backward has produced it, and the fp32 master
+    weights, their gradients and AdamW's m and v live there.
 
-    ``step`` sends each gradient down in fp32, steps the masters there with torch's AdamW, copies them back up in
-    the model's dtype and frees the gradients. Updates too small for bf16 accumulate in the fp32 masters, so bf16
-    weights keep learning (notebook 01). ``master`` and ``optimizer`` are public: they are what offload moved.
+    A post-accumulate-grad hook on each parameter sends its gradient down in fp32 (added to what earlier
+    micro-batches sent, so accumulation works) and frees it (``p.grad = None``): the device never holds more
+    gradients than backward is still producing, as DeepSpeed's offload moves them bucket by bucket. From a GPU the
+    copies are non-blocking into pinned host memory, and ``step`` waits for them before it steps the masters with
+    torch's AdamW and copies them back up in the model's dtype. Updates too small for bf16 accumulate in the fp32
+    masters, so bf16 weights keep learning (notebook 01). ``master`` and ``optimizer`` are public: they are what
+    offload moved.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.01, offload_device: str = "cpu", **adamw):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, **adamw)
+        # pinned host memory and non-blocking copies where a gradient crosses from a GPU to the host
+        self.async_copies = any(p.is_cuda for p in self.params) and torch.device(offload_device).type == "cpu"
+        for p, m in zip(self.params, self.master):
+            p.register_post_accumulate_grad_hook(functools.partial(self._send_down, m))
+
+    def _send_down(self, master: torch.Tensor, p: torch.Tensor) -> None:
+        accumulate = master.grad is not None  # a later micro-batch: add to what is there
+        if accumulate and self.async_copies:
+            torch.cuda.current_stream(p.device).synchronize()  # the earlier copy into it has landed
+        down = p.grad.detach().to(master.device, torch.float32, non_blocking=self.async_copies and not accumulate)
+        master.grad = master.grad.add_(down) if accumulate else down
+        p.grad = None  # the gradient has left the device
 
     def step(self) -> None:
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
-        self.optimizer.step()
+        if self.async_copies:
+            torch.cuda.synchronize()  # every gradient has landed on the host
+        self.optimizer.step()  # a master without a gradient (its parameter took no part) is left as it is
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 if m.grad is not None:
                     p.copy_(m)  # up, cast to the model's dtype
-                    p.grad = None
+                    m.grad = None  # the next step accumulates afresh
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        for p, m in zip(self.params, self.master):
+            p.grad = m.grad = None
 
 
 def engine_placement(engine) -> list[dict]:

@@ -7,6 +7,8 @@ notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test
 """
 
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from course_lib.data import synthetic_images
 from course_lib.grading import max_rel_diff, params
 from course_lib.launch import launch, run_forked
 from course_lib.models import SmallCNN
-from course_lib import zero
+from course_lib import memory, zero
 from course_lib.zero import ShardedOptimizer, check_batch_arithmetic, ds_config, micro_batch_for
 
 
@@ -150,3 +152,25 @@ def test_offloaded_adamw_keeps_fp32_masters_off_the_model_and_bf16_weights_learn
     assert torch.equal(model[0].bias, start[1])  # frozen: no master, never touched
     moved = sum((p.detach() != s).float().mean().item() for p, s in zip(opt.params, [start[0], *start[2:]])) / 3
     assert moved > 0.9  # lr 1e-4 is below bf16's resolution near 0.1-1: only fp32 masters carry it
+
+
+def test_offloaded_adamw_sends_each_gradient_down_during_backward_and_accumulates():
+    """Each gradient leaves the model as soon as backward has produced it (the device holds one parameter's at a
+    time, not the model's), lands in its fp32 master's .grad, and micro-batches add up there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    twin = copy.deepcopy(model)  # no hooks: the gradients a plain backward leaves
+    meter, twin_meter = memory.GradientMeter(model), memory.GradientMeter(twin)
+    opt = zero.OffloadedAdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(6, 8)
+    for half in (x[:3], x[3:]):  # two micro-batches, one step
+        model(half).pow(2).sum().backward()
+        twin(half).pow(2).sum().backward()
+    assert all(p.grad is None for p in model.parameters()) and meter.after == 0
+    for m, t in zip(opt.master, twin.parameters()):
+        assert m.grad.dtype == torch.float32 and torch.allclose(m.grad, t.grad, rtol=1e-6, atol=1e-7)
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert meter.peak == largest  # one gradient at a time: the largest one
+    assert twin_meter.peak == twin_meter.after == sum(p.numel() * 4 for p in twin.parameters())
+    opt.step()
+    assert all(m.grad is None for m in opt.master)  # the next step accumulates afresh

@@ -239,22 +239,42 @@ def one_thread(fn):
     return run
 
 
+def cpu_copy(t) -> torch.Tensor | None | str:
+    """A gradient as data: a detached fp32 copy on the CPU; None stays None; anything else its repr."""
+    if t is None or not isinstance(t, torch.Tensor):
+        return None if t is None else repr(t)[:200]
+    return t.detach().float().cpu().clone()
+
+
+def twin_grads(twin: torch.nn.Module, loss) -> list:
+    """The gradients a plain backward leaves on ``twin`` (a copy without the student's hooks), then cleared."""
+    loss(twin).backward()
+    out = [cpu_copy(p.grad) for p in twin.parameters() if p.requires_grad]
+    twin.zero_grad(set_to_none=True)
+    return out
+
+
 @one_thread
 def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False, unused: bool = False) -> dict:
-    """The student's OffloadedAdamW on the small model in ``dtype`` on the notebook's device, ``steps`` steps: the
-    gradients each step saw (what the reference AdamW replays), then the masters, the parameters and AdamW's states."""
+    """The student's OffloadedAdamW on the small model in ``dtype`` on the notebook's device, ``steps`` steps: per
+    step the gradients a twin without hooks computed (what the reference AdamW replays), which gradients the model
+    still held after backward, and what landed in the masters; then the masters, the parameters and AdamW's states."""
     device, dtype = ns["device"], DTYPES[dtype_name]
     model = tiny_model(dtype, frozen, device)
+    twin = copy.deepcopy(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     with forbid(*OFFLOADED, namespace=ns):
         opt = ns["OffloadedAdamW"](model.parameters(), lr=lr, weight_decay=0.01, offload_device="cpu")
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    grads = []
+    grads, kept, landed = [], [], []
     for s in range(steps):
-        out = model[:3](x) if unused else model(x)
-        (out.float() - 0.1 * s).pow(2).mean().backward()
-        grads.append([None if p.grad is None else p.grad.detach().float().cpu().clone() for p in trainable])
+        loss = lambda m, s=s: ((m[:3](x) if unused else m(x)).float() - 0.1 * s).pow(2).mean()  # noqa: E731
+        twin.load_state_dict(model.state_dict())  # the same weights: the gradients this step must send down
+        grads.append(twin_grads(twin, loss))
         with forbid(*OFFLOADED, namespace=ns):
+            loss(model).backward()
+            kept.append([p.grad is not None for p in trainable])
+            landed.append([cpu_copy(getattr(m, "grad", None)) for m in opt.master])
             opt.step()
             opt.zero_grad(set_to_none=True)
     masters = [{"dtype": str(m.dtype), "device": m.device.type, "value": m.detach().cpu().clone()} for m in opt.master]
@@ -262,8 +282,22 @@ def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool
                 "value": p.detach().cpu().clone()} for p in trainable]
     states = [{k: [str(st[k].dtype), st[k].device.type] if k in st else None for k in ("exp_avg", "exp_avg_sq")}
               for st in opt.optimizer.state.values()]
-    return {"device": device.type, "grads": grads, "masters": masters, "trainable": trained, "states": states,
-            "model": [p.detach().cpu().clone() for p in model.parameters()]}
+    return {"device": device.type, "grads": grads, "kept": kept, "landed": landed, "masters": masters,
+            "trainable": trained, "states": states, "model": [p.detach().cpu().clone() for p in model.parameters()]}
+
+
+def judge_sent_down(got: dict) -> None:
+    """After each backward no parameter holds a gradient, and each master holds its parameter's, in fp32."""
+    for step, (kept, landed, want) in enumerate(zip(got["kept"], got["landed"], got["grads"])):
+        still = [i for i, k in enumerate(kept) if k]
+        assert not still, (f"step {step}: parameters {still} still hold their gradient after backward: send each one "
+                           "down in a post-accumulate-grad hook and free it there (p.grad = None)")
+        for i, (g, w) in enumerate(zip(landed, want)):
+            assert (g is None) == (w is None), f"step {step}, master {i}: .grad is {g!r:.60} where the gradient is {w!r:.60}"
+            if w is not None:
+                assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"step {step}, master {i}: .grad is {g!r:.80}"
+                gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+                assert gap < 1e-5, f"step {step}, master {i}: its .grad is {gap:.1e} (relative) from the gradient"
 
 
 def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False) -> list:
@@ -278,6 +312,7 @@ def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: boo
         ref_opt.step()
     masters, trainable = got["masters"], got["trainable"]
     assert len(masters) == len(trainable), f"{len(masters)} masters for {len(trainable)} trainable parameters"
+    judge_sent_down(got)
     for i, (p, m, r) in enumerate(zip(trainable, masters, ref)):
         assert m["dtype"] == "torch.float32" and m["device"] == "cpu", f"master {i}: {m['dtype']} on {m['device']}, not fp32 on the CPU"
         assert p["dtype"] == str(dtype) and p["device"] == got["device"], f"parameter {i} is now {p['dtype']} on {p['device']}"

@@ -148,6 +148,37 @@ class OffloadedAdamW:
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+        for p, m in zip(self.params, self.master):
+            p.register_post_accumulate_grad_hook(lambda p, m=m: self._send_down(p, m))
+
+    def _send_down(self, p, m):
+        if m.grad is None:
+            m.grad = p.grad.detach().to(m.device, torch.float32)
+        else:
+            m.grad += p.grad.detach().to(m.device, torch.float32)
+        p.grad = None
+
+    def step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if m.grad is not None:
+                    p.copy_(m)
+                    m.grad = None
+
+    def zero_grad(self, set_to_none=True):
+        for p, m in zip(self.params, self.master):
+            p.grad = None
+            m.grad = None
+'''
+
+# the contract before gradients left during backward: every gradient stays on the model until step() sends it down
+OFFLOAD_AT_STEP = '''
+class OffloadedAdamW:
+    def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
 
     def step(self):
         for p, m in zip(self.params, self.master):
@@ -174,10 +205,18 @@ OFFLOAD_MASTER_IN_MODEL_DTYPE = _offload_edit(  # the "master" keeps the model's
     "p.detach().to(offload_device, torch.float32, copy=True)", "p.detach().to(offload_device, copy=True)").replace(
     "p.grad.detach().to(m.device, torch.float32)", "p.grad.detach().to(m.device)")
 OFFLOAD_ZERO_GRAD_FOR_MISSING = _offload_edit(  # a parameter without a gradient gets a zero one: weight decay moves it
-    "m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)",
-    "m.grad = torch.zeros_like(m) if p.grad is None else p.grad.detach().to(m.device, torch.float32)").replace(
-    "                if m.grad is not None:\n                    p.copy_(m)\n                    p.grad = None\n",
-    "                p.copy_(m)\n                p.grad = None\n")
+    "    def step(self):\n        self.optimizer.step()",
+    "    def step(self):\n        for m in self.master:\n            if m.grad is None:\n"
+    "                m.grad = torch.zeros_like(m)\n        self.optimizer.step()")
+OFFLOAD_OVERWRITES_MICRO_BATCHES = _offload_edit(  # each micro-batch replaces the last: accumulation loses all but one
+    "        if m.grad is None:\n            m.grad = p.grad.detach().to(m.device, torch.float32)\n        else:\n"
+    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n",
+    "        m.grad = p.grad.detach().to(m.device, torch.float32)\n")
+OFFLOAD_KEEPS_MASTER_GRAD = _offload_edit(  # step() leaves the masters' gradients: the next step adds to the last one's
+    "                    p.copy_(m)\n                    m.grad = None\n", "                    p.copy_(m)\n")
+OFFLOAD_GRAD_LEFT_ON_MODEL = _offload_edit(  # copied down, but never freed: the device still holds every gradient
+    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n        p.grad = None\n",
+    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
 
 CALLS_LIBRARY_OFFLOADED = '''
 from course_lib.zero import OffloadedAdamW   # course_lib's
@@ -212,6 +251,14 @@ CASES = {
                                       "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
     "offload_zero_grad_for_missing": {"cells": {"OffloadedAdamW": OFFLOAD_ZERO_GRAD_FOR_MISSING},  # right until a
                                       "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},          # layer gets none
+    "offload_at_step": {"cells": {"OffloadedAdamW": OFFLOAD_AT_STEP},
+                        "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
+    "offload_overwrites_micro_batches": {"cells": {"OffloadedAdamW": OFFLOAD_OVERWRITES_MICRO_BATCHES},
+                                         "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},
+    "offload_keeps_master_grad": {"cells": {"OffloadedAdamW": OFFLOAD_KEEPS_MASTER_GRAD},  # zero_grad hides it
+                                  "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},         # in the visible test
+    "offload_grad_left_on_model": {"cells": {"OffloadedAdamW": OFFLOAD_GRAD_LEFT_ON_MODEL},
+                                   "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
     "calls_library_OffloadedAdamW": {"cells": {"OffloadedAdamW": CALLS_LIBRARY_OFFLOADED},
                                      "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
