@@ -5,13 +5,17 @@ An FP8 number has 8 bits: a sign, then exponent and mantissa bits in one of two 
   weights and activations, which need precision more than range.
 - **e5m2** (``torch.float8_e5m2``): 5 exponent bits, 2 mantissa bits, max 57344, with inf; gradients,
   whose magnitudes spread over more octaves.
-AMD's MI300X computes in the "fnuz" variants (``float8_e4m3fnuz``, max 240; ``float8_e5m2fnuz``).
+AMD's MI300X (gfx942) computes in the "fnuz" variants (``float8_e4m3fnuz``, max 240; ``float8_e5m2fnuz``, max
+57344): finite, no negative zero (its bit pattern is the one NaN), exponent bias one higher. torch casts
+anything past their max to NaN (480 in e4m3fnuz), so a quantiser must clamp first. OCP's e4m3fn/e5m2
+arrive on AMD with gfx950 (MI350X, MI355X).
 
 Either range is far too narrow for raw tensors, so every FP8 tensor travels with a **scale**: store
 ``q = cast(clamp(x * scale))`` with ``scale = fp8_max / amax(x)``, compute with ``q``, and divide by
 the scale afterwards (``torch._scaled_mm`` takes the inverse scales and does it inside the matmul).
 *Current* (just-in-time) scaling measures this tensor's amax first: one more pass over the data.
-*Delayed* scaling (Transformer Engine's default recipe) takes the scale from the amaxes of the
+*Delayed* scaling (Transformer Engine's default on Hopper and Ada; its default is MXFP8 block scaling
+on Blackwell, and torchao dropped delayed scaling in 0.10) takes the scale from the amaxes of the
 previous steps (a history of length N) and records this step's amax for the next: no extra pass, but
 a tensor whose amax jumps past the history's overflows and must be clamped (saturated) to ±max.
 
@@ -39,9 +43,11 @@ from course_lib.train import train_step
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
               "e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz}
-# The formats next to each other in the notebook's table: the 16- and 32-bit ones for comparison.
+# The formats next to each other in the notebook's table: the 16- and 32-bit ones for comparison, OCP's FP8
+# (NVIDIA Ada/Hopper/Blackwell, AMD gfx950) and the FNUZ variants an MI300X (gfx942) computes in.
 TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                "fp8 e4m3": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
+                "fp8 e4m3": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2,
+                "fp8 e4m3fnuz": torch.float8_e4m3fnuz, "fp8 e5m2fnuz": torch.float8_e5m2fnuz}
 INSTALL_TORCHAO = "pip install torchao (0.18 or newer; it must match your torch build)"
 
 
@@ -104,9 +110,9 @@ def overflow_threshold(dtype: torch.dtype) -> float:
 def cast_past_max(dtype: torch.dtype) -> dict[str, float]:
     """What torch's cast does to values beyond ``dtype``'s max, measured: 2·max and inf, cast and read back.
 
-    The answer depends on the torch version: e4m3fn has no inf, and older torch cast overflow to nan
-    where newer torch saturates to ±448; e5m2 overflows to inf. A quantiser that clamps first does
-    not depend on which.
+    The answer depends on the format and the torch version: e4m3fn has no inf, and older torch cast overflow
+    to nan where newer torch saturates to ±448; e5m2 overflows to inf; the fnuz formats have no inf and
+    torch 2.13 casts overflow to their one NaN. A quantiser that clamps first does not depend on which.
     """
     fmax = float(torch.finfo(dtype).max)
     out = torch.tensor([2 * fmax, math.inf]).to(dtype).float()
@@ -118,14 +124,41 @@ def _describe(value: float, fmax: float) -> str:
         else f"{value:g}"
 
 
+def step_after_one(dtype: torch.dtype) -> float:
+    """The gap between 1.0 and the next value of ``dtype`` (2^-mantissa bits), measured by casting 1 + 2^-k.
+
+    Not ``torch.finfo(dtype).eps``: torch 2.13's finfo gives e5m2fnuz (2 mantissa bits) an eps of 0.125."""
+    k = 1
+    while float(torch.tensor(1.0 + 2.0**-k, dtype=torch.float64).to(dtype).double()) == 1.0 + 2.0**-k:
+        k += 1
+    return 2.0 ** -(k - 1)
+
+
+def special_values(dtype: torch.dtype) -> dict:
+    """Whether ``dtype`` has inf and -0, and how many of its bit patterns are NaN: every pattern enumerated
+    for formats of up to 16 bits; float32's 2^32 are too many, its count follows IEEE 754 (all-ones exponent,
+    nonzero mantissa, either sign)."""
+    fi = torch.finfo(dtype)
+    if fi.bits <= 16:
+        uint = {8: torch.uint8, 16: torch.uint16}[fi.bits]
+        every = torch.arange(2**fi.bits, dtype=torch.int32).to(uint).view(dtype).float()
+        return {"NaN patterns": int(every.isnan().sum()), "inf": bool(every.isinf().any()),
+                "-0": bool(((every == 0) & every.signbit()).any())}
+    mantissa = round(-math.log2(step_after_one(dtype)))
+    zero = torch.tensor(-0.0).to(dtype)
+    return {"NaN patterns": 2 * (2**mantissa - 1), "inf": bool(torch.tensor(math.inf).to(dtype).isinf()),
+            "-0": bool(zero.signbit())}
+
+
 def format_facts(dtype: torch.dtype) -> dict:
     """One row of the formats table: bits, exponent and mantissa bits, max, smallest normal and subnormal, eps,
-    and (for FP8, measured) what a cast past max gives."""
+    the special values (``special_values``) and (for FP8, measured) what a cast past max gives."""
     fi = torch.finfo(dtype)
-    mantissa = round(-math.log2(fi.eps))  # eps = 2^-mantissa bits: the step after 1.0
+    eps = step_after_one(dtype)
+    mantissa = round(-math.log2(eps))  # eps = 2^-mantissa bits: the step after 1.0
     row = {"bits": fi.bits, "exponent bits": fi.bits - 1 - mantissa, "mantissa bits": mantissa,
-           "max": float(fi.max), "smallest normal": float(fi.tiny), "smallest subnormal": float(fi.tiny * fi.eps),
-           "eps (step after 1.0)": float(fi.eps)}
+           "max": float(fi.max), "smallest normal": float(fi.tiny), "smallest subnormal": float(fi.tiny) * eps,
+           "eps (step after 1.0)": eps, **special_values(dtype)}
     if dtype in FP8_DTYPES.values():
         past = cast_past_max(dtype)
         row["cast of 2*max"] = _describe(past["2*max"], fi.max)
@@ -344,7 +377,11 @@ def magnitude_sweep(x: torch.Tensor, w: torch.Tensor, exponents) -> dict[str, li
 
 def flushed_fraction(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> dict[str, float]:
     """Fractions of the nonzero values of ``x`` that ``quantize(x, scale, dtype)`` sends to 0, to a subnormal,
-    or that saturate at ±max."""
+    or that saturate at ±max.
+
+    Counted on what the cast stores: a value just below the smallest normal that rounds up to it is normal,
+    one at half the smallest subnormal or below rounds (to even) to 0. In e4m3fn (smallest normal 2^-6 =
+    0.015625) about half of N(0, 0.02) weights are subnormal and about 4% become 0."""
     v = x.detach().float().flatten()
     v = v[v != 0]
     q = quantize(v, scale, dtype).float()

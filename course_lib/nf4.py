@@ -206,15 +206,47 @@ def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bo
     return dequantize_nf4(packed, absmax, w.shape, blocksize, dtype=w.dtype)
 
 
-def int4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
-    """``w`` through uniform (integer) 4-bit absmax quantisation and back: levels k/7, k = -7..7, per block.
+def int4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform int4's 16 levels, ascending: k/8 for the two's-complement integers k = -8..7.
 
-    The same blocks and scales as NF4, only the levels differ: evenly spaced instead of normal quantiles.
+    The grid every 4-bit integer has: 16 evenly spaced levels with an exact 0, one more below it than
+    above, so a block's absmax maps onto -1 exactly but a positive absmax rounds down to 7/8.
+    (bitsandbytes' ``create_linear_map(total_bits=4)`` drops the -8 to stay symmetric: 15 levels k/7.)
     """
+    return torch.arange(-8, 8, dtype=dtype, device=device) / 8
+
+
+def fp4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """FP4 E2M1's levels, ascending, divided by its max 6: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+
+    2 exponent bits and 1 mantissa bit (OCP's MX FP4, the format QLoRA compares NF4 with): 16 codes, but +0
+    and -0 are one level, so 15 distinct values, dense near 0 and sparse near the max, like a float.
+    """
+    positive = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    return (torch.cat([-positive.flip(0)[:-1], positive]) / 6).to(dtype=dtype, device=device)
+
+
+def absmax_round_trip(w: torch.Tensor, code: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
+    """``w`` through block-wise absmax quantisation onto the levels of ``code`` (ascending, within [-1, 1])
+    and back, in ``w``'s dtype and shape: NF4's blocks and float32 scales, only the levels differ."""
     blocks = _blocks(w, check_blocksize(blocksize))
     absmax = blocks.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(blocks / absmax * 7).clamp(-7, 7)
-    return (q / 7 * absmax).reshape(-1)[: w.numel()].reshape(w.shape).to(w.dtype)
+    code = code.to(blocks)
+    q = code[nearest_level(blocks / absmax, code)]
+    return (q * absmax).reshape(-1)[: w.numel()].reshape(w.shape).to(w.dtype)
+
+
+def int4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
+    """``w`` through uniform (integer) 4-bit absmax quantisation and back: levels k/8, k = -8..7 (``int4_code``),
+    per block. The same blocks and scales as NF4, only the levels differ: evenly spaced instead of normal quantiles.
+    """
+    return absmax_round_trip(w, int4_code(), blocksize)
+
+
+def fp4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
+    """``w`` through FP4 (E2M1) absmax quantisation and back: each block scaled so that its absmax is FP4's max, 6
+    (``fp4_code``). The same blocks and scales as NF4."""
+    return absmax_round_trip(w, fp4_code(), blocksize)
 
 
 def bf16_round_trip(w: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,50 @@ def test_format_facts_are_the_formats_bits():
         assert torch.tensor(tiny).to(dt).float().item() == tiny and torch.tensor(tiny / 2).to(dt).float().item() == 0.0
 
 
+def test_the_table_reads_max_from_finfo_and_measures_the_fnuz_formats():
+    rows = {r["type"]: r for r in fp8.format_table()}
+    assert {name: r["max"] for name, r in rows.items()} == {n: float(torch.finfo(dt).max) for n, dt in fp8.TABLE_DTYPES.items()}
+    e4, e5 = rows["fp8 e4m3fnuz"], rows["fp8 e5m2fnuz"]
+    assert (e4["max"], e4["smallest normal"], e4["smallest subnormal"]) == (240.0, 2.0**-7, 2.0**-10)
+    assert (e5["max"], e5["smallest normal"], e5["smallest subnormal"]) == (57344.0, 2.0**-15, 2.0**-17)
+    assert (e4["mantissa bits"], e5["mantissa bits"]) == (3, 2)  # measured: torch's finfo gives e5m2fnuz eps 0.125
+    for r in (e4, e5):  # "fnuz": one NaN (the pattern -0 would have), no inf, no negative zero
+        assert (r["NaN patterns"], r["inf"], r["-0"], r["cast of 2*max"]) == (1, False, False, "nan")
+    assert (rows["fp8 e4m3"]["NaN patterns"], rows["fp8 e4m3"]["inf"], rows["fp8 e4m3"]["-0"]) == (2, False, True)
+    assert (rows["fp8 e5m2"]["NaN patterns"], rows["fp8 e5m2"]["inf"]) == (6, True)
+    assert (rows["fp16"]["NaN patterns"], rows["bf16"]["NaN patterns"], rows["fp32"]["NaN patterns"]) == (2046, 254, 2**24 - 2)
+    assert math.isnan(torch.tensor(480.0).to(torch.float8_e4m3fnuz).float())  # why clamping first is mandatory there
+    assert fp8.quantize(torch.tensor([480.0, -1e6]), 1.0, torch.float8_e4m3fnuz).float().tolist() == [240.0, -240.0]
+
+
+def test_step_after_one_is_measured_by_casting():
+    assert [fp8.step_after_one(dt) for dt in (torch.float32, torch.float16, torch.bfloat16, E4M3, E5M2)] == \
+        [2.0**-23, 2.0**-10, 2.0**-7, 2.0**-3, 2.0**-2]
+    assert fp8.step_after_one(torch.float8_e5m2fnuz) == 0.25
+    assert torch.tensor(1.125).to(torch.float8_e5m2fnuz).float() == 1.0  # 1 + 2^-3 is not an e5m2fnuz value
+
+
+def test_flushed_fraction_counts_what_the_cast_stores():
+    # e4m3fn: 2^-6 the smallest normal, 2^-7 and 2^-9 subnormal, 2^-10 half the smallest subnormal: ties to even, 0;
+    # just above 2^-10 rounds up to 2^-9; 1.0 normal; 500 past 464 saturates at 448
+    x = torch.tensor([2.0**-6, 2.0**-7, 2.0**-9, 2.0**-10, 2.0**-10 * 1.01, 1.0, 500.0])
+    assert fp8.quantize(x, 1.0, E4M3).float().tolist() == [2.0**-6, 2.0**-7, 2.0**-9, 0.0, 2.0**-9, 1.0, 448.0]
+    assert fp8.flushed_fraction(x, E4M3) == {"zero": 1 / 7, "subnormal": 3 / 7, "saturated": 1 / 7}
+    # e4m3fnuz's exponent bias is one higher: 2^-7 is normal there, 2^-10 its smallest subnormal
+    assert fp8.flushed_fraction(x, torch.float8_e4m3fnuz) == {"zero": 0.0, "subnormal": 3 / 7, "saturated": 1 / 7}
+    assert fp8.flushed_fraction(torch.tensor([0.0, 0.02, -0.02]), E4M3) == {"zero": 0.0, "subnormal": 0.0, "saturated": 0.0}
+
+
+def test_about_half_of_normal_weights_of_std_002_are_subnormal_in_e4m3():
+    w = torch.randn(2**20, generator=torch.Generator().manual_seed(0)) * 0.02
+    fate = fp8.flushed_fraction(w, E4M3)
+    # N(0, 0.02): |w| up to 2^-10 rounds to 0; up to 2^-6 minus half a subnormal step (2^-10) stays subnormal
+    p = lambda t: math.erf(t / 0.02 / math.sqrt(2))  # noqa: E731 (P(|w| < t))
+    assert fate["zero"] == pytest.approx(p(2.0**-10), abs=0.002) and 0.035 < fate["zero"] < 0.045
+    assert fate["subnormal"] == pytest.approx(p(2.0**-6 - 2.0**-10) - p(2.0**-10), abs=0.003)
+    assert 0.45 < fate["subnormal"] < 0.55
+
+
 def test_what_a_cast_past_max_gives_is_what_torch_does():
     assert fp8.cast_past_max(E5M2) == {"2*max": math.inf, "inf": math.inf}
     assert fp8.overflow_threshold(E4M3) == 464.0 and fp8.overflow_threshold(E5M2) == 61440.0

@@ -112,14 +112,29 @@ def test_an_outlier_spoils_only_its_own_block():
     assert nf4.relative_rms_error(nf4.nf4_round_trip(w)[1], w[1]) > 1
 
 
-def test_nf4_beats_uniform_int4_on_normal_weights_and_not_on_uniform_ones():
+def test_int4_and_fp4_code_books():
+    int4, fp4 = nf4.int4_code(), nf4.fp4_code()
+    assert int4.numel() == 16 and torch.equal(int4 * 8, torch.arange(-8, 8).float())  # two's complement k/8
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert (fp4 * 6).tolist() == pytest.approx([-v for v in reversed(e2m1[1:])] + e2m1)  # 15 values: +0 = -0
+    assert torch.all(fp4[1:] > fp4[:-1]) and fp4.abs().max() == 1.0
+    # a block [-1, 1, 0.3, -0.06]: int4 puts +absmax on 7/8 and 0.3 on 0.25 (0.3*8 = 2.4 -> 2); FP4 scales by
+    # absmax/6: 0.3*6 = 1.8 -> 2 (1/3), -0.06*6 = -0.36 -> -0.5 (-1/12)
+    w = torch.tensor([-1.0, 1.0, 0.3, -0.06])
+    assert nf4.int4_round_trip(w, blocksize=4).tolist() == [-1.0, 0.875, 0.25, 0.0]
+    assert nf4.fp4_round_trip(w, blocksize=4).tolist() == pytest.approx([-1.0, 1.0, 1 / 3, -1 / 12])
+
+
+def test_nf4_beats_uniform_int4_and_fp4_on_normal_weights_and_not_on_uniform_ones():
     torch.manual_seed(0)
     normal, uniform = torch.randn(256, 256) * 0.02, torch.rand(256, 256) * 0.04 - 0.02
     err = {name: {f: nf4.relative_rms_error(rt(w), w) for f, rt in
-                  (("nf4", nf4.nf4_round_trip), ("int4", nf4.int4_round_trip), ("bf16", nf4.bf16_round_trip))}
+                  (("nf4", nf4.nf4_round_trip), ("int4", nf4.int4_round_trip), ("fp4", nf4.fp4_round_trip),
+                   ("bf16", nf4.bf16_round_trip))}
            for name, w in (("normal", normal), ("uniform", uniform))}
-    assert err["normal"]["nf4"] < 0.9 * err["normal"]["int4"]        # about 0.092 against 0.108
-    assert err["uniform"]["int4"] < err["uniform"]["nf4"]            # the levels fit the distribution they assume
+    # about 0.092 against int4's 0.099 (16 levels k/8; 15 levels k/7 gave 0.107) and FP4's 0.106
+    assert err["normal"]["nf4"] < 0.95 * err["normal"]["int4"] < 0.95 * err["normal"]["fp4"]
+    assert err["uniform"]["int4"] < err["uniform"]["nf4"] < err["uniform"]["fp4"]  # levels fit what they assume
     assert err["normal"]["bf16"] < 0.05 * err["normal"]["nf4"]
 
 

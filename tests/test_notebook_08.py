@@ -59,5 +59,8 @@ def test_pipeline_bubble_and_memory(executed):
 def test_claims_and_figures(executed):
     res = executed("08_model_parallelism")
     others = [c for c in res["claims"] if not c["claim"].startswith("seed 002's ColumnParallelLinear")]
-    assert len(others) >= 6 and all(c["held"] for c in others), others
+    assert len(others) >= 6 and all(c["held"] or c["agrees"] for c in others), others
+    # the CPU tier pads its stages with sleep: the bubbles show the schedule, simulated, not a verdict on compute
+    for text in ("GPipe's measured bubble", "seed 002's pipeline keeps one device busy"):
+        assert claim(res, text)["kind"] == "simulated", claim(res, text)
     assert len(res["figures"]) >= 3
