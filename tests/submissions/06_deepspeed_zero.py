@@ -142,13 +142,15 @@ def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimiz
 
 # --- Exercise 3, OffloadedAdamW (ZeRO-Offload's step by hand): the reference, and the mistakes students make
 
-OFFLOADED = '''
+_OFFLOAD_INIT = '''
 class OffloadedAdamW:
     def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-        for p, m in zip(self.params, self.master):
+'''
+
+OFFLOADED = _OFFLOAD_INIT + '''        for p, m in zip(self.params, self.master):
             p.register_post_accumulate_grad_hook(lambda p, m=m: self._send_down(p, m))
 
     def _send_down(self, p, m):
@@ -173,13 +175,7 @@ class OffloadedAdamW:
 '''
 
 # the contract before gradients left during backward: every gradient stays on the model until step() sends it down
-OFFLOAD_AT_STEP = '''
-class OffloadedAdamW:
-    def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-
+OFFLOAD_AT_STEP = _OFFLOAD_INIT + '''
     def step(self):
         for p, m in zip(self.params, self.master):
             m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
