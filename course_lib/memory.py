@@ -235,7 +235,7 @@ class GradientMeter:
     up the gradients the model's parameters hold at that moment. Attach it before an optimizer that registers
     hooks of its own (ZeRO-Offload's sends each gradient away and frees it): hooks run in the order they were
     registered, so the meter sees every gradient once before it can leave. ``peak`` is the largest sum seen,
-    ``after`` what the parameters held when the last backward ended; ``reset()`` starts over.
+    ``after`` what the parameters held when the last backward ended.
     """
 
     def __init__(self, model: nn.Module):
@@ -250,9 +250,6 @@ class GradientMeter:
     @property
     def after(self) -> int:
         return tensor_bytes(p.grad for p in self.params)
-
-    def reset(self) -> None:
-        self.peak = 0
 
 
 class PeakMemory:

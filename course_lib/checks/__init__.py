@@ -85,6 +85,15 @@ def outcome(fn: Callable, *args, **kwargs) -> dict:
         return {"raised": type(err).__name__, "message": str(err)}
 
 
+def tensor_data(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """A tensor the student's code gave, as data: a detached copy on the CPU (in ``dtype`` if given); None stays
+    None; anything else its repr, which no judge takes for a tensor."""
+    if x is None or not isinstance(x, torch.Tensor):
+        return None if x is None else repr(x)[:200]
+    x = x.detach().cpu()
+    return (x if dtype is None else x.to(dtype)).clone()
+
+
 def student(ns: dict, *names: str) -> dict:
     """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
     reaches the names the student's code looks up), else only the named definitions, which a spawned rank gets

@@ -9,7 +9,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from course_lib import checkpointing
-from course_lib.checks import number, register
+from course_lib.checks import number, register, tensor_data
 from course_lib.grading import forbid, grads, max_rel_diff
 from course_lib.memory import activation_bytes
 from course_lib.precision import autocast
@@ -17,15 +17,6 @@ from course_lib.precision import autocast
 # What the exercise builds, out of reach while the student's code runs.
 CHECKPOINTS = (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.checkpoint_sequential,
                checkpointing.CheckpointedBlock, checkpointing.checkpoint_layers, checkpointing.apply_policy)
-
-
-def tensor(t):
-    """A tensor the student's code made, as plain data: detached, on the CPU, a copy; None stays None."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return repr(t)[:200]
-    return t.detach().cpu().clone()
 
 
 # ---------------------------------------------------------------- one block, checkpointed and plain
@@ -46,8 +37,8 @@ def probe_block(ns: dict, block: nn.Module, x: torch.Tensor, *, scale=None, seed
         out.float().square().sum().backward()
     return {"saved": number(saved),
             "missing": [n for n, p in block.named_parameters() if p.requires_grad and p.grad is None],
-            "output": tensor(out), "grads": {n: tensor(g) for n, g in grads(block).items()},
-            "input": tensor(mx.grad) if x.requires_grad else None}
+            "output": tensor_data(out), "grads": {n: tensor_data(g) for n, g in grads(block).items()},
+            "input": tensor_data(mx.grad) if x.requires_grad else None}
 
 
 def judge_block(got: dict, block: nn.Module, x: torch.Tensor, *, scale=None, seed: int = 0,

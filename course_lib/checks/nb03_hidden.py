@@ -8,8 +8,8 @@ import warnings
 import torch
 from torch import nn
 
-from course_lib.checks import register
-from course_lib.checks.nb03 import CHECKPOINTS, judge_block, probe_block, tensor
+from course_lib.checks import register, tensor_data
+from course_lib.checks.nb03 import CHECKPOINTS, judge_block, probe_block
 from course_lib.checkpointing import transformer_layers
 from course_lib.grading import forbid, grads, max_rel_diff
 from course_lib.loss import forward_loss
@@ -62,7 +62,7 @@ def probe_llama(ns: dict) -> dict:
     with forbid(*CHECKPOINTS, namespace=ns), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         forward_loss(lm, ids).backward()
-    return {n: tensor(p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    return {n: tensor_data(p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
 
 
 def probe_inputs(ns: dict) -> dict:

@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import zero
-from course_lib.checks import forked, number, packed, register, student, unpacked
+from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
 from course_lib.data import synthetic_images
 from course_lib.grading import forbid, max_rel_diff, params
 from course_lib.launch import launch
@@ -239,17 +239,10 @@ def one_thread(fn):
     return run
 
 
-def cpu_copy(t) -> torch.Tensor | None | str:
-    """A gradient as data: a detached fp32 copy on the CPU; None stays None; anything else its repr."""
-    if t is None or not isinstance(t, torch.Tensor):
-        return None if t is None else repr(t)[:200]
-    return t.detach().float().cpu().clone()
-
-
 def twin_grads(twin: torch.nn.Module, loss) -> list:
     """The gradients a plain backward leaves on ``twin`` (a copy without the student's hooks), then cleared."""
     loss(twin).backward()
-    out = [cpu_copy(p.grad) for p in twin.parameters() if p.requires_grad]
+    out = [tensor_data(p.grad, torch.float32) for p in twin.parameters() if p.requires_grad]
     twin.zero_grad(set_to_none=True)
     return out
 
@@ -274,7 +267,7 @@ def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool
         with forbid(*OFFLOADED, namespace=ns):
             loss(model).backward()
             kept.append([p.grad is not None for p in trainable])
-            landed.append([cpu_copy(getattr(m, "grad", None)) for m in opt.master])
+            landed.append([tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master])
             opt.step()
             opt.zero_grad(set_to_none=True)
     masters = [{"dtype": str(m.dtype), "device": m.device.type, "value": m.detach().cpu().clone()} for m in opt.master]

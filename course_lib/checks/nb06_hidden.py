@@ -12,8 +12,8 @@ import warnings
 import torch
 
 from course_lib import zero
-from course_lib.checks import forked, number, packed, register, student, unpacked
-from course_lib.checks.nb06 import (ADAMW, OFFLOADED, SGD, SHARDED, cpu_copy, judge_offload, judge_sharded, my_config,
+from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
+from course_lib.checks.nb06 import (ADAMW, OFFLOADED, SGD, SHARDED, judge_offload, judge_sharded, my_config,
                                     offload_probe, one_process, one_thread, sharded_probe, tiny_model, trains, twin_grads)
 from course_lib.grading import forbid
 from course_lib.launch import launch
@@ -108,7 +108,7 @@ def accumulation_probe(ns: dict) -> list:
                 got = twin_grads(twin, loss)
                 want = got if want is None else [a + b for a, b in zip(want, got)]
                 loss(model).backward()
-            steps.append({"want": want, "landed": [cpu_copy(getattr(m, "grad", None)) for m in opt.master]})
+            steps.append({"want": want, "landed": [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]})
             opt.step()
     return steps
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import course_lib.pp as pp
 import course_lib.tp as tp
-from course_lib.checks import forked, number, packed, plain, register, unpacked
+from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
 from course_lib.launch import fork_is_safe
@@ -24,13 +24,6 @@ TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnPara
               tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
 PP_ANSWERS = (pp.one_f_one_b_order, pp.gpipe_order, pp.torch_order, Schedule1F1B, ScheduleGPipe)
 PAIR = ("ColumnParallelLinear", "RowParallelLinear")
-
-
-def tensor(x):
-    """A tensor the student's code gave, as data (detached, on the CPU); None stays None; anything else its repr."""
-    if x is None:
-        return None
-    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else repr(x)[:200]
 
 
 # ---------------------------------------------------------------- tensor_parallel_pair
@@ -61,7 +54,7 @@ def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict
              "row weight": mine[4].weight.grad, "input": x.grad}
     if bias:
         grads.update({"column bias": mine[2].bias.grad, "row bias": mine[4].bias.grad})
-    return packed(plain({"output": tensor(out), "grads": {k: tensor(g) for k, g in grads.items()},
+    return packed(plain({"output": tensor_data(out), "grads": {k: tensor_data(g) for k, g in grads.items()},
                    "forward calls": {str(k): number(v) for k, v in forward_calls.items()},
                    "calls": {str(k): number(v) for k, v in comm.calls_by_kind.items()},
                    "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
