@@ -1,7 +1,7 @@
 """course_lib: the training utilities behind the notebooks of *Scaling PyTorch training*.
 
-One module per idea, in layers; a module imports only from the layers below it, and a technique
-never imports another technique (``tests/test_architecture.py`` checks both).
+One module per idea, in layers; a module imports only from its own layer or the layers below it, and
+the imports never form a cycle (``tests/test_architecture.py`` checks both).
 
 1. **Core helpers**
    ``device`` (hardware, tier, device and backend decisions, system report, ROCm checks),
