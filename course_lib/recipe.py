@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from course_lib import attention
+from course_lib.checkpointing import checkpoint_layers, transformer_layers
 from course_lib.device import default_device, device_memory_bytes
 from course_lib.loss import LOSS_CHUNK_TOKENS, forward_loss, lm_loss
 from course_lib.memory import estimate_model_state, llama_activation_bytes
@@ -108,8 +109,8 @@ def prepare(model: nn.Module, recipe: Recipe) -> nn.Module:
         for module in model.modules():
             if isinstance(module, nn.Linear) and not module.weight.requires_grad and module.weight is not tied:
                 module.weight.data = module.weight.data.to(torch.bfloat16)
-    if recipe.checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.checkpointing:  # notebook 03's whole-block checkpointing, before compile so each compiled layer holds it
+        checkpoint_layers(transformer_layers(lm))
     if recipe.compile:
         for layer in lm.model.layers:
             layer.compile()

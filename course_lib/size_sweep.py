@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from course_lib import attention
+from course_lib.checkpointing import checkpoint_layers, transformer_layers
 from course_lib.data import random_tokens
 from course_lib.device import device_memory_bytes, host_memory_bytes
 from course_lib.distributed import rank_device
@@ -235,8 +236,8 @@ def train_trial(strategy: str, config, micro_batch: int, seq_len: int, steps: in
 
 
 def _checkpointed(model: nn.Module, checkpointing: bool) -> nn.Module:
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # notebook 03's whole-block checkpointing
+        checkpoint_layers(transformer_layers(model))
     return model
 
 

@@ -12,13 +12,35 @@ from course_lib import attention
 from course_lib import benchmark as bm
 from course_lib import finetune as ft
 from course_lib import recipe as rc
+from course_lib.checkpointing import CheckpointedBlock
+from course_lib.grading import grads, max_abs_diff, twin
 from course_lib.instruct import packed_attention_mask
 from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.loss import forward_loss, lm_loss
-from course_lib.models import llama_config, llama_num_parameters
+from course_lib.memory import activation_bytes
+from course_lib.models import build_llama, llama_config, llama_num_parameters
 from course_lib.throughput import matmul_parameters, transformer_flops_per_token
 
 GIB = 2**30
+
+
+def test_the_recipes_checkpointing_is_notebook_03s_and_changes_only_memory():
+    """The recipe checkpoints with course_lib.checkpointing (whole blocks, non-reentrant), on a LoRA model whose
+    base is frozen: every adapter still gets its gradient and fewer bytes are saved for backward."""
+    from dataclasses import replace
+
+    model = apply_lora(build_llama("tiny", num_hidden_layers=4), r=4, target_modules=ALL_LINEAR)
+    ref = twin(model)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    plain = replace(rc.BASELINE, amp_dtype=None, frozen_weights_bf16=False)
+    rc.prepare(model, replace(plain, checkpointing=True))
+    assert sum(isinstance(m, CheckpointedBlock) for m in model.modules()) == 4
+    plain_bytes, ckpt_bytes = (activation_bytes(m, lambda m=m: forward_loss(m, ids)) for m in (ref, model))
+    forward_loss(ref, ids).backward()
+    forward_loss(model, ids).backward()
+    strip = lambda g: {k.replace(".block", ""): v for k, v in g.items()}
+    assert grads(ref) and max_abs_diff(strip(grads(model)), grads(ref)) < 1e-6
+    assert ckpt_bytes < 0.5 * plain_bytes
 
 
 def test_plan_micro_batch_checkpoints_only_when_memory_needs_it():
