@@ -6,7 +6,7 @@ all-reduce, so every rank takes the same optimizer step and the copies stay iden
 ``all_reduce_gradients`` is that average by hand; ``DistributedDataParallel`` does the same
 bucket by bucket, overlapped with the backward pass; ``BucketedDDP`` is that mechanism in one
 screen (gradient hooks, buckets in reverse order, an async all-reduce per full bucket, one wait
-before the optimizer step). ``train`` runs any of them through the course's one ``train_step``
+before the optimizer step). ``train`` runs any of them through the course's one loop, ``fit``,
 and returns the losses, so they (and a single process on the whole batch) can be compared.
 ``all_reduce_gradients`` and ``BucketedDDP`` are notebook 04's exercises: the student edition holds
 stubs in their place, and ``train`` and ``throughput`` take the student's own through ``wrap`` and
@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.data import synthetic_images
-from course_lib.distributed import mean_over_ranks, param_digest, rank_device, step_batches, worker_result
+from course_lib.distributed import param_digest, rank_device, step_batches
 from course_lib.memory import tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.throughput import time_step
-from course_lib.train import train_step
+from course_lib.train import Dims, fit, rank_and_world, train_step, worker_result
 
 
 # graded: 04_ddp average_gradients
@@ -175,11 +175,10 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     else:
         raise ValueError(f"mode={mode!r}: use 'ddp', 'bucketed' or 'manual'")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for batch in step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed):
-        out = train_step(model, opt, batch, accum_steps=accum_steps, sync_grads=sync)
-        losses.append(mean_over_ranks(out["loss"]))  # the ranks' local batches make the global batch
-    return worker_result(losses, digest=param_digest(model))
+    dims = Dims(global_batch, accum_steps, dp=rank_and_world()[1])
+    batches = step_batches(synthetic_images(n_samples, seed=seed), global_batch, steps, seed)  # this rank's shard
+    history = fit(model, opt, batches, steps, dims=dims, sync_grads=sync, progress=False)
+    return worker_result([r["loss"] for r in history], digest=param_digest(model))
 
 
 def fail_on_rank(rank_to_fail: int = 1, message: str = "this rank fails on purpose") -> dict:
@@ -241,16 +240,14 @@ def _data_parallel(model: nn.Module, mode: str, global_batch: int, bucket_cap_mb
         if world != 1 or not cuda:
             raise ValueError("mode='dp' (DataParallel) runs in one process (nprocs=1) and needs GPUs")
         return nn.DataParallel(model), None, global_batch
-    if global_batch % world:
-        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
-                         f"use a multiple of {world}")
+    local = Dims(global_batch, dp=world).local_batch
     if wrap is not None:
-        return wrap(model), sync_grads, global_batch // world
+        return wrap(model), sync_grads, local
     if mode == "ddp":
         device_ids = [next(model.parameters()).device.index] if cuda else None
-        return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb), None, global_batch // world
+        return DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb), None, local
     if mode == "bucketed":
-        return BucketedDDP(model, bucket_cap_mb), BucketedDDP.finish_gradient_synchronization, global_batch // world
+        return BucketedDDP(model, bucket_cap_mb), BucketedDDP.finish_gradient_synchronization, local
     if mode == "manual":
-        return model, all_reduce_gradients, global_batch // world
+        return model, all_reduce_gradients, local
     raise ValueError(f"mode={mode!r}: use 'ddp', 'bucketed', 'manual' or 'dp'")

@@ -8,10 +8,9 @@
   step after step, epoch after epoch (``DistributedSampler`` with ``set_epoch``).
 - **Slices of a tensor.** ``rank_slice`` (this rank's 1/N of a flattened, zero-padded tensor) and
   ``gather_slices`` (the all-gather that undoes it): the sharding of ZeRO and FSDP, written once.
-- **What ranks agree on.** ``mean_over_ranks`` (the global batch's loss from the ranks' shards) and
-  ``param_digest`` (one number for the full weights, sharded ones gathered).
-- **What a worker returns.** ``worker_result``: rank, world size and the per-step losses as a list,
-  the shape every training worker of ``course_lib.launch`` gives back.
+- **What ranks agree on.** ``param_digest`` (one number for the full weights, sharded ones gathered); the
+  loss of the global batch (``mean_over_ranks``) and what a worker returns (``worker_result``) belong to the
+  training loop, ``course_lib.train.fit``.
 - **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces;
   ``CollectiveLog`` records every ``dist.all_reduce`` Python code issues (when, how big, async or
   not, waited on or not), beside marks of your own (a gradient arriving): the timeline of overlap.
@@ -40,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.device import backend_for, default_device
+from course_lib.train import Dims, mean_over_ranks, rank_and_world, worker_result  # noqa: F401 (the workers' names)
 
 
 def free_port() -> int:
@@ -124,32 +124,12 @@ def single_process_group(backend: str | None = None) -> None:
     average_over_gloo()
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of this process: (0, 1) where there is no process group."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def mean_over_ranks(value: float, device: torch.device | str | None = None) -> float:
-    """The mean of ``value`` over all ranks (this value alone where there is no process group).
-
-    With equal shards, the mean of the ranks' losses is the loss of the global batch. ``device``
-    is where the number is reduced: NCCL reduces GPU tensors only.
-    """
-    t = torch.tensor(value, device=device)
-    if not dist.is_initialized():
-        return t.item()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
 def sharded_loader(dataset, global_batch: int, seed: int = 0) -> tuple[DataLoader, DistributedSampler]:
     """A DataLoader over this rank's shard: each step, the ranks' local batches make one global batch."""
     rank, world = rank_and_world()
-    if global_batch % world:
-        raise ValueError(f"global_batch={global_batch} does not divide by the world size {world}: "
-                         f"use a multiple of {world}")
+    local = Dims(global_batch, dp=world).local_batch
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    return DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True), sampler
+    return DataLoader(dataset, batch_size=local, sampler=sampler, drop_last=True), sampler
 
 
 def step_batches(dataset, global_batch: int, steps: int, seed: int = 0) -> Iterator:
@@ -198,12 +178,6 @@ def param_digest(model: nn.Module) -> float:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         total += float(full.detach().double().abs().sum())
     return total
-
-
-def worker_result(losses, **extra) -> dict:
-    """What a training worker returns: ``rank``, ``world_size``, ``losses`` (a list, one per step), and ``extra``."""
-    rank, world = rank_and_world()
-    return {"rank": rank, "world_size": world, "losses": [float(l) for l in losses], **extra}
 
 
 class AllReduceCounter:

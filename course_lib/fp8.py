@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -38,8 +37,8 @@ from course_lib.data import lm_batch
 from course_lib.device import gpu_architecture
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama
-from course_lib.throughput import synchronize, time_interleaved
-from course_lib.train import train_step
+from course_lib.throughput import time_interleaved
+from course_lib.train import fit, tokens_per_second
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
               "e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz}
@@ -557,20 +556,14 @@ def train_llama(preset: str = "8b", *, fp8: bool, steps: int, batch: int, seq: i
             convert_to_fp8_training(model)
         step_model = torch.compile(model) if compile else model
         opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
-        losses, seconds = [], []
-        for step in range(steps):
-            tokens = lm_batch(step, batch, seq, vocab, seed).to(device)
-            synchronize(device)
-            start = time.perf_counter()
-            losses.append(train_step(step_model, opt, tokens, amp_dtype="bfloat16")["loss"])
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
+        history = fit(step_model, opt, lambda step: lm_batch(step, batch, seq, vocab, seed).to(device), steps,
+                      amp_dtype="bfloat16", progress=False)
         del model, step_model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    timed = seconds[warmup:]
-    return {"losses": losses, "tokens_per_s": batch * seq * len(timed) / sum(timed), "peak_bytes": mem.peak,
-            "step_s": sorted(timed)[len(timed) // 2], "fp8": fp8}
+    timed = sorted(r["seconds"] for r in history[warmup:])
+    return {"losses": [r["loss"] for r in history], "tokens_per_s": tokens_per_second(history, batch * seq, warmup),
+            "peak_bytes": mem.peak, "step_s": timed[len(timed) // 2], "fp8": fp8}
 
 
 def compare_training(preset: str = "8b", *, steps: int, batch: int, seq: int, device: torch.device | str,

@@ -41,12 +41,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.func import functional_call
 
 from course_lib.data import lm_batch
-from course_lib.distributed import (gather_slices, mean_over_ranks, param_digest, rank_and_world, rank_device,
-                                    rank_slice, worker_result)
+from course_lib.distributed import gather_slices, param_digest, rank_device, rank_slice
 from course_lib.loss import forward_loss
 from course_lib.memory import estimate_model_state, optimizer_state_bytes, tensor_bytes
 from course_lib.models import build_llama, empty_llama, llama_config, llama_num_parameters
-from course_lib.train import train_step
+from course_lib.train import Dims, fit, rank_and_world, worker_result
 
 STRATEGIES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
 
@@ -185,8 +184,7 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
     single = strategy == "single"
     dev = torch.device(device) if device else rank_device()
     rank, world = (0, 1) if single else rank_and_world()
-    if batch % world:
-        raise ValueError(f"batch={batch} does not divide by the world size {world}")
+    dims = Dims(batch, accum_steps, dp=world)
     if single:
         model, built = _build(preset, seed, False, lambda m: m, dev)
         mesh_shape = [1]
@@ -205,14 +203,16 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
 
     opt.register_step_pre_hook(lambda *a: measured.update(gradients=tensor_bytes(p.grad for p in model.parameters())))
     start = load_checkpoint(model, opt, checkpoint_dir) if resume else 0
-    losses, local = [], batch // world
-    for step in range(start, steps):
-        tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed)[rank * local:(rank + 1) * local]
-        out = train_step(model, opt, tokens, loss_fn=loss_fn, accum_steps=accum_steps)
-        losses.append(mean_over_ranks(out["loss"], dev))  # equal shards: the global batch's loss
+
+    def stop_here(step: int, record: dict) -> bool:  # save after step ``stop_after`` and stop there
         if stop_after is not None and step + 1 == stop_after:
             save_checkpoint(model, opt, step + 1, checkpoint_dir)
-            break
+            return True
+        return False
+
+    history = fit(model, opt, lambda step: dims.local(lm_batch(step, batch, seq, model.config.vocab_size, seed), rank),
+                  steps, start=start, dims=dims, loss_fn=loss_fn, after_step=stop_here, progress=False)
+    losses = [r["loss"] for r in history]
     held = {"weights": tensor_bytes(model.parameters()), "weights_in_backward": measured.get("weights_in_backward", 0),
             "gradients": measured.get("gradients", 0), "optimizer states": optimizer_state_bytes(opt)}
     held["total"] = held["weights"] + held["gradients"] + held["optimizer states"]

@@ -26,7 +26,6 @@ of the notebook, run on ranks forked from it: ``launch.run_forked``).
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from typing import Callable
 
@@ -43,12 +42,12 @@ from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import lm_batch
-from course_lib.distributed import CollectiveBytes, mean_over_ranks, rank_and_world, rank_device, worker_result
+from course_lib.distributed import CollectiveBytes, rank_device
 from course_lib.launch import launch
 from course_lib.loss import forward_loss
 from course_lib.memory import PeakMemory, tensor_bytes
 from course_lib.models import build_llama
-from course_lib.train import train_step
+from course_lib.train import Dims, fit, rank_and_world, tokens_per_second, worker_result
 
 MODES = ("single", "hand", "torch", "ddp", "dp", "dp_tp")
 
@@ -424,21 +423,22 @@ def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int 
     vocab = model.config.vocab_size
     model, groups, dp_rank, dp_size = _parallelize(model, mode, dp, dev, layers, sequence_parallel=sequence_parallel,
                                                    loss_parallel=loss_parallel)
-    if batch % dp_size:
-        raise ValueError(f"batch={batch} does not divide by the data-parallel size {dp_size}")
+    dims = Dims(batch, dp=dp_size)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    local, losses, seconds = batch // dp_size, [], []
-    with PeakMemory(dev) as peak:
-        for step in range(steps):
-            tokens = lm_batch(step, batch, seq, vocab, seed)[dp_rank * local:(dp_rank + 1) * local]
-            counter = CollectiveBytes(groups) if step == steps - 1 else contextlib.nullcontext()  # counting is slow
-            start = time.perf_counter()
-            with counter, (parallel_loss() if loss_parallel else contextlib.nullcontext()):
-                out = train_step(model, opt, tokens, loss_fn=_loss_fn, sync_grads=reduce_partial_grads)
-            seconds.append(time.perf_counter() - start)
-            losses.append(mean_over_ranks(out["loss"], dev))  # TP ranks agree; the mean over DP ranks is the batch's
-    timed = seconds[1:-1] or seconds  # not the warm-up step, not the counted one
-    return worker_result(losses, mode=mode, tokens_per_s=batch * seq * len(timed) / sum(timed),
+    counter = CollectiveBytes(groups)
+
+    @contextlib.contextmanager
+    def step_context(step: int):  # count the last step's collectives only: counting is slow
+        with (counter if step == steps - 1 else contextlib.nullcontext(),
+              parallel_loss() if loss_parallel else contextlib.nullcontext()):
+            yield
+
+    with PeakMemory(dev) as peak:  # TP ranks agree on the loss; fit's mean over DP ranks is the global batch's
+        history = fit(model, opt, lambda step: dims.local(lm_batch(step, batch, seq, vocab, seed), dp_rank), steps,
+                      dims=dims, step_context=step_context, loss_fn=_loss_fn, sync_grads=reduce_partial_grads,
+                      progress=False)
+    timed = history[1:-1] or history  # not the warm-up step, not the counted one
+    return worker_result([r["loss"] for r in history], mode=mode, tokens_per_s=tokens_per_second(timed, batch * seq),
                          peak_memory=peak.peak, weight_bytes=tensor_bytes(model.parameters()),
                          calls_by_kind=counter.calls_by_kind, bytes_by_kind=counter.bytes_by_kind,
                          sent_bytes_by_kind=counter.sent_bytes_by_kind, bytes_by_group=counter.bytes_by_group)

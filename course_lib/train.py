@@ -15,7 +15,9 @@ the same ``split_batch``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,17 +27,77 @@ from tqdm.auto import tqdm
 from course_lib.data import batch_len, to_device
 from course_lib.loss import forward_loss, scored_tokens
 from course_lib.precision import autocast, resolve_dtype
+from course_lib.throughput import synchronize
+
+
+@dataclass(frozen=True)
+class Dims:
+    """How one run's global batch is cut and its ranks laid out, checked once, with the fix in the message.
+
+    ``global_batch = micro_batch × accum_steps × dp`` (the DeepSpeed rule) and ``world = dp × tp × pp``:
+    tensor- and pipeline-parallel ranks of one replica see the same rows; data-parallel ranks see their slice.
+    """
+
+    global_batch: int
+    accum_steps: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name in ("global_batch", "accum_steps", "dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        step = self.accum_steps * self.dp
+        if self.global_batch % step == 0:
+            return
+        example = max(step, self.global_batch // step * step)
+        if self.dp == 1:  # accumulation alone: name the two numbers a notebook's user chose
+            raise ValueError(f"batch_size={self.global_batch} does not divide by accum_steps={self.accum_steps}: use a "
+                             f"batch size that is a multiple of {step} (e.g. {example}) or another accum_steps")
+        split = (f"the data-parallel size dp={self.dp}" if self.accum_steps == 1 else
+                 f"accum_steps {self.accum_steps} x dp {self.dp} = {step} (each data-parallel rank takes accum_steps "
+                 f"equal micro-batches)")
+        raise ValueError(f"global_batch={self.global_batch} does not divide by {split}: use a multiple of {step} "
+                         f"(e.g. {example}), or change the world size{'' if self.accum_steps == 1 else ' or accum_steps'}")
+
+    @classmethod
+    def for_world(cls, global_batch: int, world: int, *, accum_steps: int = 1, tp: int = 1, pp: int = 1) -> "Dims":
+        """The layout of ``world`` ranks with the given ``tp`` and ``pp``: ``dp`` is what is left."""
+        if world < 1 or world % (tp * pp):
+            raise ValueError(f"world={world} does not divide into tp={tp} x pp={pp} = {tp * pp} ranks per replica: "
+                             f"use a world size that is a multiple of {tp * pp}, or change tp and pp")
+        return cls(global_batch, accum_steps, world // (tp * pp), tp, pp)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def local_batch(self) -> int:
+        """Rows of the global batch one data-parallel rank takes per step."""
+        return self.global_batch // self.dp
+
+    @property
+    def micro_batch(self) -> int:
+        """Rows of one forward and backward on one rank."""
+        return self.local_batch // self.accum_steps
+
+    def local(self, batch, dp_rank: int):
+        """Data-parallel rank ``dp_rank``'s rows of a global ``batch`` (a tensor, a tuple or a dict of tensors)."""
+        if not 0 <= dp_rank < self.dp:
+            raise ValueError(f"dp_rank={dp_rank} is outside 0..{self.dp - 1}")
+        rows = slice(dp_rank * self.local_batch, (dp_rank + 1) * self.local_batch)
+        if torch.is_tensor(batch):
+            return batch[rows]
+        if isinstance(batch, dict):
+            return {k: v[rows] for k, v in batch.items()}
+        return tuple(t[rows] for t in batch)
 
 
 def check_accumulation(batch_size: int, accum_steps: int) -> int:
     """The micro-batch size of ``batch_size`` split into ``accum_steps``; stops with the fix if it does not divide."""
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps} must be at least 1")
-    if batch_size % accum_steps:
-        lower = batch_size // accum_steps * accum_steps or accum_steps
-        raise ValueError(f"batch_size={batch_size} does not divide by accum_steps={accum_steps}: "
-                         f"use a batch size that is a multiple of {accum_steps} (e.g. {lower}) or another accum_steps")
-    return batch_size // accum_steps
+    return Dims(batch_size, accum_steps).micro_batch
 
 
 def split_batch(batch, accum_steps: int) -> list:
@@ -136,20 +198,83 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
             "skipped": bool(skipped)}
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, steps: int, *,
-        progress: bool = True, desc: str = "train", **step_kwargs) -> list[dict]:
-    """Run ``steps`` calls of ``train_step`` over ``batches`` (cycled) and return their records."""
-    history, it = [], iter(batches)
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
-    for _ in bar:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) where there is no process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def mean_over_ranks(value: float, device: torch.device | str | None = None) -> float:
+    """The mean of ``value`` over all ranks (``value`` itself where there is no process group).
+
+    With equal shards, the mean of the ranks' losses is the loss of the global batch. ``device``
+    is where the number is reduced: NCCL reduces GPU tensors only.
+    """
+    if not dist.is_initialized():
+        return float(value)
+    t = torch.tensor(value, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def worker_result(losses, **extra) -> dict:
+    """What a training worker returns: ``rank``, ``world_size``, ``losses`` (a list, one per step), and ``extra``."""
+    rank, world = rank_and_world()
+    return {"rank": rank, "world_size": world, "losses": [float(l) for l in losses], **extra}
+
+
+def _batch_source(batches: Iterable | Callable[[int], object]) -> Callable[[int], object]:
+    """``batches`` as a function of the step: called as is, or an iterable read in order and cycled."""
+    if callable(batches) and not hasattr(batches, "__iter__"):
+        return batches
+    it = iter(batches)
+
+    def next_batch(step: int):
+        nonlocal it
         try:
-            batch = next(it)
+            return next(it)
         except StopIteration:
             it = iter(batches)
-            batch = next(it)
-        history.append(train_step(model, optimizer, batch, **step_kwargs))
-        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+            return next(it)
+    return next_batch
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | Callable[[int], object], steps: int, *,
+        start: int = 0, dims: Dims | None = None, step_context: Callable[[int], ContextManager] | None = None,
+        after_step: Callable[[int, dict], bool] | None = None, progress: bool = True, desc: str = "train",
+        **step_kwargs) -> list[dict]:
+    """The course's one training loop: ``train_step`` for steps ``start .. steps-1``; returns one record per step.
+
+    ``batches``: this rank's batch of each step, as an iterable (cycled) or a function of the step (a resumed
+    run asks for step ``start`` first). ``dims`` gives the accumulation (``step_kwargs`` pass the rest to
+    ``train_step``). ``step_context(step)`` wraps a step (a byte counter on the last one); ``after_step(step,
+    record)`` returning True stops the run (a checkpoint saved mid-run). Each record is ``train_step``'s, with
+    ``loss`` the mean over ranks (the global batch's, with equal shards), ``step``, and ``seconds`` (wall time,
+    the device synchronised: a GPU runs ahead of the clock otherwise).
+    """
+    if dims is not None:
+        step_kwargs["accum_steps"] = dims.accum_steps
+    device = next(model.parameters()).device
+    batch_for, history = _batch_source(batches), []
+    bar = tqdm(range(start, steps), desc=desc, disable=not progress, leave=False)
+    for step in bar:
+        batch = batch_for(step)
+        synchronize(device)
+        began = time.perf_counter()
+        with step_context(step) if step_context else contextlib.nullcontext():
+            record = train_step(model, optimizer, batch, **step_kwargs)
+        synchronize(device)
+        record.update(step=step, seconds=time.perf_counter() - began, loss=mean_over_ranks(record["loss"], device))
+        history.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if after_step is not None and after_step(step, record):
+            break
     return history
+
+
+def tokens_per_second(history: list[dict], tokens_per_step: int, warmup: int = 0) -> float:
+    """Throughput of a ``fit`` run over its steps after the first ``warmup`` (compilation, allocator warm-up)."""
+    timed = [r["seconds"] for r in history[warmup:]] or [r["seconds"] for r in history]
+    return tokens_per_step * len(timed) / sum(timed)
 
 
 def batches_from(dataset, batch_size: int, seed: int = 0, drop_last: bool = True) -> torch.utils.data.DataLoader:

@@ -29,6 +29,47 @@ def test_gpu_tier_on_a_cpu_machine_is_refused():
         pick_tier("laptop")
 
 
+def test_dims_checks_the_batch_once_and_names_what_to_change():
+    d = train.Dims.for_world(64, 8, accum_steps=2, tp=2)
+    assert (d.dp, d.tp, d.world, d.local_batch, d.micro_batch) == (4, 2, 8, 16, 8)
+    with pytest.raises(ValueError, match=r"global_batch=100 does not divide by accum_steps 4 x dp 8 = 32.*e\.g\. 96"):
+        train.Dims(100, 4, dp=8)
+    with pytest.raises(ValueError, match=r"global_batch=10 does not divide by the data-parallel size dp=4"):
+        train.Dims(10, dp=4)
+    with pytest.raises(ValueError, match=r"world=6 does not divide into tp=4 x pp=1"):
+        train.Dims.for_world(8, 6, tp=4)
+    rows = {"input_ids": torch.arange(12).view(6, 2), "labels": torch.arange(6)}
+    parts = [train.Dims(6, dp=3).local(rows, r) for r in range(3)]
+    assert torch.equal(torch.cat([p["labels"] for p in parts]), rows["labels"])
+    assert torch.equal(parts[1]["input_ids"], rows["input_ids"][2:4])
+
+
+def test_fit_resumes_at_a_step_stops_when_asked_and_times_each_step():
+    """The one loop: a resumed run asks for the batches from its start step on, a hook stops it, every step is
+    timed, and the per-step context wraps the step it names."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    asked, wrapped = [], []
+    batch_for = lambda step: asked.append(step) or (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+
+    class Mark:
+        def __init__(self, step):
+            self.step = step
+
+        def __enter__(self):
+            wrapped.append(self.step)
+
+        def __exit__(self, *exc):
+            return False
+
+    history = train.fit(model, opt, batch_for, 10, start=3, dims=train.Dims(8, accum_steps=2),
+                        step_context=Mark, after_step=lambda step, rec: step == 5, progress=False)
+    assert asked == [3, 4, 5] == [r["step"] for r in history] == wrapped
+    assert all(r["seconds"] > 0 and math.isfinite(r["loss"]) for r in history)
+    assert train.tokens_per_second(history, 8) > 0
+
+
 def test_grading_runs_pick_the_smoke_tier(monkeypatch):
     monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
     assert pick_tier("auto") == "smoke"
