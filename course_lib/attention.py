@@ -30,7 +30,7 @@ import re
 import sys
 import warnings
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -67,25 +67,33 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return SDPBackend(choice)
 
 
-def attention_kernels(fn: Callable[[], object]) -> Counter:
-    """Run ``fn()`` under torch's profiler; how many times each SDPA kernel ran ("flash", "math", ...).
+@contextlib.contextmanager
+def counting_kernels() -> Iterator[Counter]:
+    """A block run under torch's profiler; the Counter it yields says, once the block ends, how many times each
+    SDPA kernel ran ("flash", "math", ...).
 
     The profiler records the aten op each kernel dispatches to, forward and backward alike
     (the backward ops end in ``_backward`` and are counted under the same name).
     """
+    counts: Counter = Counter()
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     with _quiet_stderr():  # the profiler's C++ side logs its start and stop to stderr: noise in a notebook
         prof.start()
     try:
-        fn()
+        yield counts
     finally:
         with _quiet_stderr():
             prof.stop()
-    counts: Counter = Counter()
     for event in prof.events():
         name = event.name.removesuffix("_backward")
         if name in KERNEL_OPS:
             counts[KERNEL_OPS[name]] += 1
+
+
+def attention_kernels(fn: Callable[[], object]) -> Counter:
+    """Run ``fn()`` under ``counting_kernels``; how many times each SDPA kernel ran."""
+    with counting_kernels() as counts:
+        fn()
     return counts
 
 

@@ -5,7 +5,7 @@
     python -m course_lib.benchmark --preset 8b --seq 2048 --steps 10 --micro-batch 4 --lora --check-targets
 
 Both runs build the same model from the same seed (identical weights), see the same batches and
-run the same number of steps, each through the course's one ``train_step``; warm-up steps (where
+run the same number of steps, each through the course's one loop (``fit``); warm-up steps (where
 ``torch.compile`` compiles and kernels are selected) are trained but not timed.
 
 What the baseline is (``course_lib.recipe.BASELINE``): what a user writes without the course.
@@ -42,9 +42,9 @@ curves within 2%; ``check_targets`` states pass or fail of the issue's targets f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -73,7 +73,7 @@ from course_lib.throughput import (
     spread,
     transformer_flops_per_token,
 )
-from course_lib.train import train_step
+from course_lib.train import fit
 
 CPU_DEFAULTS = dict(preset="tiny", seq_len=128, micro_batch=4, steps=4, warmup=1, repeats=2)
 GPU_DEFAULTS = dict(preset="1b", seq_len=2048, micro_batch=4, steps=20, warmup=5, repeats=3)
@@ -150,25 +150,23 @@ def _build(recipe: Recipe, *, preset: str, seq_len: int, micro_batch: int, lora:
 def _train(model, optimizer, recipe: Recipe, batches: list[dict], warmup: int, device: torch.device):
     """Losses of every step, seconds of each timed step, and the SDPA kernels of the last warm-up step."""
     model.train()
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    losses, seconds, kernels = [], [], Counter()
+    kernels = Counter()
 
-    def step(batch):
-        # the loss is a float: each step ends synchronised, so each step's time is its own
-        losses.append(train_step(model, optimizer, batch, loss_fn=recipe.loss, amp_dtype=recipe.amp_dtype)["loss"])
+    @contextlib.contextmanager
+    def profile_last_warmup(step: int):  # profiled, so untimed: the last warm-up step (past compiling, warmup >= 2)
+        if step != warmup - 1:
+            yield
+            return
+        with attention.counting_kernels() as counts:
+            yield
+        kernels.update(counts)
 
-    for i, batch in enumerate(batches):
-        if i == warmup - 1:  # profiled, so untimed: the last warm-up step (past compiling, once warmup >= 2)
-            kernels = attention.attention_kernels(lambda b=batch: step(b))
-            continue
-        t0 = time.perf_counter()
-        step(batch)
-        if i >= warmup:
-            seconds.append(time.perf_counter() - t0)
-    return losses, seconds, kernels
+    history = fit(model, optimizer, batches, len(batches), step_context=profile_last_warmup, loss_fn=recipe.loss,
+                  amp_dtype=recipe.amp_dtype, progress=False)
+    return [r["loss"] for r in history], [r["seconds"] for r in history[warmup:]], kernels
 
 
 def run_one(recipe: Recipe, batches: list[dict], *, preset: str, seq_len: int, micro_batch: int, warmup: int,
