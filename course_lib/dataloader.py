@@ -12,7 +12,6 @@ overlapped with compute (GPU only). ``Prefetcher`` runs any iterable ahead in a 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -231,8 +230,11 @@ class Prefetcher:
     The thread puts each item (moved to ``device`` with ``non_blocking=True`` when one is given) into
     a queue of ``depth`` slots, so loading overlaps with whatever the loop does with the previous item;
     items come out in order, the end of the iterable ends the loop, and an exception raised while
-    loading is raised in the loop. On a CUDA device the copies run on their own stream, so they also
-    overlap with the kernels of the step. Each ``iter()`` starts a new pass over ``iterable``.
+    loading is raised in the loop. On a CUDA device the copies run on a side stream, so they also
+    overlap with the kernels of the step: the loop's stream waits for each item's copy (an event), and
+    takes its memory over (``record_stream``). A loop that ends early (``break``, an exception) stops
+    the thread, waits for it, and lets go of the iterable's iterator (a DataLoader's workers exit).
+    Each ``iter()`` starts a new pass over ``iterable``.
     """
 
     _END = object()
@@ -244,23 +246,31 @@ class Prefetcher:
         self.device = torch.device(device) if device is not None else None
 
     def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
-        try:
-            for item in self.iterable:
+        it = None
+        try:  # iter() too: a DataLoader whose workers fail to start raises there
+            it = iter(self.iterable)
+            side = torch.cuda.Stream(self.device) if _is_cuda(self.device) else None
+            for item in it:
                 ready = None
-                if self.device is not None:
-                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if side is not None:  # the copy goes on the side stream, beside the step's kernels
+                    with torch.cuda.stream(side):
                         item = to_device(item, self.device, non_blocking=True)
-                        ready = stream.record_event() if stream is not None else None
-                if not _put(q, (item, ready, None), stop):
+                        ready = side.record_event()  # the copy's end, for the loop's stream to wait on
+                elif self.device is not None:
+                    item = to_device(item, self.device, non_blocking=True)
+                q.put((item, ready, None))
+                if stop.is_set():  # the loop has left: its drain let this put through
                     return
-            _put(q, (self._END, None, None), stop)
-        except BaseException as err:  # the loop raises it; the thread itself ends quietly
-            _put(q, (self._END, None, err), stop)
+            q.put((self._END, None, None))
+        except Exception as err:  # the loop raises it; the thread itself ends quietly
+            q.put((self._END, None, err))
+        finally:
+            _release(it)
 
     def __iter__(self) -> Iterator:
         q, stop = queue.Queue(maxsize=self.depth), threading.Event()
-        threading.Thread(target=self._produce, args=(q, stop), daemon=True, name="prefetcher").start()
+        thread = threading.Thread(target=self._produce, args=(q, stop), daemon=True, name="prefetcher")
+        thread.start()
         try:
             while True:
                 item, ready, err = q.get()
@@ -268,29 +278,48 @@ class Prefetcher:
                     raise err
                 if item is self._END:
                     return
-                if ready is not None:  # the step's stream waits for the copy, and owns the memory from now on
-                    torch.cuda.current_stream(self.device).wait_event(ready)
-                    _record_stream(item, torch.cuda.current_stream(self.device))
+                if ready is not None:  # the step's stream waits for the copy (the host does not), and owns its memory
+                    step_stream = torch.cuda.current_stream(self.device)
+                    step_stream.wait_event(ready)
+                    _record_stream(item, step_stream)
                 yield item
-        finally:
-            stop.set()  # a loop that breaks early frees the thread
+        finally:  # the end, a break or an exception: stop the thread, wake it if it waits on a full queue, join it
+            stop.set()
+            _drain(q)
+            thread.join()
 
 
 # graded: 04_ddp Prefetcher
-def _put(q: queue.Queue, entry: tuple, stop: threading.Event) -> bool:
-    """Put ``entry`` unless the consumer has gone (``stop``); False if it has."""
-    while not stop.is_set():
+def _is_cuda(device: torch.device | None) -> bool:
+    """Whether copies to ``device`` go through a side stream (a CUDA device; the tests fake one on a CPU)."""
+    return device is not None and device.type == "cuda"
+
+
+# graded: 04_ddp Prefetcher
+def _drain(q: queue.Queue) -> None:
+    """Empty ``q`` without waiting: a producer blocked on ``put`` gets its slot and sees that the loop has left."""
+    while True:
         try:
-            q.put(entry, timeout=0.05)
-            return True
-        except queue.Full:
-            pass
-    return False
+            q.get_nowait()
+        except queue.Empty:
+            return
 
 
+# graded: 04_ddp Prefetcher
+def _release(it) -> None:
+    """Let go of an iterator now (None: there was none): a generator runs its ``finally`` blocks; a DataLoader's
+    iterator stops its workers when its last reference goes (the producer's frame, which ends next)."""
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
+
+
+# graded: 04_ddp Prefetcher
 def _record_stream(batch, stream) -> None:
+    """Tell the caching allocator that ``stream`` uses every CUDA tensor of ``batch`` (a tensor, tuple, list or dict):
+    its memory is not handed out again before the work queued there when it is freed has run."""
     for t in [batch] if torch.is_tensor(batch) else batch.values() if isinstance(batch, dict) else batch:
-        if torch.is_tensor(t) and t.is_cuda:
+        if torch.is_tensor(t):
             t.record_stream(stream)
 
 

@@ -201,29 +201,56 @@ class Prefetcher:
     def __init__(self, iterable, depth=2, device=None):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r}: keep at least one item ahead (an int >= 1)")
-        self.iterable, self.depth, self.device = iterable, depth, device
+        self.iterable, self.depth = iterable, depth
+        self.device = torch.device(device) if device is not None else None
 
     def __iter__(self):
-        q, end = queue.Queue(maxsize=self.depth), object()
+        q, end, stop = queue.Queue(maxsize=self.depth), object(), threading.Event()
+        cuda = self.device is not None and self.device.type == "cuda"
 
         def produce():
+            it = None
             try:
-                for item in self.iterable:
-                    if self.device is not None:
+                it = iter(self.iterable)
+                side = torch.cuda.Stream(self.device) if cuda else None
+                for item in it:
+                    ready = None
+                    if cuda:
+                        with torch.cuda.stream(side):  # the copy runs beside the step's kernels
+                            item = to_device(item, self.device, non_blocking=True)
+                            ready = side.record_event()
+                    elif self.device is not None:
                         item = to_device(item, self.device, non_blocking=True)
-                    q.put((item, None))
-                q.put((end, None))
-            except Exception as err:
-                q.put((end, err))
+                    q.put((item, ready, None))
+                    if stop.is_set():  # the loop has left
+                        return
+                q.put((end, None, None))
+            except Exception as err:  # raised in the loop, not lost with the thread
+                q.put((end, None, err))
+            finally:
+                if hasattr(it, "close"):  # a generator's own finally runs; a DataLoader's workers stop when `it` goes
+                    it.close()
 
-        threading.Thread(target=produce, daemon=True).start()
-        while True:
-            item, err = q.get()
-            if err is not None:
-                raise err
-            if item is end:
-                return
-            yield item
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        try:
+            while True:
+                item, ready, err = q.get()
+                if err is not None:
+                    raise err
+                if item is end:
+                    return
+                if ready is not None:  # the step's stream waits for the copy, and owns its memory from now on
+                    step = torch.cuda.current_stream(self.device)
+                    step.wait_event(ready)
+                    for t in [item] if torch.is_tensor(item) else item.values() if isinstance(item, dict) else item:
+                        t.record_stream(step)
+                yield item
+        finally:  # the loop ended, broke off or raised: stop the thread, free its put, wait for it
+            stop.set()
+            while not q.empty():
+                q.get_nowait()
+            thread.join()
 '''
 
 
@@ -236,19 +263,31 @@ def _edit_prefetcher(old: str, new: str) -> str:
 PREFETCHER_UNBOUNDED = _edit_prefetcher("queue.Queue(maxsize=self.depth)", "queue.Queue()")
 # no try/except in the thread: the exception ends the thread, and the loop waits for an item that never comes
 PREFETCHER_LOSES_THE_ERROR = _edit_prefetcher(
-    "            try:\n"
-    "                for item in self.iterable:\n"
-    "                    if self.device is not None:\n"
+    "            except Exception as err:  # raised in the loop, not lost with the thread\n"
+    "                q.put((end, None, err))\n", "")
+# the generator without its finally (the course's before issue 23): a loop that breaks leaves the thread blocked on a
+# full queue for good, holding the iterable's iterator (a DataLoader's workers run on)
+PREFETCHER_NO_FINALLY = _edit_prefetcher(
+    "        try:\n            while True:\n", "        if True:\n            while True:\n").replace(
+    "        finally:  # the loop ended, broke off or raised: stop the thread, free its put, wait for it\n"
+    "            stop.set()\n            while not q.empty():\n                q.get_nowait()\n            thread.join()\n", "")
+# the stop event, but neither a drain nor a join: a thread blocked on put never sees it
+PREFETCHER_STOP_WITHOUT_DRAIN = _edit_prefetcher(
+    "            stop.set()\n            while not q.empty():\n                q.get_nowait()\n            thread.join()\n",
+    "            stop.set()\n")
+# the copy on the default stream (the course's before issue 23): the GPU runs it between the step's kernels
+PREFETCHER_DEFAULT_STREAM = _edit_prefetcher(
+    "                        with torch.cuda.stream(side):  # the copy runs beside the step's kernels\n"
+    "                            item = to_device(item, self.device, non_blocking=True)\n"
+    "                            ready = side.record_event()\n",
     "                        item = to_device(item, self.device, non_blocking=True)\n"
-    "                    q.put((item, None))\n"
-    "                q.put((end, None))\n"
-    "            except Exception as err:\n"
-    "                q.put((end, err))\n",
-    "            for item in self.iterable:\n"
-    "                if self.device is not None:\n"
-    "                    item = to_device(item, self.device, non_blocking=True)\n"
-    "                q.put((item, None))\n"
-    "            q.put((end, None))\n")
+    "                        ready = torch.cuda.current_stream(self.device).record_event()\n")
+# the side stream, but the step's stream never waits for the copy: the step may read a batch still in flight
+PREFETCHER_NO_WAIT = _edit_prefetcher("                    step.wait_event(ready)\n", "")
+# no record_stream: the allocator may hand the batch's memory to the side stream's next copy while the step reads it
+PREFETCHER_NO_RECORD_STREAM = _edit_prefetcher(
+    "                    for t in [item] if torch.is_tensor(item) else item.values() if isinstance(item, dict) else item:\n"
+    "                        t.record_stream(step)\n", "")
 
 CALLS_LIBRARY_PREFETCHER = '''
 from course_lib.dataloader import Prefetcher as _Theirs
@@ -258,7 +297,7 @@ class Prefetcher(_Theirs):   # course_lib's answer
 '''
 
 _PREFETCHER_FULL = {"test_Prefetcher": 1, "test_Prefetcher_overlap": 2, "test_Prefetcher_depth": 2,
-                    "test_Prefetcher_errors": 1}
+                    "test_Prefetcher_errors": 1, "test_Prefetcher_stream": 2, "test_Prefetcher_shutdown": 2}
 
 CASES = {
     "no_set_epoch": {  # shards fine, but the same order every epoch
@@ -316,6 +355,14 @@ CASES = {
         "cells": {"Prefetcher": PREFETCHER_LOSES_THE_ERROR},
         "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **_PREFETCHER_FULL, "test_Prefetcher_errors": 0},
     },
+    **{name: {"cells": {"Prefetcher": cell}, "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **_PREFETCHER_FULL, **lost}}
+       for name, cell, lost in [
+        ("prefetcher_no_finally", PREFETCHER_NO_FINALLY, dict(test_Prefetcher_shutdown=0)),
+        ("prefetcher_stop_without_drain", PREFETCHER_STOP_WITHOUT_DRAIN, dict(test_Prefetcher_shutdown=0)),
+        ("prefetcher_default_stream", PREFETCHER_DEFAULT_STREAM, dict(test_Prefetcher_stream=0)),
+        ("prefetcher_no_wait", PREFETCHER_NO_WAIT, dict(test_Prefetcher_stream=0)),
+        ("prefetcher_no_record_stream", PREFETCHER_NO_RECORD_STREAM, dict(test_Prefetcher_stream=0)),
+    ]},
     "calls_library_Prefetcher": {
         "cells": {"Prefetcher": CALLS_LIBRARY_PREFETCHER},
         "scores": {**_EX1_FULL, **_EX2_FULL, **_EX3_FULL, **{k: 0 for k in _PREFETCHER_FULL}},
