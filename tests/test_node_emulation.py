@@ -81,6 +81,9 @@ def test_06_runs_zero_3_with_offload_on_8_ranks(tmp_path):
     assert claim(res, "ZeRO stages 1-3 and offload train the same model as DDP")["held"]
     assert "N=8" in claim(res, "ZeRO keeps 1/N of the optimizer state")["measured"]
     assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
+    # 2 (N-1)/N x 4 = 7 bytes per parameter on 8 ranks; ZeRO-1 pads 11274 parameters to 11280
+    assert value(res, "ddp_sent_bytes_per_param") == 7.0
+    assert value(res, "your_zero1_sent_bytes_per_param") == pytest.approx(7.0 * 11280 / 11274)
 
 
 def test_08_runs_8_stages_and_tp_8(tmp_path):

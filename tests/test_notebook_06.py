@@ -47,6 +47,10 @@ def test_the_students_zero1_trains_like_ddp_with_a_shard_of_the_state(executed):
     assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
     assert value(res, "your_zero1_max_rel_loss_diff_vs_deepspeed_zero1") < 1e-5  # cpu tier: both on CPU ranks
     assert abs(value(res, "your_zero1_optimizer_state_fraction") - 0.5) < 0.01
+    # no DDP underneath: its reduce-scatter and all-gather send what DDP's all-reduce sends, 2 (N-1)/N x 4 bytes
+    assert value(res, "ddp_sent_bytes_per_param") == 4.0
+    assert value(res, "your_zero1_sent_bytes_per_param") == 4.0  # SmallCNN's 11274 parameters: no padding on 2 ranks
+    assert claim(res, "ZeRO stage 1 costs no extra communication over DDP")["held"]
 
 
 def test_offload_states_sit_where_the_plan_says_with_its_bytes(executed):

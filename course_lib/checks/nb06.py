@@ -1,5 +1,6 @@
-"""Notebook 06's visible tests: ZeRO-1 by hand (``ShardedOptimizer``) on 2 forked ranks against DDP with a whole
-AdamW, the optimizer-state share each rank holds, the DeepSpeed config (DeepSpeed trains with it on 2 processes),
+"""Notebook 06's visible tests: ZeRO-1 by hand (``ShardedOptimizer``, no DDP: it reduce-scatters the gradients
+itself) on 2 forked ranks, in two parameter groups under StepLR, against DDP with a whole AdamW, the optimizer-state
+share each rank holds, the DeepSpeed config (DeepSpeed trains with it on 2 processes),
 and ZeRO-Offload's step by hand (``OffloadedAdamW``) against torch's AdamW on fp32 copies.
 
 The probes fork real CPU ranks (gloo) that run the student's code and send back plain data (the weights after each
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_lib import zero
 from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
 from course_lib.data import synthetic_images
+from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid, max_rel_diff, params
 from course_lib.launch import launch
 from course_lib.models import SmallCNN
@@ -44,6 +46,16 @@ def cnn(frozen: bool) -> torch.nn.Module:
     return model
 
 
+def groups(model: torch.nn.Module, kw: dict) -> list[dict]:
+    """Two parameter groups, the head's at half the learning rate (its bias may be frozen: the optimizer leaves it)."""
+    return [{"params": list(model.features.parameters())}, {"params": list(model.head.parameters()), "lr": kw["lr"] / 2}]
+
+
+def halving(optimizer) -> torch.optim.lr_scheduler.StepLR:
+    """Every probe's scheduler: each step halves every group's learning rate (a sharded optimizer must see it)."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
 def images(n: int, steps: int):
     return synthetic_images(n * steps, seed=2).tensors
 
@@ -53,29 +65,55 @@ def state_bytes(optimizer) -> int:
                    if k in STATE_KEYS))
 
 
-def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False) -> list:
-    """The student's ShardedOptimizer over a DDP SmallCNN on ``nprocs`` forked ranks, ``steps`` steps of a global
-    batch of ``n``: per rank, the weights after each step, the bytes of optimizer state and whether .grad was cleared."""
+def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False,
+                  resume_at: int | None = None) -> list:
+    """The student's ShardedOptimizer over a SmallCNN (no DDP: it averages the gradients itself) in two groups with
+    StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n``: per rank, the weights after each
+    step, the bytes of optimizer state, whether .grad was cleared and what the first step sent. ``resume_at=k``: a
+    fresh model and optimizer load the checkpoint of step k (model, this rank's optimizer state, scheduler) and
+    take the remaining steps: their final weights."""
     space = student(ns, "ShardedOptimizer")
+
+    def build(model):
+        with forbid(*SHARDED, namespace=space):
+            opt = space["ShardedOptimizer"](groups(model, kw), OPTIMIZERS[opt_name], **kw)
+        return opt, halving(opt)
+
+    def train(model, opt, sched, rank, world_size, todo, record=None):
+        x, y = images(n, steps)
+        for s in todo:
+            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+            F.cross_entropy(model(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
+            with forbid(*SHARDED, namespace=space), CollectiveBytes() as sent:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            sched.step()
+            if record is not None:
+                record["weights"].append(params(model))
+                record.setdefault("calls", sent.calls_by_kind)
+                record.setdefault("sent", sent.sent_bytes_by_kind)
+                if s == resume_at:
+                    record["saved"] = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
 
     def run(rank, world_size):
         warnings.filterwarnings("ignore", category=FutureWarning)  # this rank only: torch deprecates some collectives
         torch.set_num_threads(1)
         model = cnn(frozen)
-        net = DDP(model)
-        with forbid(*SHARDED, namespace=space):
-            opt = space["ShardedOptimizer"](net.parameters(), OPTIMIZERS[opt_name], **kw)
-        x, y = images(n, steps)
-        weights = []
-        for s in range(steps):
-            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
-            F.cross_entropy(net(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
+        opt, sched = build(model)
+        record = {"weights": []}
+        train(model, opt, sched, rank, world_size, range(steps), record)
+        out = {"weights": record["weights"], "state_bytes": state_bytes(opt.optimizer), "calls": record["calls"],
+               "sent": record["sent"], "param_grads_cleared": all(p.grad is None for p in model.parameters())}
+        if resume_at is not None:
+            again = cnn(frozen)
+            again.load_state_dict(record["saved"][0])
+            opt2, sched2 = build(again)
             with forbid(*SHARDED, namespace=space):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            weights.append(params(model))
-        return packed({"weights": weights, "state_bytes": state_bytes(opt.optimizer),
-                       "param_grads_cleared": all(p.grad is None for p in model.parameters())})
+                opt2.load_state_dict(record["saved"][1])
+            sched2.load_state_dict(record["saved"][2])
+            train(again, opt2, sched2, rank, world_size, range(resume_at + 1, steps))
+            out["resumed"] = params(again)
+        return packed(out)
 
     return [unpacked(r) for r in forked(run, nprocs)]
 
@@ -94,12 +132,14 @@ def one_process(n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> t
 
 def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool) -> tuple[list, int, int]:
     model = cnn(frozen)
-    opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad], **kw)
+    opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
+    sched = halving(opt)
     (x, y), weights = images(n, steps), []
     for s in range(steps):
         F.cross_entropy(model(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sched.step()
         weights.append(params(model))
     return weights, state_bytes(opt), sum(1 for p in model.parameters() if p.requires_grad)
 
@@ -110,13 +150,15 @@ def whole_run(rank, world_size, n, steps, opt_name, kw, frozen):
     torch.set_num_threads(1)
     model = cnn(frozen)
     net = DDP(model)
-    opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad], **kw)
+    opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
+    sched = halving(opt)
     (x, y), weights = images(n, steps), []
     for s in range(steps):
         xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
         F.cross_entropy(net(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sched.step()
         weights.append(params(model))
     return packed(weights)
 
@@ -137,15 +179,28 @@ def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, ste
     for r, run in enumerate(runs):
         for s in range(steps):
             g = max_rel_diff(run["weights"][s], refs[r][s])
-            assert g < 1e-6, f"{label}, rank {r}, step {s}: the weights differ from {against}'s by {g:.1e}"
+            assert g < 1e-6, (f"{label}, rank {r}, step {s}: the weights differ from {against}'s by {g:.1e} (average "
+                              "the gradients over the ranks, and step with the groups' current learning rates)")
         for k, v in run["weights"][-1].items():
             assert (v == runs[0]["weights"][-1][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
         assert run["param_grads_cleared"], "zero_grad(set_to_none=True) sets every parameter's .grad to None"
 
 
+def judge_traffic(runs: list, nprocs: int, frozen: bool) -> float:
+    """What a step sent from each rank, against DDP's all-reduce of every gradient: 2 (N-1)/N x 4 bytes per parameter
+    (a reduce-scatter and an all-gather send that much together; padding adds a few values)."""
+    ddp = 2 * (nprocs - 1) / nprocs * 4 * sum(p.numel() for p in cnn(frozen).parameters() if p.requires_grad)
+    for r, run in enumerate(runs):
+        sent = sum(run["sent"].values())
+        assert run["sent"].get("reduce_scatter"), f"rank {r}'s step ran no reduce-scatter: it sent {run['sent']}"
+        assert sent <= 1.01 * ddp, (f"rank {r}'s step sent {sent / ddp:.2f}x what DDP's all-reduce sends ({run['sent']}): "
+                                    "one reduce-scatter of the gradients and one all-gather of the weights, nothing more")
+    return sent / ddp
+
+
 def judge_adamw_2(runs: list) -> str:
-    judge_sharded(runs, "2 ranks, AdamW", "DDP with a whole optimizer", 2, 16, 3, *ADAMW)
-    return "2 ranks: the weights of DDP with a whole AdamW, step after step"
+    judge_sharded(runs, "2 ranks, AdamW in two groups, StepLR", "DDP with a whole optimizer", 2, 16, 3, *ADAMW)
+    return "2 ranks: the weights of DDP with a whole AdamW, step after step, learning rates halved by StepLR"
 
 
 register("test_ShardedOptimizer", lambda ns: sharded_probe(ns, 2, 16, 3, *ADAMW), judge_adamw_2)
@@ -159,7 +214,7 @@ def judge_state_2(got: list) -> str:
     _, full, n_params = one_process(16, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
     for r, held in enumerate(got):
         share = held / full
-        slack = 2 * 4 * n_params / full  # one padding value of m and v per parameter
+        slack = 2 * 4 * n_params / full  # padding: a value of m and v per parameter (one per group if flat)
         assert abs(share - 1 / 2) <= slack, (f"rank {r} holds {share:.3f} of AdamW's states on 2 ranks: "
                                              "build the optimizer over this rank's shards only")
     return f"each rank holds {share:.3f} of the optimizer state"

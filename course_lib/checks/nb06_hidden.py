@@ -1,5 +1,6 @@
 """Notebook 06's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (padding), with SGD and momentum
-and a frozen parameter, the bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
+in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed, the bytes a step sends
+(DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
 a batch that does not divide; OffloadedAdamW with a small learning rate, an fp32 model, a frozen and an unused layer,
 and two micro-batches that add up in the masters (then a step that starts afresh)."""
 
@@ -13,13 +14,14 @@ import torch
 
 from course_lib import zero
 from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
-from course_lib.checks.nb06 import (ADAMW, OFFLOADED, SGD, SHARDED, judge_offload, judge_sharded, my_config,
-                                    offload_probe, one_process, one_thread, sharded_probe, tiny_model, trains, twin_grads)
-from course_lib.grading import forbid
+from course_lib.checks.nb06 import (ADAMW, OFFLOADED, SGD, SHARDED, judge_offload, judge_sharded, judge_traffic,
+                                    my_config, offload_probe, one_process, one_thread, sharded_probe, tiny_model, trains,
+                                    twin_grads)
+from course_lib.grading import forbid, max_rel_diff
 from course_lib.launch import launch
 from course_lib.zero import check_batch_arithmetic
 
-ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0)
+ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
@@ -30,11 +32,11 @@ def probe_sharded(ns: dict) -> dict:
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*SHARDED, namespace=space):
-            run = zero.train(engine="ddp", make_optimizer=lambda ps: space["ShardedOptimizer"](
+            run = zero.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
                 ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW)
         return packed([number(v) for v in run["losses"]])
 
-    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True),
+    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
             "state": [number(run["state_bytes"]) for run in sharded_probe(ns, 3, 24, 1, *ADAMW)],
             "zero_train": unpacked(forked(yours_in_zero_train, 2)[0])}
 
@@ -45,15 +47,21 @@ def deepspeed_stage1() -> dict:
 
 
 def judge_sharded_hidden(got: dict) -> str:
-    label = "3 ranks, SGD with momentum, a frozen bias"
+    label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
     judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True)
     judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
+    for r, run in enumerate(got["sgd"]):
+        gap = max_rel_diff(run["resumed"], run["weights"][-1])
+        assert gap < 1e-6, (f"rank {r}: a fresh model and optimizer that loaded step 1's checkpoint (state_dict of "
+                            f"this rank's shard) end {gap:.1e} from the run that never stopped")
+    ratio = judge_traffic(got["sgd"], 3, True)
     _, full, n_params = one_process(24, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
     for held in got["state"]:
-        assert abs(held / full - 1 / 3) <= 8 * n_params / full
+        assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, f"a rank holds {held / full:.3f} of the state on 3 ranks"
     ds = deepspeed_stage1()
     assert max(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, "not DeepSpeed stage 1's losses"
-    return "3 ranks with SGD and a frozen bias, the bytes on 3 ranks, and DeepSpeed stage 1's losses"
+    return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "
+            "the bytes on 3 ranks, and DeepSpeed stage 1's losses")
 
 
 register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)

@@ -5,37 +5,77 @@
 SHARDED = '''
 import math
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-class ShardedOptimizer:
-    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.sizes = [math.ceil(p.numel() / self.world_size) for p in self.params]
-        self.shards = []
-        for p, n in zip(self.params, self.sizes):
-            padded = F.pad(p.detach().reshape(-1), (0, n * self.world_size - p.numel()))
-            self.shards.append(padded[self.rank * n:(self.rank + 1) * n].clone())
-        self.optimizer = optimizer_cls(self.shards, **optimizer_kwargs)
+# torch 2.13 renamed the flat collectives (reduce_scatter_tensor and all_gather_into_tensor warn, deprecated)
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    def step(self):
-        for p, n, shard in zip(self.params, self.sizes, self.shards):
-            if p.grad is None:
-                shard.grad = None
-            else:
-                padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))
-                shard.grad = padded[self.rank * n:(self.rank + 1) * n]
+class ShardedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, optimizer_cls, **defaults):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.optimizer_cls, self.optimizer, self.shards = optimizer_cls, None, []
+        super().__init__(params, defaults)  # torch builds self.param_groups, calling add_param_group for each group
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)  # torch fills in the defaults
+        group = self.param_groups[-1]
+        group["params"] = [p for p in group["params"] if p.requires_grad]  # a frozen parameter takes no part
+        flat = torch.cat([p.detach().reshape(-1) for p in group["params"]])
+        n = math.ceil(flat.numel() / self.world_size)  # one slice per rank
+        flat = F.pad(flat, (0, n * self.world_size - flat.numel()))  # zeros at the end
+        shard = flat[self.rank * n:(self.rank + 1) * n].float().clone()  # this rank's fp32 slice
+        self.shards.append(shard)
+        inner = {**{k: v for k, v in group.items() if k != "params"}, "params": [shard]}
+        if self.optimizer is None:
+            self.optimizer = self.optimizer_cls([inner], **self.defaults)
+        else:
+            self.optimizer.add_param_group(inner)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, inner, shard in zip(self.param_groups, self.optimizer.param_groups, self.shards):
+            inner.update({k: v for k, v in group.items() if k != "params"})  # a scheduler changed group["lr"]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group["params"]]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = F.pad(flat, (0, shard.numel() * self.world_size - flat.numel()))
+            mine = flat.new_empty(shard.numel())
+            reduce_scatter(mine, flat)  # the sum over the ranks of slice `rank`
+            shard.grad = (mine / self.world_size).float()  # the average
         self.optimizer.step()
-        for p, n, shard in zip(self.params, self.sizes, self.shards):
-            if p.grad is not None:
-                full = p.new_empty(n * self.world_size)
-                dist.all_gather(list(full.split(n)), shard.detach())  # slice r lands at r * n
-                p.data.copy_(full[:p.numel()].view_as(p))
+        for group, shard in zip(self.param_groups, self.shards):
+            params = group["params"]
+            full = params[0].new_empty(shard.numel() * self.world_size)
+            all_gather(full, shard.to(full.dtype))  # rank r's slice lands at r * n
+            offset = 0
+            for p in params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return loss
 
     def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
+        for group, shard in zip(self.param_groups, self.shards):
+            for p in group["params"]:
+                p.grad = None
+            shard.grad = None
+
+    def state_dict(self):  # this rank's checkpoint (DeepSpeed saves a file per rank): its slices, its optimizer's state
+        return {"rank": self.rank, "shards": [s.clone() for s in self.shards], "optimizer": self.optimizer.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        assert state_dict["rank"] == self.rank, "load each rank's own state"
+        for shard, saved in zip(self.shards, state_dict["shards"]):
+            shard.copy_(saved)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
 '''
 
 
@@ -45,36 +85,47 @@ def _edit(old: str, new: str) -> str:
 
 
 SHARDED_KEEPS_ALL_STATES = '''
-class ShardedOptimizer:   # every rank steps every parameter: right weights, no memory saved
-    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        self.optimizer = optimizer_cls(self.params, **optimizer_kwargs)
+import torch
+import torch.distributed as dist
 
-    def step(self):
+class ShardedOptimizer(torch.optim.Optimizer):   # every rank steps the whole model: right weights, no memory saved
+    def __init__(self, params, optimizer_cls, **defaults):
+        super().__init__(params, defaults)
+        self.optimizer = optimizer_cls(self.param_groups)   # the same group dicts: a scheduler reaches it
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
         self.optimizer.step()
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=True)
 '''
 
-SHARDED_NO_ALL_GATHER = _edit(  # each rank updates only its own slice of the weights: the replicas drift apart
-    "                full = p.new_empty(n * self.world_size)\n"
-    "                dist.all_gather(list(full.split(n)), shard.detach())  # slice r lands at r * n\n"
-    "                p.data.copy_(full[:p.numel()].view_as(p))\n",
-    "                flat = p.data.reshape(-1)\n"
-    "                start = self.rank * n\n"
-    "                flat[start:start + n] = shard.detach()[:max(0, min(n, p.numel() - start))]\n")
-SHARDED_UNPADDED = SHARDED.replace(  # chunk() without padding: uneven slices when the size does not divide
-    "padded = F.pad(p.detach().reshape(-1), (0, n * self.world_size - p.numel()))",
-    "padded = p.detach().reshape(-1)").replace(
-    "padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))", "padded = p.grad.reshape(-1)")
-SHARDED_STEPS_FROZEN = _edit(  # a parameter without a gradient crashes the step
-    "            if p.grad is None:\n                shard.grad = None\n            else:\n"
-    "                padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))\n"
-    "                shard.grad = padded[self.rank * n:(self.rank + 1) * n]\n",
-    "            padded = F.pad(p.grad.reshape(-1), (0, n * self.world_size - p.numel()))\n"
-    "            shard.grad = padded[self.rank * n:(self.rank + 1) * n]\n").replace(
-    "        self.params = [p for p in params if p.requires_grad]\n", "        self.params = list(params)\n")
+SHARDED_SUMMED = _edit(  # the reduce-scatter sums: each step uses N times the gradient
+    "            shard.grad = (mine / self.world_size).float()  # the average\n",
+    "            shard.grad = mine.float()\n")
+SHARDED_NO_ALL_GATHER = _edit(  # each rank writes back only its own slice: the replicas drift apart
+    "            full = params[0].new_empty(shard.numel() * self.world_size)\n"
+    "            all_gather(full, shard.to(full.dtype))  # rank r's slice lands at r * n\n",
+    "            full = torch.cat([p.detach().reshape(-1) for p in params])\n"
+    "            full = F.pad(full, (0, shard.numel() * self.world_size - full.numel()))\n"
+    "            full[self.rank * shard.numel():(self.rank + 1) * shard.numel()] = shard\n")
+SHARDED_SLICES_FLOOR = _edit(  # no padding: floor division drops the last values when N does not divide (3 ranks)
+    "        n = math.ceil(flat.numel() / self.world_size)  # one slice per rank\n",
+    "        n = flat.numel() // self.world_size\n")
+SHARDED_IGNORES_SCHEDULER = _edit(  # the inner optimizer keeps the learning rate it was built with
+    "            inner.update({k: v for k, v in group.items() if k != \"params\"})  # a scheduler changed group[\"lr\"]\n",
+    "")
+SHARDED_ALL_REDUCE_THEN_SLICE = _edit(  # right weights, but an all-reduce and an all-gather: 1.5x DDP's bytes
+    "            mine = flat.new_empty(shard.numel())\n"
+    "            reduce_scatter(mine, flat)  # the sum over the ranks of slice `rank`\n",
+    "            dist.all_reduce(flat)\n"
+    "            mine = flat[self.rank * shard.numel():(self.rank + 1) * shard.numel()]\n")
 
 CALLS_LIBRARY_SHARDED = '''
 from course_lib.zero import ShardedOptimizer   # course_lib's ZeRO-1
@@ -225,12 +276,16 @@ NO_SHARDED = dict(test_ShardedOptimizer=0, test_ShardedOptimizer_state=0, test_S
 CASES = {
     "sharded_keeps_all_states": {"cells": {"ShardedOptimizer": SHARDED_KEEPS_ALL_STATES},
                                  "scores": {**FULL, "test_ShardedOptimizer_state": 0, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_summed_not_averaged": {"cells": {"ShardedOptimizer": SHARDED_SUMMED},
+                                    "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
     "sharded_no_all_gather": {"cells": {"ShardedOptimizer": SHARDED_NO_ALL_GATHER},
                               "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
-    "sharded_unpadded": {"cells": {"ShardedOptimizer": SHARDED_UNPADDED},  # right on 2 ranks, wrong on 3
-                         "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
-    "sharded_steps_frozen": {"cells": {"ShardedOptimizer": SHARDED_STEPS_FROZEN},
+    "sharded_slices_floor": {"cells": {"ShardedOptimizer": SHARDED_SLICES_FLOOR},  # right on 2 ranks, wrong on 3
                              "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_ignores_scheduler": {"cells": {"ShardedOptimizer": SHARDED_IGNORES_SCHEDULER},
+                                  "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_all_reduce_then_slice": {"cells": {"ShardedOptimizer": SHARDED_ALL_REDUCE_THEN_SLICE},
+                                      "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "calls_library_ShardedOptimizer": {"cells": {"ShardedOptimizer": CALLS_LIBRARY_SHARDED},
                                        "scores": {**FULL, **NO_SHARDED}},
     "calls_torch_zero_redundancy_optimizer": {"cells": {"ShardedOptimizer": CALLS_TORCH_ZERO},
