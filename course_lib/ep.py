@@ -1,0 +1,256 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts live on different ranks.
+
+A mixture-of-experts (MoE) layer replaces one MLP by E smaller ones, the experts, and a router that
+sends each token to its top-k of them: E times the parameters for about k MLPs' compute per token.
+Experts are independent, so they split across ranks without cutting any weight: rank r keeps E/N of
+them. The tokens move instead. Each rank routes its own tokens, tells every other rank how many it
+will send to each of its experts (an all-to-all of counts), sends them (the dispatch all-to-all),
+runs its experts on what arrived, and sends the results back (the combine all-to-all), where each
+token's outputs are summed with its gate weights.
+
+- ``MoE``: router (linear -> softmax -> top-k), capacity per expert, dropped tokens, and the Switch
+  load-balancing loss; ``MoE.forward(x, groups)`` routes each group of tokens on its own, as GShard does.
+- ``expert_parallel_forward``: the same layer with its experts spread over ``group``'s ranks, equal to
+  ``moe(all ranks' tokens, groups=their counts)`` in output and gradients.
+- ``ep_bytes_per_rank``: the bytes one rank's all-to-alls carry per step, against ``CollectiveBytes``.
+
+**Capacity.** Expert e takes at most ``ceil(capacity_factor x tokens x top_k / E)`` tokens of a group;
+every token's first choice queues before any token's second choice (GShard's priority), in token order,
+and a choice past the capacity is dropped: that expert adds nothing to the token (the residual stream
+around the layer carries it). Under expert parallelism a group is one rank's tokens: each rank routes
+alone, with no exchange, so capacity is per rank, and the one-process reference routes the same groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rank_world(group=None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class Expert(nn.Module):
+    """One expert: a small SwiGLU MLP, as in Llama's and Mixtral's layers."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@dataclass
+class Routing:
+    """Where one group's tokens go: one row per kept (token, expert) choice, and what was dropped."""
+
+    token: torch.Tensor  # (kept,) index of the token in the group
+    expert: torch.Tensor  # (kept,) the expert it goes to
+    gate: torch.Tensor  # (kept,) float32 router probability: the weight of this expert's output
+    dropped: int  # choices past their expert's capacity
+    aux_loss: torch.Tensor  # the Switch load-balancing loss of the group
+
+
+def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int:
+    """Tokens one expert takes from a group of ``tokens``: ceil(factor x tokens x k / E); all of them if None."""
+    if capacity_factor is None:
+        return tokens * top_k
+    return math.ceil(capacity_factor * tokens * top_k / n_experts)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: ``n_experts`` SwiGLU experts, each token sent to its ``top_k`` best.
+
+    ``capacity_factor=None`` drops nothing. After a forward, ``self.aux_loss`` is the load-balancing loss
+    (add ``coefficient x aux_loss`` to the training loss) and ``self.dropped`` the choices dropped.
+    Parameters are drawn from ``seed`` alone, so every rank that builds it holds the same layer.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
+                 hidden: int | None = None, seed: int = 0):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.router = nn.Linear(d_model, n_experts, bias=False)
+            self.experts = nn.ModuleList(Expert(d_model, hidden or 2 * d_model) for _ in range(n_experts))
+        self.aux_loss, self.dropped = torch.zeros(()), 0
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Route one group of tokens ``x`` (tokens, d_model): top-k, then capacity, then the balance loss."""
+        probs = F.softmax(self.router(x).float(), dim=-1)  # float32: the gates weight every expert output
+        gate, expert = probs.topk(self.top_k, dim=-1)  # (tokens, k)
+        # queue order: all first choices (in token order), then all second choices, ...
+        expert, gate = expert.t().reshape(-1), gate.t().reshape(-1)
+        token = torch.arange(len(x), device=x.device).repeat(self.top_k)
+        onehot = F.one_hot(expert, self.n_experts)
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # how many choices of this expert queued before this one
+        keep = place < capacity(len(x), self.n_experts, self.top_k, self.capacity_factor)
+        # Switch: E x sum_e (share of choices sent to e) x (mean probability of e); 1 when perfectly balanced.
+        # The share has no gradient; the mean probability carries it to the router.
+        aux = self.n_experts * (onehot.float().mean(0) * probs.mean(0)).sum()
+        return Routing(token[keep], expert[keep], gate[keep], int((~keep).sum()), aux)
+
+    def forward(self, x: torch.Tensor, groups: int | list[int] = 1) -> torch.Tensor:
+        """x (..., d_model); ``groups``: equal groups routed apart, or their token counts (see the module's text)."""
+        tokens = x.reshape(-1, x.shape[-1])
+        sizes = _group_sizes(len(tokens), groups)
+        out, routings = torch.zeros_like(tokens), []
+        for start, size in zip(accumulate([0, *sizes]), sizes):
+            r = self.route(tokens[start:start + size])
+            for e in range(self.n_experts):  # each expert runs once on every token of the group sent to it
+                rows = start + r.token[r.expert == e]
+                y = self.experts[e](tokens[rows])
+                out = out.index_add(0, rows, (r.gate[r.expert == e, None] * y).to(out.dtype))
+            routings.append(r)
+        self.aux_loss = torch.stack([r.aux_loss for r in routings]).mean()
+        self.dropped = sum(r.dropped for r in routings)
+        return out.view_as(x)
+
+
+def _group_sizes(tokens: int, groups: int | list[int]) -> list[int]:
+    if isinstance(groups, int):
+        if tokens % groups:
+            raise ValueError(f"{tokens} tokens do not split into {groups} equal groups: give the groups' sizes")
+        return [tokens // groups] * groups
+    if sum(groups) != tokens:
+        raise ValueError(f"group sizes {groups} sum to {sum(groups)}, not the {tokens} tokens given")
+    return list(groups)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expert parallelism: dispatch, local experts, combine
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with a backward: each row's gradient goes back to where the row came from.
+
+    ``dist.all_to_all_single`` alone has no backward; the one it needs is the same all-to-all with the
+    send and receive splits swapped.
+    """
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return _exchange_rows(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _exchange_rows(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+def _exchange_rows(x, send_splits, recv_splits, group):
+    out = x.new_empty(sum(recv_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> torch.Tensor:
+    """Rows ``x[...]`` in ``send_splits`` blocks, block i to rank i; returns the ``recv_splits`` blocks received."""
+    return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+@dataclass
+class Plan:
+    """What a dispatch did, which the combine undoes."""
+
+    order: torch.Tensor  # the kept choices, sorted by expert: the order their rows were sent in
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    recv_counts: torch.Tensor  # (world, local experts): rows each rank sent to each of this rank's experts
+
+
+def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """counts (E,): the rows this rank sends to each expert -> (world, E/world): the rows every rank sends here.
+
+    Experts sit in blocks of E/N, rank r owning experts r*E/N ... : an all-to-all of equal blocks of the
+    counts tells each rank, before any token moves, how many rows to expect from whom, for which expert.
+    """
+    _, world = _rank_world(group)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received.view(world, -1)
+
+
+def dispatch(tokens: torch.Tensor, routing: Routing, n_experts: int, group=None) -> tuple[torch.Tensor, Plan]:
+    """Send every kept (token, expert) choice's row to the rank that owns the expert: (rows received, plan)."""
+    _, world = _rank_world(group)
+    order = torch.argsort(routing.expert, stable=True)  # by expert, hence by the rank that owns it
+    counts = torch.bincount(routing.expert, minlength=n_experts)
+    recv_counts = exchange_counts(counts, group)  # the split sizes first: receive buffers need their sizes
+    send_splits = counts.view(world, -1).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = all_to_all(tokens[routing.token[order]], send_splits, recv_splits, group)
+    return received, Plan(order, send_splits, recv_splits, recv_counts)
+
+
+def run_local_experts(moe: MoE, received: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
+    """Each of this rank's experts on the rows sent to it; the outputs in the rows' received order."""
+    world, local = plan.recv_counts.shape
+    # the rows arrive by source rank, and within one source by expert (the sender sorted them)
+    experts = torch.arange(local, device=received.device).repeat(world)
+    expert_of_row = experts.repeat_interleave(plan.recv_counts.flatten())
+    out = received.new_zeros(received.shape)
+    for j in range(local):
+        rows = (expert_of_row == j).nonzero().squeeze(1)
+        out = out.index_copy(0, rows, moe.experts[rank * local + j](received[rows]))
+    return out
+
+
+def combine(expert_out: torch.Tensor, routing: Routing, plan: Plan, n_tokens: int, group=None) -> torch.Tensor:
+    """Send the outputs back (the dispatch's all-to-all reversed) and sum each token's with its gate weights."""
+    back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)  # rows return in the order sent
+    token, gate = routing.token[plan.order], routing.gate[plan.order]  # ... which is the order sorted by expert
+    out = back.new_zeros(n_tokens, back.shape[-1])
+    return out.index_add(0, token, (gate[:, None] * back).to(back.dtype))
+
+
+def expert_parallel_forward(moe: MoE, x: torch.Tensor, group=None) -> torch.Tensor:
+    """``moe`` on this rank's tokens ``x`` (..., d_model), its experts spread over ``group``'s ranks.
+
+    Rank r runs experts r*E/N ... (r+1)*E/N - 1 (every rank holds the whole layer here, which is small; only
+    its own experts and the router get gradients on it). Equals ``moe(cat of every rank's tokens, groups=
+    their counts)``: output, and gradients once the router's are summed over ranks. Sets ``moe.aux_loss``
+    and ``moe.dropped`` for this rank's group, and ``moe.traffic``: the rows this rank dispatched and
+    received, and the splits.
+    """
+    rank, world = _rank_world(group)
+    if moe.n_experts % world:
+        raise ValueError(f"{moe.n_experts} experts do not split over {world} ranks: "
+                         f"use a number of experts that is a multiple of the world size")
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = moe.route(tokens)  # no exchange: each rank routes (and applies capacity to) its own tokens
+    received, plan = dispatch(tokens, routing, moe.n_experts, group)
+    out = combine(run_local_experts(moe, received, plan, rank), routing, plan, len(tokens), group)
+    moe.aux_loss, moe.dropped = routing.aux_loss, routing.dropped
+    moe.traffic = {"dispatched": sum(plan.send_splits), "received": sum(plan.recv_splits),
+                   "send_splits": plan.send_splits, "recv_splits": plan.recv_splits}
+    return out.view_as(x)
+
+
+def ep_bytes_per_rank(dispatched: int, received: int, d_model: int, dtype_bytes: int, n_experts: int) -> dict:
+    """Bytes one rank's all-to-alls take in, per step, as ``CollectiveBytes`` counts them (each call's input).
+
+    Forward: the counts (E int64), the dispatch (the rows this rank sends: its tokens x top_k, less the
+    dropped) and the combine (the rows its experts received, sent back). Backward: the two all-to-alls
+    again, reversed. On balanced routing received = dispatched = tokens x top_k, so a step moves about
+    4 x tokens x top_k x d_model x dtype_bytes per rank, of which (N-1)/N leaves the rank.
+    """
+    rows = (dispatched + received) * d_model * dtype_bytes
+    return {"counts": n_experts * 8, "dispatch": dispatched * d_model * dtype_bytes,
+            "combine": received * d_model * dtype_bytes, "backward": rows, "step": n_experts * 8 + 2 * rows}

@@ -1,0 +1,191 @@
+"""course_lib.cp: ring attention equals full attention, on real gloo ranks.
+
+One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
+whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
+and one that does not), the tiles each rank computes against ``causal_work``, the bytes it sends against
+the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the activation bytes against the prediction,
+and two known mistakes (a merge that does not rescale, a causal mask on the wrong side) that the
+comparison must catch. The course's Llama trains with the ring loss for loss with one process.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import cp
+from course_lib.distributed import CollectiveBytes
+from course_lib.launch import run_forked
+
+B, H, D = 2, 3, 8
+LENGTHS = {2: [8, 7], 3: [12, 10], 4: [16, 10]}  # one that divides by 2N and one that does not
+MEMORY_SEQ = 48
+
+
+def _qkvw(seq, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, seq, D, generator=g) for _ in range(4)]  # q, k, v, and the loss's weights
+
+
+def _reference(seq, causal):
+    """SDPA over the whole sequence in float64: output and gradients of sum(out * w)."""
+    q, k, v, w = (t.double().requires_grad_(i < 3) for i, t in enumerate(_qkvw(seq)))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    (out * w).sum().backward()
+    return [t.float() for t in (out.detach(), q.grad, k.grad, v.grad)]
+
+
+def _wrong_merge(out_a, lse_a, out_b, lse_b):
+    """The known mistake: the partial outputs averaged, never rescaled by their softmax sums."""
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def _wrong_mask(q_pos, k_pos, causal, seq_len):
+    """The known mistake: the causal mask on the wrong side (later keys kept, earlier ones dropped)."""
+    mask = (k_pos < seq_len).expand(len(q_pos), -1)
+    return mask & (k_pos[None, :] >= q_pos[:, None]) if causal else mask
+
+
+def _ring(rank, world, seq, causal, zigzag, **kw):
+    """This rank's (out, dq, dk, dv, send bytes forward, backward) of the ring on its part of the sequence."""
+    q, k, v, w = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with CollectiveBytes() as fwd:
+        out = cp.ring_attention(q, k, v, causal=causal, seq_len=seq, zigzag=zigzag, **kw)
+    with CollectiveBytes() as bwd:
+        (out * w).sum().backward()
+    # numpy, not tensors: torch would pass tensors through shared memory the exiting rank takes with it
+    return (*(t.detach().numpy() for t in (out, q.grad, k.grad, v.grad)), fwd.bytes_by_kind.get("send", 0),
+            bwd.bytes_by_kind.get("send", 0))
+
+
+def _every_check(rank, world):
+    results = {}
+    for seq in LENGTHS[world]:
+        for causal in (True, False):
+            for zigzag in (False, True):
+                results[seq, causal, zigzag] = _ring(rank, world, seq, causal, zigzag)
+    seq = LENGTHS[world][0]
+    results["wrong merge"] = _ring(rank, world, seq, True, False, merge=_wrong_merge)[0]
+    for zigzag in (False, True):  # the tiles the ring computed, counted by the ring itself
+        q, k, v, _ = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
+        results["work", zigzag] = cp.ring_forward(q, k, v, causal=True, zigzag=zigzag)[2]
+    results["memory"] = cp.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    cp.tile_mask = _wrong_mask  # this forked rank's module only
+    results["wrong mask"] = _ring(rank, world, seq, True, False)[0]
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_attention_equals_full_attention(world):
+    ranks = run_forked(_every_check, world, timeout=120)
+    for seq in LENGTHS[world]:
+        for causal in (True, False):
+            ref = _reference(seq, causal)
+            for zigzag in (False, True):
+                parts = [r[seq, causal, zigzag] for r in ranks]
+                for name, i, want in zip(("out", "dq", "dk", "dv"), range(4), ref):
+                    got = cp.merge_sequence([torch.from_numpy(p[i]) for p in parts], seq, zigzag=zigzag)
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
+                                               msg=f"{name}: seq={seq} causal={causal} zigzag={zigzag}")
+                    if name in ("dk", "dv"):  # the padded keys are masked: no gradient reaches them
+                        padded = cp.merge_sequence([torch.from_numpy(p[i]) for p in parts], zigzag=zigzag)
+                        assert (padded[..., seq:, :] == 0).all(), f"{name}: seq={seq} zigzag={zigzag}"
+                fwd = cp.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                bwd = cp.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                assert all(p[4] == fwd and p[5] == bwd for p in parts), ([p[4:] for p in parts], fwd, bwd)
+    # the tiles each rank computed: the plain causal ring's imbalance, the zig-zag's balance
+    assert [r["work", False] for r in ranks] == cp.causal_work(world)
+    assert [r["work", True] for r in ranks] == pytest.approx(cp.causal_work(world, zigzag=True))
+    # memory kept for backward: the prediction, and 1/N of one rank's
+    assert all(r["memory"] == cp.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
+    assert ranks[0]["memory"] * world == cp.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    # the known mistakes are caught by the same comparison
+    seq = LENGTHS[world][0]
+    want = _reference(seq, True)[0]
+    for mistake in ("wrong merge", "wrong mask"):
+        got = cp.merge_sequence([torch.from_numpy(r[mistake]) for r in ranks], seq)
+        assert not torch.allclose(got, want, atol=1e-3), mistake
+
+
+def test_ring_llama_trains_like_one_process():
+    """The course's Llama with ring attention, 3 steps of AdamW: 3 ranks plain, 4 zig-zag (30 tokens: padded)."""
+    reference = cp.reference_llama_losses(3, seq=30)
+    for world, zigzag in ((3, False), (4, True)):
+        ranks = run_forked(cp.train_ring_llama, world, 3, zigzag, timeout=120)
+        assert all(r == pytest.approx(reference, rel=1e-5) for r in ranks), (world, zigzag, ranks[0], reference)
+
+
+def test_merge_is_exact_and_the_unscaled_merge_is_not():
+    q, k, v, _ = _qkvw(10)
+    whole = cp.block_attention(q, k, v)
+    a, b = cp.block_attention(q, k[..., :3, :], v[..., :3, :]), cp.block_attention(q, k[..., 3:, :], v[..., 3:, :])
+    for merged in (cp.online_softmax_merge(*a, *b), cp.online_softmax_merge(*b, *a)):
+        torch.testing.assert_close(merged[0], whole[0])
+        torch.testing.assert_close(merged[1], whole[1])
+    torch.testing.assert_close(whole[0], F.scaled_dot_product_attention(q, k, v))
+    assert not torch.allclose(_wrong_merge(*a, *b)[0], whole[0], atol=1e-3)
+    # a block that a row cannot see (lse = -inf) adds nothing and makes no NaN, even merged with another such
+    empty = cp.block_attention(q, k[..., :3, :], v[..., :3, :], mask=torch.zeros(10, 3, dtype=torch.bool))
+    assert torch.isneginf(empty[1]).all() and (empty[0] == 0).all()
+    torch.testing.assert_close(cp.online_softmax_merge(*a, *empty)[0], a[0])
+    both = cp.online_softmax_merge(*empty, *empty)
+    assert (both[0] == 0).all() and torch.isneginf(both[1]).all()
+
+
+def test_one_rank_ring_is_full_attention_with_gradients():
+    q, k, v, w = (t.requires_grad_(i < 3) for i, t in enumerate(_qkvw(9)))
+    (cp.ring_attention(q, k, v, causal=True) * w).sum().backward()
+    ref = _reference(9, True)
+    for got, want in zip((q.grad, k.grad, v.grad), ref[1:]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_splits_and_positions():
+    x = torch.arange(10.).view(1, 1, 10, 1)
+    for world in (2, 3, 4):
+        for zigzag in (False, True):
+            parts = cp.split_sequence(x, world, zigzag=zigzag)
+            assert len({p.shape for p in parts}) == 1  # every rank the same length, padding at the end
+            assert torch.equal(cp.merge_sequence(parts, 10, zigzag=zigzag), x)
+            for r, p in enumerate(parts):  # the positions a rank claims are the rows it holds
+                pos = cp.local_positions(r, world, p.shape[-2], zigzag)
+                assert torch.equal(p.flatten(), torch.where(pos < 10, pos, 0).float())
+    assert [p.flatten().tolist() for p in cp.zigzag_split(torch.arange(8.).view(1, 1, 8, 1), 2)] == \
+        [[0, 1, 6, 7], [2, 3, 4, 5]]  # rank r: chunks r and 2N-1-r
+
+
+def test_causal_work_and_formulas():
+    assert cp.causal_work(4) == [1, 2, 3, 4]  # the last rank does N times the first's work
+    assert cp.causal_work(4, zigzag=True) == [2.25] * 4  # 2N+1 quarter blocks each
+    # the bytes a rank sends do not fall with N; the activations it keeps do
+    assert cp.ring_bytes_per_rank(1024, 8, 64, 2) == 1 * 2 * 8 * 512 * 64 * 4
+    assert cp.ring_bytes_per_rank(1024, 8, 64, 8) == 7 * 2 * 8 * 128 * 64 * 4
+    assert cp.ring_bytes_per_rank(10, 1, 1, 3, 2) == 2 * 2 * 4 * 2  # 10 tokens pad to 12: 4 per rank
+    one, eight = (cp.attention_activation_bytes(4096, 8, 64, n, 2) for n in (1, 8))
+    assert one == 8 * eight == 8 * 4096 * (64 * (3 * 2 + 4) + 4)  # heads x rows x (q, k, v bf16; out, lse f32)
+
+
+def test_a_llama_per_rank_and_the_longest_sequence():
+    from course_lib.models import llama_config
+    config = llama_config("tiny")
+    one, four = (cp.llama_activation_bytes_per_rank(config, 4096, n) for n in (1, 4))
+    assert one == 4 * four
+    fits = cp.longest_sequence(config, one, 1)
+    assert fits == 4096 and cp.longest_sequence(config, one, 4) == 4 * 4096
+    assert cp.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
+
+
+def test_bad_input_is_refused():
+    q = torch.zeros(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="local length must be even"):
+        cp.ring_attention(q, q, q, causal=True, zigzag=True)
+    with pytest.raises(ValueError, match="must be"):
+        cp.ring_attention(q, q[..., :4, :], q, causal=True)
+    with pytest.raises(ValueError, match="seq_len=9"):
+        cp.ring_attention(q, q, q, causal=True, seq_len=9)
+
+
+def test_torch_context_parallel_needs_a_gpu():
+    assert "GPU" in cp.torch_cp_support("cpu")
+    if not torch.cuda.is_available():
+        assert cp.torch_cp_support("cuda") is not None

@@ -1,0 +1,170 @@
+"""course_lib.ep: a mixture-of-experts layer, and its experts spread over real gloo ranks.
+
+One fork per world size (2, 3, 4 ranks, each with a different number of tokens) checks that the
+expert-parallel layer equals the one-process layer on the same groups of tokens (output, input and
+router and expert gradients), with and without dropping; that the split sizes each rank sends are
+those the others receive; that ``CollectiveBytes`` sees the bytes ``ep_bytes_per_rank`` gives; and that
+two known mistakes (the combine summing rows in the wrong order, capacity ignored) fail the comparison.
+"""
+
+import math
+
+import pytest
+import torch
+
+from course_lib import ep
+from course_lib.distributed import CollectiveBytes
+from course_lib.launch import WorkerError, run_forked
+
+D, TOP_K, AUX = 8, 2, 0.1
+EXPERTS = {2: 4, 3: 6, 4: 4}
+FACTORS = (None, 1.0)  # nothing dropped; some choices dropped
+
+
+def _sizes(world):
+    return [5 + r for r in range(world)]  # every rank a different number of tokens
+
+
+def _data(world):
+    g = torch.Generator().manual_seed(1)
+    n = sum(_sizes(world))
+    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)  # tokens, and the loss's weights
+
+
+def _reference(world, factor):
+    """One process, the same groups of tokens: output, dropped, and every gradient of the same loss."""
+    moe = ep.MoE(D, EXPERTS[world], TOP_K, factor)
+    x, w = _data(world)
+    x.requires_grad_()
+    out = moe(x, groups=_sizes(world))
+    ((out * w).sum() + AUX * moe.aux_loss).backward()
+    return out.detach(), x.grad, moe.dropped, {n: p.grad for n, p in moe.named_parameters()}
+
+
+def _wrong_combine(expert_out, routing, plan, n_tokens, group=None):
+    """The known mistake: the returned rows summed in token order, not in the (sorted) order they were sent."""
+    back = ep.all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)
+    out = back.new_zeros(n_tokens, back.shape[-1])
+    return out.index_add(0, routing.token, routing.gate[:, None] * back)
+
+
+def _ep(rank, world, factor):
+    moe = ep.MoE(D, EXPERTS[world], TOP_K, factor)
+    x, w = _data(world)
+    start = sum(_sizes(world)[:rank])
+    x, w = (t[start:start + _sizes(world)[rank]] for t in (x, w))
+    x.requires_grad_()
+    with CollectiveBytes() as fwd:
+        out = ep.expert_parallel_forward(moe, x)
+    with CollectiveBytes() as bwd:  # the router's share of the aux loss: the reference averages over groups
+        ((out * w).sum() + AUX * moe.aux_loss / world).backward()
+    grads = {n: p.grad.numpy() for n, p in moe.named_parameters() if p.grad is not None}
+    return {"out": out.detach().numpy(), "dx": x.grad.numpy(), "grads": grads, "dropped": moe.dropped,
+            "traffic": moe.traffic, "fwd": fwd.bytes_by_kind.get("all_to_all"), "bwd": bwd.bytes_by_kind.get("all_to_all")}
+
+
+def _every_check(rank, world):
+    results = {factor: _ep(rank, world, factor) for factor in FACTORS}
+    ep.combine = _wrong_combine  # this forked rank's module only
+    results["wrong combine"] = _ep(rank, world, None)["out"]
+    try:
+        ep.expert_parallel_forward(ep.MoE(D, 5, TOP_K), torch.zeros(3, D))
+    except ValueError as e:
+        results["error"] = str(e)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_expert_parallel_equals_one_process(world):
+    ranks = run_forked(_every_check, world, timeout=120)
+    E, local = EXPERTS[world], EXPERTS[world] // world
+    for factor in FACTORS:
+        out, dx, dropped, grads = _reference(world, factor)
+        got = [r[factor] for r in ranks]
+        torch.testing.assert_close(torch.cat([torch.from_numpy(g["out"]) for g in got]), out, msg=f"out {factor}")
+        torch.testing.assert_close(torch.cat([torch.from_numpy(g["dx"]) for g in got]), dx, msg=f"dx {factor}")
+        assert sum(g["dropped"] for g in got) == dropped and (dropped > 0) == (factor is not None)
+        # the router is on every rank, its gradient summed over them; expert e only on its owner
+        torch.testing.assert_close(sum(torch.from_numpy(g["grads"]["router.weight"]) for g in got),
+                                   grads["router.weight"], msg=f"router {factor}")
+        for name, want in grads.items():
+            if name.startswith("experts."):
+                e = int(name.split(".")[1])
+                owner = got[e // local]["grads"]
+                torch.testing.assert_close(torch.from_numpy(owner[name]), want, msg=f"{name} {factor}")
+                assert all(name not in g["grads"] for i, g in enumerate(got) if i != e // local)
+        # split sizes: what rank s sends to r is what r receives from s; bytes: what the formula says
+        for r, g in enumerate(got):
+            t = g["traffic"]
+            assert t["recv_splits"] == [o["traffic"]["send_splits"][r] for o in got]
+            assert t["dispatched"] == _sizes(world)[r] * TOP_K - g["dropped"]
+            want = ep.ep_bytes_per_rank(t["dispatched"], t["received"], D, 4, E)
+            assert g["fwd"] == want["counts"] + want["dispatch"] + want["combine"] and g["bwd"] == want["backward"]
+    # the known mistakes: the comparison catches them
+    out = _reference(world, None)[0]
+    assert not torch.allclose(torch.cat([torch.from_numpy(r["wrong combine"]) for r in ranks]), out, atol=1e-3)
+    capped = _reference(world, 1.0)[0]  # capacity ignored: the uncapped layer's output is not the capped one's
+    assert not torch.allclose(torch.cat([torch.from_numpy(r[None]["out"]) for r in ranks]), capped, atol=1e-3)
+    assert all("5 experts do not split over" in r["error"] for r in ranks) == (5 % world != 0)
+
+
+def _dispatch_without_counts(tokens, routing, n_experts, group=None):
+    """The known mistake: split sizes not exchanged, each rank expecting to receive what it sends."""
+    world = torch.distributed.get_world_size(group)
+    order = torch.argsort(routing.expert, stable=True)
+    counts = torch.bincount(routing.expert, minlength=n_experts).view(world, -1)
+    splits = counts.sum(1).tolist()
+    return ep.all_to_all(tokens[routing.token[order]], splits, splits, group), ep.Plan(order, splits, splits, counts)
+
+
+def _without_counts(rank, world):
+    ep.dispatch = _dispatch_without_counts
+    return ep.expert_parallel_forward(ep.MoE(D, 4, TOP_K, None), torch.randn(5 + rank, D)).shape
+
+
+def test_split_sizes_not_exchanged_fail_loudly():
+    # ranks with different token counts disagree on the sizes: gloo fails the all-to-all, either raising in
+    # it or aborting the process (SIGABRT, exit code -6) on "Received data size doesn't match expected size"
+    with pytest.raises(WorkerError, match="all_to_all_single|exit code -6"):
+        run_forked(_without_counts, 2, timeout=30)
+
+
+def test_capacity_and_dropped_tokens():
+    assert ep.capacity(10, 4, 2, 1.25) == math.ceil(1.25 * 10 * 2 / 4) == 7
+    assert ep.capacity(10, 4, 2, None) == 20
+    moe = ep.MoE(D, 4, TOP_K, capacity_factor=0.5)
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(2))
+    r, unlimited = moe.route(x), ep.MoE(D, 4, TOP_K, capacity_factor=None).route(x)
+    counts = torch.bincount(unlimited.expert, minlength=4)  # the choices before capacity
+    cap = ep.capacity(12, 4, TOP_K, 0.5)
+    assert r.dropped == int((counts - cap).clamp_min(0).sum()) > 0 and unlimited.dropped == 0
+    assert (torch.bincount(r.expert, minlength=4) <= cap).all()
+    # the kept choices of an expert are the first of its queue: every first choice, in token order, then seconds
+    for e in range(4):
+        assert torch.equal(r.token[r.expert == e], unlimited.token[unlimited.expert == e][:cap])
+    first_choices = unlimited.expert[:12]  # the queue starts with every token's first choice
+    assert torch.equal(first_choices, moe.router(x).argmax(-1))
+
+
+def test_balance_loss_and_determinism():
+    a, b = ep.MoE(D, 4, TOP_K, seed=3), ep.MoE(D, 4, TOP_K, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.router.weight, ep.MoE(D, 4, TOP_K, seed=4).router.weight)
+    torch.nn.init.zeros_(a.router.weight)  # a uniform router: the Switch loss is exactly 1
+    assert a.route(torch.randn(6, D)).aux_loss.item() == pytest.approx(1.0)
+    with torch.no_grad():  # a router that sends everything to expert 0 scores higher
+        b.router.weight.zero_()
+        b.router.weight[0] = 10.0
+    assert b.route(torch.ones(6, D)).aux_loss.item() > 1.5
+
+
+def test_groups_and_bad_input():
+    moe = ep.MoE(D, 4, TOP_K, capacity_factor=None)
+    x = torch.randn(2, 6, D)
+    torch.testing.assert_close(moe(x), moe(x, groups=[5, 7]))  # nothing dropped: grouping changes nothing
+    with pytest.raises(ValueError, match="equal groups"):
+        moe(x, groups=5)
+    with pytest.raises(ValueError, match="sum to"):
+        moe(x, groups=[5, 5])
+    with pytest.raises(ValueError, match="top_k"):
+        ep.MoE(D, 2, 3)
