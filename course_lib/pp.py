@@ -15,6 +15,9 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
   embedding, the last has the final norm and the LM head; the loss is the schedule's ``loss_fn``).
 - ``naive_step``: the seed's split written out with ``dist.send``/``dist.recv``: whole batch, forward
   stage by stage, backward in reverse.
+- ``run_1f1b``: a pipeline executor by hand: one rank's forwards and backwards of its micro-batches in the
+  order given (1F1B's or GPipe's), activations up and gradients down with ``isend``/``irecv``, holding only
+  the micro-batches the order has in flight. Notebook 08's exercise 3 (a stub in the student edition).
 - ``Recorder``: wall-clock start and end of every forward and backward of every micro-batch on every
   rank, on a time base shared through a barrier; ``bubble_fraction``, ``in_flight_peak`` and
   ``plot_timeline`` read it; ``memory.SavedTensorMeter``'s peak is the bytes autograd keeps for backward.
@@ -366,6 +369,59 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
     if not first:
         dist.send(x.grad, rank - 1)
     return loss.detach() if last else None
+
+
+# ---------------------------------------------------------------- 1F1B, by hand
+
+# graded: 08_model_parallelism run_1f1b
+def run_1f1b(stage: nn.Module, rank: int, p: int, micro_batches: list, order: list, loss_fn, shape) -> tuple[list, int]:
+    """One step's forwards and backwards of this rank's ``stage`` over m micro-batches, in ``order``.
+
+    ``micro_batches``: m (inputs, targets) pairs, the same on every rank: rank 0 feeds the inputs to its stage,
+    the last rank scores its output with ``loss_fn(out, targets)``. ``order``: this rank's actions, ("F", i) or
+    ("B", i), e.g. ``one_f_one_b_order(p, m)[rank]`` (any runnable order works: GPipe's too). ``shape``: one
+    micro-batch's activation, the tensor a stage receives from the one before (float32). Activations go to
+    rank + 1 and gradients to rank - 1 with ``isend``, waited on only once the peer surely has them: a
+    blocking send waits for the peer's receive, and in 1F1B's steady state rank r sends an activation up while
+    rank r + 1 sends a gradient down, each before it receives the other's: two blocking sends deadlock. The stage's ``.grad`` gets the gradient of the mean of the m
+    losses (each backward scaled by 1/m). Returns the last rank's m losses ([] elsewhere) and the most
+    micro-batches whose tensors this rank held at once (a micro-batch is dropped as soon as its backward ran).
+    """
+    m, first, last = len(micro_batches), rank == 0, rank == p - 1
+    held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i][0]
+            if not first:
+                x = torch.empty(shape)
+                dist.irecv(x, rank - 1).wait()
+                x.requires_grad_()  # its gradient is what rank - 1 needs back
+            out = stage(x)
+            send = None
+            if last:
+                out = loss_fn(out, micro_batches[i][1])
+                losses.append(out.item())
+            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)
+            held[i] = (x, out, send)
+            alive += 1
+            peak = max(peak, alive)
+        else:
+            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph
+            if last:
+                (out / m).backward()  # the mean over micro-batches: every gradient downstream carries the 1/m
+            else:
+                grad = torch.empty_like(out)
+                dist.irecv(grad, rank + 1).wait()
+                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+                out.backward(grad)
+            if not first:
+                sends.append(dist.isend(x.grad, rank - 1))
+            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+            alive -= 1
+    for work in sends:  # each gradient buffer stays alive until its send has gone
+        work.wait()
+    return losses, peak
 
 
 # ---------------------------------------------------------------- torch's schedules and the worker

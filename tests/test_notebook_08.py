@@ -22,6 +22,19 @@ def test_the_students_pair_and_order_are_used(executed):
     assert value(res, "simulated_in_flight_peak_rank0_1F1B") == 4
 
 
+def test_the_students_executor_trains_the_llama_stages(executed):
+    """Notebook 08 runs the student's run_1f1b on the tiny Llama's 2 stages, 8 micro-batches, in both orders."""
+    res = executed("08_model_parallelism")
+    assert 0 <= value(res, "your_1f1b_grad_gap") < 1e-5
+    assert value(res, "your_1f1b_peaks") == {"GPipe": [8, 8], "1F1B": [2, 1]}
+    saved = value(res, "your_1f1b_saved_bytes")
+    for r, held in enumerate((2, 1)):  # rank r holds p - r of the 8 micro-batches' activations under 1F1B
+        assert saved["1F1B"][r] / saved["GPipe"][r] == pytest.approx(held / 8, abs=0.02), saved
+    for text in ("your executor trains the same stages", "the same executor in 1F1B's order holds"):
+        found = claim(res, text)
+        assert found["kind"] == "measured" and found["held"], found
+
+
 def test_seed_all_gather_loses_the_gradient(executed):
     res = executed("08_model_parallelism")
     assert value(res, "seed_all_gather_loses_gradient") is True

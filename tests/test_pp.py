@@ -3,7 +3,8 @@
 The schedules' losses equal one process on the same global batch; the naive split keeps one rank
 busy at a time; GPipe keeps m micro-batches of activations in flight, 1F1B at most p; the order
 functions match what torch's schedules plan and run; the measured GPipe bubble matches
-(p-1)/(m+p-1) with stage work simulated by sleep (see ``test_measured_gpipe_bubble``).
+(p-1)/(m+p-1) with stage work simulated by sleep (see ``test_measured_gpipe_bubble``); the hand-written
+executor ``run_1f1b`` equals one process under any runnable order and holds what the order says.
 """
 
 import matplotlib
@@ -11,8 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest
+import torch
+from torch import nn
 
 from course_lib import pp
+from course_lib.memory import SavedTensorMeter
 from course_lib.launch import launch, run_forked
 
 STEPS, LAYERS = 5, 4  # 4 decoder layers: one per stage for interleaved (2 ranks x 2 stages)
@@ -126,3 +130,66 @@ def test_measured_gpipe_bubble_matches_the_formula():
     assert results[3]["bubble"] == pytest.approx(results[3]["formula"], abs=0.04), results[3]["bubbles"]
     assert [r["bubble"] for r in results] == sorted((r["bubble"] for r in results), reverse=True)
     assert [r["in_flight_peak"] for r in results] == [[m, m] for m in (1, 2, 4, 8)]
+
+
+def _mlp_stages(p):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(p)]
+
+
+def _micro_batches(m):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)) for _ in range(m)]
+
+
+def _mse(out, target):
+    return (out - target).pow(2).mean()
+
+
+def _executor(rank, world, m):
+    """The hand-written executor on this rank's stage, in 1F1B's order and then GPipe's (fresh stages each); plain
+    lists back, not tensors (a tensor through the ranks' queue is shared by a file descriptor that can go first)."""
+    out = {}
+    for name, orders in (("1f1b", pp.one_f_one_b_order), ("gpipe", pp.gpipe_order)):
+        stage, data = _mlp_stages(world)[rank], _micro_batches(m)
+        meter = SavedTensorMeter(exclude=stage)
+        meter.exclude |= {t.untyped_storage().data_ptr() for xy in data for t in xy}
+        with meter:  # the data stays alive all step: weights and data are not activations
+            losses, peak = pp.run_1f1b(stage, rank, world, data, orders(world, m)[rank], _mse, (3, 8))
+        out[name] = {"losses": losses, "peak": peak, "saved": meter.peak,
+                     "grads": [q.grad.tolist() for q in stage.parameters()]}
+    return out
+
+
+def _executors(rank, world):
+    return {m: _executor(rank, world, m) for m in (5, 2)}
+
+
+def test_run_1f1b_equals_one_process_and_holds_what_the_order_says():
+    """3 forked ranks (a middle one receives from both sides), 5 micro-batches: the losses and every stage's
+    gradients equal the stages run in sequence in one process (the mean over micro-batches), in either order;
+    the count is the order's in-flight peak, p - r for 1F1B and m for GPipe, and the bytes saved for backward
+    follow. With 2 micro-batches, fewer than the stages, 1F1B's warm-up is min(m, p - r)."""
+    p, m = 3, 5
+    runs = run_forked(_executors, p, timeout=60)
+    ranks = [r[m] for r in runs]
+    stages, losses = _mlp_stages(p), []
+    for x, y in _micro_batches(m):
+        for stage in stages:
+            x = stage(x)
+        loss = _mse(x, y)
+        (loss / m).backward()
+        losses.append(loss.item())
+    for name, peaks in (("1f1b", [3, 2, 1]), ("gpipe", [m] * p)):
+        assert ranks[-1][name]["losses"] == pytest.approx(losses, rel=1e-6)
+        assert all(r[name]["losses"] == [] for r in ranks[:-1])
+        for r, stage in zip(ranks, stages):
+            for g, q in zip(r[name]["grads"], stage.parameters()):
+                torch.testing.assert_close(torch.tensor(g), q.grad, rtol=1e-5, atol=1e-7)
+        assert [r[name]["peak"] for r in ranks] == peaks
+    # the same bytes per micro-batch under both orders: rank r's ratio is m / (p - r)
+    ratios = [r["gpipe"]["saved"] / r["1f1b"]["saved"] for r in ranks]
+    assert ratios == pytest.approx([m / 3, m / 2, m / 1], rel=0.01)
+    few = [r[2] for r in runs]
+    assert [r["1f1b"]["peak"] for r in few] == [2, 2, 1]  # min(m, p - r)
+    assert few[-1]["1f1b"]["losses"] == pytest.approx(few[-1]["gpipe"]["losses"], rel=1e-6)

@@ -1,15 +1,17 @@
-"""Notebook 08's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives)
-and the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks)."""
+"""Notebook 08's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
+the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks), and the 1F1B executor on 2
+forked ranks (one process's losses and gradients; the micro-batches it holds, counted and measured)."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import warnings
+import weakref
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import course_lib.pp as pp
@@ -218,3 +220,160 @@ def judge_measured(got: list) -> str:
 
 
 register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge_measured)
+
+
+# ---------------------------------------------------------------- run_1f1b
+# p stages of an MLP of constant width: every activation between stages is one (ROWS, WIDTH) tensor
+ROWS, WIDTH = 4, 16
+PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
+PIPE_ANSWERS = PP_ANSWERS + (pp.run_1f1b, pp.naive_step, pp.train, PipelineStage)
+# 1F1B's order on 2 stages and 4 micro-batches, what torch's Schedule1F1B runs (test_one_f_one_b_order_measured shows
+# it too): written out, because course_lib.pp's order is exercise 2's answer, a stub in the student edition
+ONE_F_ONE_B_2_4 = [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
+                   [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
+
+
+class CountedStage(nn.Module):
+    """Linear then tanh, which tells ``counter`` each time a forward begins (by any way of calling it)."""
+
+    def __init__(self, counter: "InFlight"):
+        super().__init__()
+        self.linear, self.counter = nn.Linear(WIDTH, WIDTH), counter
+
+    def forward(self, x):
+        self.counter.forwards += 1
+        return torch.tanh(self.linear(x))
+
+
+def pipeline_stages(p: int, counter: "InFlight | None" = None) -> list:
+    torch.manual_seed(0)
+    return [CountedStage(counter or InFlight()) for _ in range(p)]
+
+
+def micro_batches(m: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)) for _ in range(m)]
+
+
+def mse(out, target):
+    return (out - target).pow(2).mean()  # saves out - target only: a fresh tensor of this micro-batch
+
+
+class InFlight:
+    """The most micro-batches whose activations were alive at once on this rank: every tensor autograd saves
+    during the stage's k-th forward (and the loss after it) counts for that forward until the tensor is freed,
+    by backward or by the last reference the executor kept. Weights and the micro-batches' data do not count."""
+
+    def __init__(self, keep=()):
+        self.keep = {t.untyped_storage().data_ptr() for t in keep}
+        self.forwards, self.alive, self.peak = 0, {}, 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.keep:
+            k = self.forwards
+            self.alive[k] = self.alive.get(k, 0) + 1
+            self.peak = max(self.peak, len(self.alive))
+            weakref.finalize(t, self.release, k)
+        return t
+
+    def release(self, k: int) -> None:
+        self.alive[k] -= 1
+        if not self.alive[k]:
+            del self.alive[k]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def pipeline_rank(rank: int, world: int, orders: list, ns: dict) -> bytes:
+    """One rank of the student's ``run_1f1b`` on its stage, following ``orders[rank]``: the losses and peak it
+    reports, the in-flight peak measured beside it, and its stage's gradients."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    counter = InFlight()
+    stage, data = pipeline_stages(world, counter)[rank], micro_batches(len(orders[rank]) // 2)
+    counter.keep |= {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *(t for pair in data for t in pair)]}
+    order = [tuple(a) for a in orders[rank]]  # a right order, given: this exercise is the executor, not the order
+    with forbid(*PIPE_ANSWERS, namespace=ns), counter.hooks():
+        result = ns["run_1f1b"](stage, rank, world, data, order, mse, (ROWS, WIDTH))
+    losses, peak = result if isinstance(result, (tuple, list)) and len(result) == 2 else (repr(result)[:200], None)
+    return packed(plain({"losses": [number(x) for x in losses] if isinstance(losses, (list, tuple)) else losses,
+                         "peak": number(peak), "in flight": counter.peak,
+                         "grads": [tensor_data(q.grad) for q in (stage.linear.weight, stage.linear.bias)]}))
+
+
+def pipeline_runs(ns: dict, orders: list) -> dict:
+    """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
+    space = ns if fork_is_safe() else {"run_1f1b": ns["run_1f1b"]}
+    try:
+        runs = forked(functools.partial(pipeline_rank, ns=space), len(orders), orders, timeout=PIPE_TIMEOUT)
+    except TimeoutError:
+        return {"timeout": PIPE_TIMEOUT}
+    return {"ranks": [unpacked(run) for run in runs]}
+
+
+def one_process(p: int, m: int) -> tuple[list, list]:
+    """The same stages run one after the other in one process: each micro-batch's loss, and every stage's
+    (weight, bias) gradients of the mean loss."""
+    stages, losses = pipeline_stages(p), []
+    for x, y in micro_batches(m):
+        h = x
+        for stage in stages:
+            h = stage(h)
+        loss = mse(h, y)
+        (loss / m).backward()
+        losses.append(loss.item())
+    return losses, [(s.linear.weight.grad, s.linear.bias.grad) for s in stages]
+
+
+def ran_to_the_end(got: dict, label: str) -> list:
+    assert "timeout" not in got, (
+        f"{label}: the ranks were still running after {got.get('timeout')} s, a deadlock: a blocking send "
+        "(dist.send, or isend(...).wait() at once) waits until the peer posts its receive, and once 1F1B's warm-up "
+        "ends rank r sends an activation up while rank r + 1 sends a gradient down, each before its receive. Send "
+        "with isend and wait on the work only once the peer must have received it (or at the end of the step)")
+    return got["ranks"]
+
+
+def judge_gradients(got: dict, p: int, m: int, label: str) -> None:
+    ranks = ran_to_the_end(got, label)
+    losses, grads = one_process(p, m)
+    assert len(ranks) == p, f"{label}: {len(ranks)} ranks answered, expected {p}"
+    got_losses = ranks[-1]["losses"]
+    assert isinstance(got_losses, list) and len(got_losses) == m and all(isinstance(x, float) for x in got_losses), (
+        f"{label}: the last rank returned losses {got_losses!r}: return (losses, peak), the m losses as floats")
+    gap = max(abs(a - b) for a, b in zip(got_losses, losses))
+    assert gap < 1e-5, f"{label}: the last rank's losses {got_losses} differ from one process's {losses}"
+    for r, (run, want) in enumerate(zip(ranks, grads)):
+        for name, g, w in zip(("weight", "bias"), run["grads"], want):
+            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: its stage's {name} got no gradient ({g})"
+            ratio = float(g.flatten() @ w.flatten() / (w.flatten() @ w.flatten()))
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-6), (
+                f"{label}, rank {r}: its stage's {name} gradient differs from one process's (its projection on it is "
+                f"{ratio:.2f} times it): the step's gradient is that of the mean over the {m} micro-batches, so "
+                "scale each micro-batch's loss by 1/m before its backward")
+
+
+def judge_activations(got: dict, orders: list, label: str) -> None:
+    ranks = ran_to_the_end(got, label)
+    for r, (run, order) in enumerate(zip(ranks, orders)):
+        alive = peak = 0
+        for kind, _ in order:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert run["peak"] == peak, (f"{label}, rank {r}: you counted {run['peak']} micro-batches held at most; "
+                                     f"its order holds {peak} (forwards run minus backwards run, at its largest): "
+                                     "run the actions in the order given, each backward when it comes")
+        # one micro-batch more: its tensors may live on in local variables until the next forward rebinds them
+        assert run["in flight"] <= peak + 1, (
+            f"{label}, rank {r}: the activations of {run['in flight']} micro-batches were alive at once, measured "
+            f"(the tensors autograd saved, until freed); the order needs {peak}. Drop every reference to micro-batch "
+            "i's input and output once its backward ran: backward frees the graph, but not tensors you still hold")
+
+
+register("test_run_1f1b", lambda ns: pipeline_runs(ns, ONE_F_ONE_B_2_4),
+         lambda got: judge_gradients(got, 2, 4, "p=2, m=4")
+         or "2 ranks, 4 micro-batches: one process's losses and gradients")
+register("test_run_1f1b_activations", lambda ns: pipeline_runs(ns, ONE_F_ONE_B_2_4),
+         lambda got: judge_activations(got, ONE_F_ONE_B_2_4, "p=2, m=4")
+         or "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured")

@@ -1,12 +1,15 @@
 """Notebook 08's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
-divide; the 1F1B order on other shapes and against torch's plan on 3 stages."""
+divide; the 1F1B order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle
+rank receives from both sides), with fewer micro-batches than stages, and following GPipe's order."""
 
 from __future__ import annotations
 
 from torch import nn
 
+import course_lib.pp as pp
 from course_lib.checks import register
-from course_lib.checks.nb08 import TP_ANSWERS, as_order, in_ranks, judge_orders, judge_tp, order_of, orders, ran, tp_runs
+from course_lib.checks.nb08 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
+                                    judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
 from course_lib.grading import forbid
 
 
@@ -56,3 +59,40 @@ def judge_order(got: dict) -> str:
 
 
 register("test_one_f_one_b_order_hidden", probe_order, judge_order)
+
+
+# ---------------------------------------------------------------- run_1f1b
+def one_f_one_b(p: int, m: int) -> list:
+    """1F1B's order (the hidden module's own: course_lib.pp's is a stub in the student edition)."""
+    plan = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        plan.append(order + [("B", i) for i in range(m - warmup, m)])
+    return plan
+
+
+# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
+RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
+        "p=2, m=4, GPipe": pp.gpipe_order(2, 4)}
+
+
+def probe_runs(ns: dict) -> dict:
+    got = {}
+    for label, plan in RUNS.items():
+        got[label] = run = pipeline_runs(ns, plan)
+        if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
+            break
+    return got
+
+
+def judge_runs(got: dict) -> str:
+    for label, plan in RUNS.items():
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label)
+        judge_activations(got[label], plan, label)
+    return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
+
+
+register("test_run_1f1b_hidden", probe_runs, judge_runs)

@@ -186,10 +186,83 @@ def one_f_one_b_order(p, m):
     return order(p, m)
 '''
 
+# The reference 1F1B executor of the solution notebook; each mistake below changes it in one or two places.
+EXECUTOR_SOLUTION = """
+def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
+    m, first, last = len(micro_batches), rank == 0, rank == p - 1
+    held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i][0]
+            if not first:
+                x = torch.empty(shape)
+                dist.irecv(x, rank - 1).wait()
+                x.requires_grad_()  # its gradient is what rank - 1 needs back
+            out = stage(x)
+            send = None
+            if last:
+                out = loss_fn(out, micro_batches[i][1])
+                losses.append(out.item())
+            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)
+            held[i] = (x, out, send)
+            alive += 1
+            peak = max(peak, alive)
+        else:
+            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph
+            if last:
+                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m
+            else:
+                grad = torch.empty_like(out)
+                dist.irecv(grad, rank + 1).wait()
+                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+                out.backward(grad)
+            if not first:
+                sends.append(dist.isend(x.grad, rank - 1))
+            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+            alive -= 1
+    for work in sends:  # each gradient buffer stays alive until its send has gone
+        work.wait()
+    return losses, peak
+"""
+
+# dist.send waits for the peer's receive: rank 0 sends micro-batch 1's activation while rank 1 sends micro-batch 0's
+# gradient, and neither receives: every run stops at the checks' 10 s timeout
+BLOCKING_SENDS = changed(("""            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)""", """            else:
+                dist.send(out.detach(), rank + 1)  # wrong: blocks until rank + 1 receives"""),
+                         ("""                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+""", ""), ("""                sends.append(dist.isend(x.grad, rank - 1))""",
+                           """                dist.send(x.grad, rank - 1)  # wrong: blocks until rank - 1 receives"""),
+                         reference=EXECUTOR_SOLUTION)
+
+# right gradients, right count, but every micro-batch's input and output stay referenced until the step ends
+KEEPS_EVERY_MICRO_BATCH = changed(("""            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph""",
+                                   """            x, out, send = held[i]  # wrong: kept till the step ends, all m micro-batches' tensors"""),
+                                  ("""            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+""", ""), reference=EXECUTOR_SOLUTION)
+
+NO_MEAN = changed(("""                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m""",
+                   """                out.backward()  # wrong: the sum of the m losses' gradients, m times the mean's"""),
+                  reference=EXECUTOR_SOLUTION)
+
+# every forward, then every backward, whatever the order says: GPipe, m micro-batches held (and counted)
+IGNORES_THE_ORDER = changed(("""    for kind, i in order:""",
+                             """    for kind, i in sorted(order, key=lambda a: a[0] == "B"):  # wrong: all forwards first"""),
+                            reference=EXECUTOR_SOLUTION)
+
+CALLS_LIBRARY_EXECUTOR = '''
+def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
+    from course_lib.pp import run_1f1b as run
+    return run(stage, rank, p, micro_batches, order, loss_fn, shape)
+'''
+
 FULL = {"test_tensor_parallel_pair": 3, "test_tensor_parallel_pair_collectives": 2, "test_tensor_parallel_pair_hidden": 4,
-        "test_one_f_one_b_order": 3, "test_one_f_one_b_order_measured": 3, "test_one_f_one_b_order_hidden": 4}
+        "test_one_f_one_b_order": 3, "test_one_f_one_b_order_measured": 3, "test_one_f_one_b_order_hidden": 4,
+        "test_run_1f1b": 3, "test_run_1f1b_activations": 3, "test_run_1f1b_hidden": 4}
 PAIR = ("test_tensor_parallel_pair", "test_tensor_parallel_pair_collectives", "test_tensor_parallel_pair_hidden")
 ORDER = ("test_one_f_one_b_order", "test_one_f_one_b_order_measured", "test_one_f_one_b_order_hidden")
+EXECUTOR = ("test_run_1f1b", "test_run_1f1b_activations", "test_run_1f1b_hidden")
 
 
 def scores(*lost) -> dict:
@@ -212,6 +285,13 @@ CASES = {
     "same_warmup_every_rank": {"cells": {"one_f_one_b_order": SAME_WARMUP_EVERY_RANK}, "scores": scores(*ORDER)},
     "warmup_past_m": {"cells": {"one_f_one_b_order": WARMUP_PAST_M}, "scores": scores("test_one_f_one_b_order_hidden")},
     "calls_library_one_f_one_b_order": {"cells": {"one_f_one_b_order": CALLS_LIBRARY_ORDER}, "scores": scores(*ORDER)},
+    "blocking_sends": {"cells": {"run_1f1b": BLOCKING_SENDS}, "scores": scores(*EXECUTOR)},  # a deadlock: timeouts
+    "keeps_every_micro_batch": {"cells": {"run_1f1b": KEEPS_EVERY_MICRO_BATCH},
+                                "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
+    "no_mean_over_micro_batches": {"cells": {"run_1f1b": NO_MEAN}, "scores": scores("test_run_1f1b", "test_run_1f1b_hidden")},
+    "ignores_the_order": {"cells": {"run_1f1b": IGNORES_THE_ORDER},
+                          "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
+    "calls_library_run_1f1b": {"cells": {"run_1f1b": CALLS_LIBRARY_EXECUTOR}, "scores": scores(*EXECUTOR)},
 }
 
 # The submission that loops forever in one exercise, and the one that edits a test cell.
