@@ -39,6 +39,12 @@ def notebooks(source: str = "solutions") -> list[Path]:
     return sorted(p for p in base.glob(pattern) if ".ipynb_checkpoints" not in p.parts)
 
 
+def markdown_words(notebook: Path) -> int:
+    """Words of prose in ``notebook`` (its markdown cells): how long it reads, for the README's table."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(len("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
+
+
 def emulates_node(notebook: Path) -> bool:
     """Whether ``notebook`` launches ranks and so gives ``course_setup`` the widths of an emulated node run."""
     cells = json.loads(notebook.read_text())["cells"]
