@@ -23,9 +23,11 @@ scales its 8-bit "dynamic" code book (``dynamic_code``). ``memory_table`` gives 
 model state of a Llama shape. On a GPU, ``compare_qlora`` fine-tunes the same model twice through
 transformers' ``BitsAndBytesConfig`` and peft, bf16 LoRA and then QLoRA; bitsandbytes is imported only there.
 
-The quantiser and its round trip (``quantize_nf4``, ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``)
-are notebook 07's exercise: the student edition holds stubs in their place, and what measures a quantiser
-(``stored_bytes``, ``round_trip_model``, ``layer_errors``) takes the student's as an argument.
+What QLoRA stores and runs is notebook 07's exercises, stubs in the student edition: the quantiser and its round
+trip (``quantize_nf4``, ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``), the storage (``pack_4bit``,
+``unpack_4bit``, ``compress_absmax``, ``decompress_absmax``) and the layer (``QLoRALinear``). What measures them
+(``round_trip_model``, ``layer_errors``) takes the student's as an argument. The adapters on a whole model are
+``course_lib.lora``'s (peft): QLoRA is NF4 under LoRA.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from course_lib.data import lm_batch
+from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama, llama_num_parameters
 from course_lib.throughput import synchronize
@@ -53,7 +56,8 @@ from course_lib.train import train_step
 NF4_OFFSET = 0.5 * ((1 - 1 / (2 * 15)) + (1 - 1 / (2 * 16)))
 BLOCKSIZE = 64            # weights per absmax scale (QLoRA's and bitsandbytes' default)
 ABSMAX_BLOCKSIZE = 256    # scales per second-level scale, under double quantisation
-QLORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear
+ZERO_INDEX = 7            # the index of NF4's level 0.0
+QLORA_TARGETS = ALL_LINEAR  # QLoRA puts adapters on every linear layer of a block (lora's own list)
 INSTALL_BITSANDBYTES = ("pip install bitsandbytes (a build for your GPU stack: CUDA wheels come from PyPI; "
                         "for ROCm see bitsandbytes' installation guide)")
 # bitsandbytes logs a warning on import on CPUs with AVX512-bf16 (an optional CPU kernel package is missing).
@@ -111,13 +115,18 @@ def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, midpoints)
 
 
+# graded: 07_llama_finetune nf4_storage
 def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
-    """Indices 0..15 (any shape, row-major) → uint8, two per byte, the first in the high nibble."""
+    """Indices 0..15 (any shape, row-major) → uint8, two per byte, the first in the high nibble.
+
+    An odd count fills the last low nibble with 7, the index of the level 0 (what bitsandbytes stores there).
+    """
     flat = indices.reshape(-1).to(torch.uint8)
-    flat = torch.nn.functional.pad(flat, (0, flat.numel() % 2))
+    flat = torch.nn.functional.pad(flat, (0, flat.numel() % 2), value=ZERO_INDEX)
     return (flat[0::2] << 4) | flat[1::2]
 
 
+# graded: 07_llama_finetune nf4_storage
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` indices (int64) held in ``packed`` (``pack_4bit``'s layout)."""
     pairs = torch.stack([packed >> 4, packed & 0xF], dim=1)
@@ -134,9 +143,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Ten
     blocks = _blocks(w, check_blocksize(blocksize))
     absmax = blocks.abs().amax(dim=1)
     scaled = blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[:, None]  # 0/0 would be nan
-    n = w.numel()
-    # an odd count keeps one padded value: the 0 level, as bitsandbytes packs it
-    indices = nearest_level(scaled, nf4_code(device=w.device)).reshape(-1)[: n + n % 2]
+    indices = nearest_level(scaled, nf4_code(device=w.device)).reshape(-1)[: w.numel()]
     return pack_4bit(indices), absmax
 
 
@@ -180,6 +187,7 @@ class CompressedAbsmax(NamedTuple):
     offset: torch.Tensor
 
 
+# graded: 07_llama_finetune nf4_storage
 def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> CompressedAbsmax:
     """Double quantisation: absmax − mean, in blocks of ``blocksize``, each as 8-bit codes of its own absmax."""
     offset = absmax.float().mean()
@@ -190,6 +198,7 @@ def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> 
     return CompressedAbsmax(codes, scales, offset)
 
 
+# graded: 07_llama_finetune nf4_storage
 def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) -> torch.Tensor:
     """The absmax scales that ``compress_absmax`` stored (to its 8-bit precision)."""
     n = c.codes.numel()
@@ -204,6 +213,43 @@ def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bo
     if double_quant:
         absmax = decompress_absmax(compress_absmax(absmax))
     return dequantize_nf4(packed, absmax, w.shape, blocksize, dtype=w.dtype)
+
+
+# graded: 07_llama_finetune QLoRALinear
+class QLoRALinear(nn.Module):
+    """QLoRA's layer: ``base``'s weight stored in NF4, dequantised on the fly in every forward, beside LoRA adapters
+    of rank ``r`` (``lora_A``, ``lora_B``: the only parameters that train; ``B`` starts at zero).
+
+    It keeps no float copy of the weight. Its buffers are what QLoRA stores: ``packed`` (uint8, two codes a byte),
+    ``absmax_codes`` (uint8), ``absmax_scales`` and ``absmax_offset`` (float32), ``stored_bytes`` in all; the bias,
+    if any, stays as it was, frozen. Each forward dequantises the weight to the input's dtype (bf16 under autocast,
+    QLoRA's compute dtype): the gradient flows through it to the input and the adapters, the base never changes.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, blocksize: int = BLOCKSIZE):
+        super().__init__()
+        self.shape, self.blocksize = tuple(base.weight.shape), blocksize
+        packed, absmax = quantize_nf4(base.weight, blocksize)
+        self.register_buffer("packed", packed)
+        for name, part in zip(("absmax_codes", "absmax_scales", "absmax_offset"), compress_absmax(absmax)):
+            self.register_buffer(name, part)
+        self.bias = None if base.bias is None else nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+        kw = dict(bias=False, device=base.weight.device)
+        self.lora_A, self.lora_B = nn.Linear(base.in_features, r, **kw), nn.Linear(r, base.out_features, **kw)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+        self.dropout = nn.Dropout(dropout)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the buffers hold, in ``dtype``: made anew at every call, never kept."""
+        absmax = decompress_absmax(CompressedAbsmax(self.absmax_codes, self.absmax_scales, self.absmax_offset))
+        return dequantize_nf4(self.packed, absmax, self.shape, self.blocksize, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        y = nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+        return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
 def int4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -268,19 +314,10 @@ def bits_per_parameter(blocksize: int = BLOCKSIZE, double_quant: bool = True,
     return 4 + 32 / blocksize
 
 
-def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True,
-                 quantize: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-    """Bytes of the tensors that hold ``w`` in NF4: measured on what the quantiser (and ``compress_absmax``)
-    return, not computed from a formula.
-
-    ``quantize(w, blocksize) -> (indices, absmax)``, one index per value (notebook 07's ``nf4_quantize``), whose
-    indices are packed two per byte here; by default ``quantize_nf4``, which packs them itself.
-    """
-    if quantize is None:
-        packed, absmax = quantize_nf4(w, blocksize)
-    else:
-        indices, absmax = quantize(w, blocksize)
-        packed = pack_4bit(indices)
+def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> int:
+    """Bytes of the tensors that hold ``w`` in NF4: measured on what ``quantize_nf4`` (and ``compress_absmax``)
+    return, not computed from a formula. (Notebook 07 measures the buffers of the student's ``QLoRALinear``.)"""
+    packed, absmax = quantize_nf4(w, blocksize)
     parts = [packed, *compress_absmax(absmax)] if double_quant else [packed, absmax]
     return sum(t.numel() * t.element_size() for t in parts)
 
@@ -459,7 +496,6 @@ def load_lora_model(path: str, *, quantize: bool, device: torch.device | str, r:
                     seed: int = 0) -> nn.Module:
     """The checkpoint at ``path`` with LoRA adapters (peft) on ``QLORA_TARGETS``: its base in bf16, or,
     with ``quantize``, in NF4 through ``BitsAndBytesConfig`` (QLoRA). Adapters start from ``seed``."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
@@ -468,9 +504,7 @@ def load_lora_model(path: str, *, quantize: bool, device: torch.device | str, r:
         quantization_config=bnb_config() if quantize else None)
     model.config.use_cache = False
     torch.manual_seed(seed)
-    lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(QLORA_TARGETS), lora_dropout=0.0, bias="none",
-                      task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    return apply_lora(model, r=r, alpha=alpha, target_modules=QLORA_TARGETS)
 
 
 def lora_run(path: str, *, quantize: bool, steps: int, batch: int, seq: int, device: torch.device | str,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from course_lib import nf4
+from course_lib.checks import nb07
 from course_lib.lora import ALL_LINEAR, lora_trainable_parameters
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 
@@ -24,15 +25,11 @@ PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098
 W_GOLDEN = (torch.sin(torch.arange(150) * 0.37) * torch.linspace(0.5, 3, 150)).reshape(5, 30)
 PACKED_GOLDEN = ("79abbbba86433234579bcddcb8642112347aceeedc9531101247bdeffec9521022357acdeddb8532111247bdeeedc85311"
                  "11247bdefeec9521001148cefffec9521001248befffec942100")
-# bitsandbytes' quantize_blockwise(X - X.mean(), blocksize=256) (its dynamic code book) of X below.
-X_GOLDEN = 1 + 0.5 * torch.sin(torch.arange(300) * 0.9)
-ABSMAX_CODES_GOLDEN = (
-    "75effdd6270110a1f0fcd5260110a7f1fcd4250111adf1fcd2240012b3f2fbd1230013b9f3fbd0220014bef3fbcf210014c0f4face20"
-    "0015c1f4facd1f0016c2f5f9cc1e0017c3f6f9cb1d0018c4f6f8c91c0019c6f7f8c81b001ac7f7f7c71a001bc8f8f7c619001cc9f8f6"
-    "c518001dcaf9f6c417001ecbf9f5c216001fcdfaf5c1160020cefaf4c0150021cffbf3bf140022d0fbf3ba130023d1fbf2b412002"
-    "4d2fcf1ae110125d3fcf1a8110126d4fcf0a2100127d5fdef940f0128d7fdee5f0e0229d8fdee590e022ad9fded530d022bdafdec4d"
-    "0c032cdbfeeb470c032ddcfeeb410b032fddfeea3f0a0430defee93d0a0431dffee83c090432e0ffe73b080533e1ffe63a080534e2"
-    "ffe539070635e3ffe437070637e4ffe336060738e5ffe335060739e6ffe2340508")
+# bitsandbytes' quantize_blockwise(X - X.mean(), blocksize=256) (its dynamic code book) of X: stored beside notebook
+# 07's visible storage test, which compares the student's double quantisation with them.
+X_GOLDEN, ABSMAX_CODES_GOLDEN = nb07.ABSMAX_X, nb07.ABSMAX_CODES
+# bitsandbytes' quantize_4bit of three values: the odd count's last low nibble holds 7 (its zero padding's level)
+ODD_GOLDEN = (torch.tensor([0.3, -0.1, 0.2]), "f4e7")
 
 
 def reference_round_trip(w: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
@@ -149,6 +146,56 @@ def test_double_quantisation_matches_bitsandbytes_and_costs_a_quarter_bit():
     w = torch.randn(128, 256)
     assert nf4.stored_bytes(w, double_quant=False) == w.numel() * 4.5 / 8
     assert nf4.stored_bytes(w) == w.numel() * nf4.bits_per_parameter() / 8 + 4
+
+
+def test_an_odd_count_is_padded_with_the_zero_level_as_bitsandbytes_pads():
+    w, golden = ODD_GOLDEN
+    packed, _ = nf4.quantize_nf4(w)
+    assert bytes(packed.tolist()).hex() == golden
+    assert nf4.pack_4bit(torch.tensor([1, 2, 3])).tolist() == [0x12, 0x37]
+    assert nf4.unpack_4bit(nf4.pack_4bit(torch.tensor([[1, 2, 3]])), 3).tolist() == [1, 2, 3]
+
+
+def test_the_visible_checks_stored_numbers_are_course_libs_and_bitsandbytes():
+    # notebook 07's visible tests hold numbers instead of a quantiser (the student edition has none to run):
+    # bitsandbytes' (stored) and course_lib's (tested equal to bitsandbytes above and live below) must agree
+    for (w, bs, hexes), error in zip(nb07.single_blocks(), nb07.SINGLE_BLOCK_ERRORS):
+        packed, absmax = nf4.quantize_nf4(w, bs)
+        assert bytes(packed.tolist()).hex() == hexes
+        assert nf4.relative_rms_error(nf4.dequantize_nf4(packed, absmax, w.shape, bs), w) == pytest.approx(error, rel=1e-6)
+    c = nf4.compress_absmax(nb07.ABSMAX_X)
+    assert c.scales.tolist() == list(nb07.ABSMAX_SCALES) and float(c.offset) == nb07.ABSMAX_OFFSET
+    assert nf4.relative_rms_error(nf4.decompress_absmax(c), nb07.ABSMAX_X) == pytest.approx(nb07.ABSMAX_ERROR, rel=1e-6)
+
+
+def test_qlora_linear_is_lora_on_the_nf4_weight_stores_4_bits_and_trains_only_adapters():
+    from course_lib.lora import lora_linear
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(96, 40)
+    base.weight.data.normal_(0, 0.02)
+    layer = nf4.QLoRALinear(base, r=4, alpha=8)
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A.weight", "lora_B.weight"}
+    assert bool((layer.lora_B.weight == 0).all()) and "weight" not in layer.state_dict()
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) == nf4.stored_bytes(base.weight)
+    frozen = torch.nn.Linear(96, 40)
+    frozen.load_state_dict({"weight": nf4.nf4_round_trip(base.weight), "bias": base.bias.detach()})
+    theirs = lora_linear(frozen, r=4, alpha=8)
+    layer.lora_B.weight.data.normal_(0, 0.01)
+    theirs.lora_A["default"].weight.data.copy_(layer.lora_A.weight)
+    theirs.lora_B["default"].weight.data.copy_(layer.lora_B.weight)
+    x = torch.randn(2, 3, 96, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    x_grad, x.grad = x.grad, None
+    theirs(x).sum().backward()
+    assert torch.allclose(y, theirs(x), atol=1e-6) and torch.allclose(x_grad, x.grad, atol=1e-6)
+    assert torch.allclose(layer.lora_A.weight.grad, theirs.lora_A["default"].weight.grad, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # QLoRA's compute dtype: the weight dequantised to bf16
+        assert layer(x.detach().bfloat16()).dtype == torch.bfloat16
+    with torch.no_grad():
+        layer.packed.fill_(0x77)  # every code the level 0: the forward dequantises from the buffer every time
+        assert torch.allclose(layer(x), base.bias + layer.lora_B(layer.lora_A(x)) * 2, atol=1e-6)
 
 
 def test_bad_input_says_what_to_change():

@@ -104,4 +104,18 @@ def test_qlora_memory_table_and_nothing_fake_on_a_cpu(executed):
     assert value(res, "qlora_70b_total_gb") < 48 < 140 < value(res, "bf16_lora_70b_total_gb")
     # the GPU comparison records only where it ran
     assert not any(k.startswith("qlora_tokens") or k.startswith("bf16_lora_tokens") for k in res["values"])
-    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 2
+    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 3
+
+
+def test_the_students_qlora_layer_stores_4_bits_and_fine_tunes(executed):
+    res = executed("07_llama_finetune")
+    # the bytes of the student's buffers: 4 + 8/64 + 32/(64*256) bits a weight, and a float32 offset per layer
+    assert 4.12 < value(res, "qlora_yours_bits_per_weight") < 4.2
+    assert value(res, "trainable_params_your_qlora") == value(res, "trainable_params_lora")
+    # the same start and batches as the student's LoRA for a third of its steps; only the 4-bit base differs: the
+    # curves differ, and the loss falls as LoRA's does
+    assert 0 < value(res, "qlora_yours_vs_lora_loss_max_rel_diff") < 1
+    assert value(res, "qlora_yours_loss_drop") < 1.2 * value(res, "lora_yours_loss_drop_same_steps") + 0.05
+    assert math.isfinite(value(res, "heldout_loss_after_your_qlora"))
+    mine = claim(res, "QLoRA stores the base's linear layers in 4.13 bits per weight")
+    assert (mine["kind"], mine["held"]) == ("measured", True), mine
