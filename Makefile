@@ -16,7 +16,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-ASSIGNMENT ?= 02_gradient_accumulation
+ASSIGNMENT ?= 03_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 

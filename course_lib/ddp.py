@@ -33,7 +33,7 @@ from course_lib.throughput import time_step
 from course_lib.train import Dims, fit, rank_and_world, train_step, worker_result
 
 
-# graded: 04_ddp average_gradients
+# graded: 06_ddp average_gradients
 def all_reduce_gradients(model: nn.Module) -> None:
     """Average every parameter's gradient over all ranks, in place (sum, then divide by world size)."""
     world = dist.get_world_size()
@@ -43,7 +43,7 @@ def all_reduce_gradients(model: nn.Module) -> None:
             p.grad /= world
 
 
-# graded: 04_ddp BucketedDDP
+# graded: 06_ddp BucketedDDP
 def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most ``bucket_cap_mb`` MiB of gradient, in reverse order.
 
@@ -64,7 +64,7 @@ def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Paramete
     return buckets
 
 
-# graded: 04_ddp BucketedDDP
+# graded: 06_ddp BucketedDDP
 class BucketedDDP(nn.Module):
     """DDP's overlap, by hand: each bucket of gradients is all-reduced as soon as backward has filled it.
 

@@ -50,7 +50,7 @@ from course_lib.train import Dims, fit, rank_and_world, worker_result
 STRATEGIES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
 
 
-# graded: 05_fsdp ShardedModule
+# graded: 08_fsdp ShardedModule
 class GatherParameter(torch.autograd.Function):
     """Forward: all-gather the ranks' slices into the full parameter. Backward: reduce-scatter its
     gradient, so each rank gets the average over the ranks of its own slice."""
@@ -70,7 +70,7 @@ class GatherParameter(torch.autograd.Function):
         return mine / ctx.world, None
 
 
-# graded: 05_fsdp ShardedModule
+# graded: 08_fsdp ShardedModule
 class ShardedModule(nn.Module):
     """FSDP in miniature: ``module``'s parameters sharded 1/N per rank, gathered for each forward.
 

@@ -48,7 +48,7 @@ def lora_linear(base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> 
     return layer
 
 
-# graded: 07_llama_finetune lora_params
+# graded: 11_llama_finetune lora_params
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear layer of a Llama block, from its config."""
     d, ffn = config.hidden_size, config.intermediate_size
@@ -58,7 +58,7 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
             "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
 
 
-# graded: 07_llama_finetune lora_params
+# graded: 11_llama_finetune lora_params
 def lora_trainable_parameters(config, r: int, target_modules=LORA_TARGETS) -> int:
     """LoRA's trainable parameters from the config alone: r·(in + out) per adapted linear, every layer."""
     shapes = linear_shapes(config)

@@ -1,7 +1,7 @@
 """What every notebook's first code cell does, in one call.
 
     SIZES = {"smoke": dict(width=8, batch=32), "cpu": dict(width=16, batch=256), "gpu": ..., "node": ...}
-    tier, size, device, results = course_setup("02_gradient_accumulation", tier, SIZES, seed=seed)
+    tier, size, device, results = course_setup("03_gradient_accumulation", tier, SIZES, seed=seed)
 
 ``course_setup`` resolves the ``tier`` parameter (``device.pick_tier``: "auto" picks from the
 hardware, and "smoke" while nbgrader grades), takes that tier's sizes (with any overrides the

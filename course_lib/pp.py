@@ -68,7 +68,7 @@ def gpipe_order(p: int, m: int) -> list[list[Action]]:
     return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
 
 
-# graded: 08_model_parallelism one_f_one_b_order
+# graded: 13_model_parallelism one_f_one_b_order
 def one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
     """Per rank, the actions 1F1B runs: rank r warms up with min(m, p-r) forwards, then alternates
     one backward and one forward, then drains the backwards left (torch's ``Schedule1F1B``)."""
@@ -373,7 +373,7 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
 
 # ---------------------------------------------------------------- 1F1B, by hand
 
-# graded: 08_model_parallelism run_1f1b
+# graded: 13_model_parallelism run_1f1b
 def run_1f1b(stage: nn.Module, rank: int, p: int, micro_batches: list, order: list, loss_fn, shape) -> tuple[list, int]:
     """One step's forwards and backwards of this rank's ``stage`` over m micro-batches, in ``order``.
 

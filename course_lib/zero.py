@@ -230,7 +230,7 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     return worker_result(losses, micro_batch=config["train_micro_batch_size_per_gpu"], global_steps=net.global_steps)
 
 
-# graded: 06_deepspeed_zero ShardedOptimizer
+# graded: 09_deepspeed_zero ShardedOptimizer
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 as DeepSpeed runs it (and the ZeRO paper describes it): each rank keeps the optimizer state,
     and an fp32 copy of the weights, for 1/N of every parameter group, and no DDP runs underneath.
@@ -491,7 +491,7 @@ def tokens_to_hide(bytes_per_param: float, link_bytes_per_s: float, optimizer_pa
             "CPU optimizer": gpu_flops / (6 * optimizer_params_per_s)}
 
 
-# graded: 06_deepspeed_zero OffloadedAdamW
+# graded: 09_deepspeed_zero OffloadedAdamW
 class OffloadedAdamW:
     """ZeRO-Offload's optimizer on one device, by hand: the model keeps only its (16-bit) weights; every gradient
     leaves for ``offload_device`` during backward, as soon as backward has produced it, and the fp32 master

@@ -45,7 +45,7 @@ def deepspeed_ops():
 
 @pytest.fixture(scope="session")
 def executed(course_run_dir, deepspeed_ops):
-    """``executed("02_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
+    """``executed("03_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
 
     Each notebook runs once per session (papermill, real kernel); a failing cell fails the test
     with papermill's error naming the cell.
@@ -85,20 +85,20 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 
 
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
-SAME_WORKER = {"test_run_all": "test_notebook_02"}
+SAME_WORKER = {"test_run_all": "test_notebook_03"}
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
 # on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
-ALONE = {"test_browser", "test_hub", "test_notebook_08", "test_pp"}
+ALONE = {"test_browser", "test_hub", "test_notebook_13", "test_pp"}
 # The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on two) run
 # first, in two lanes: the assignments whose tests start several ranks on one worker, those that run in one process
 # (and the instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
 # 15% slower than beside a one-process test. The other modules follow, the longest first, shared out as the
 # workers free up.
-MULTI_RANK_GRADING = {"04_ddp", "05_fsdp", "06_deepspeed_zero", "08_model_parallelism"}
+MULTI_RANK_GRADING = {"06_ddp", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism"}
 LANES = ["grading with ranks", "grading in one process"]
-LONGEST_FIRST = ["test_notebook_06", "test_notebook_07"]
+LONGEST_FIRST = ["test_notebook_09", "test_notebook_11"]
 
 
 def group_of(item) -> str:

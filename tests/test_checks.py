@@ -77,8 +77,8 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
 
 # One multi-rank check of each notebook whose tests start ranks: on a machine with GPUs, run_forked spawns its
 # ranks and a probe sends them the student's definitions by value (cloudpickle), not the forked namespace.
-SPAWNED = {"04_ddp": "test_average_gradients", "05_fsdp": "test_ShardedModule",
-           "06_deepspeed_zero": "test_ShardedOptimizer", "08_model_parallelism": "test_tensor_parallel_pair"}
+SPAWNED = {"06_ddp": "test_average_gradients", "08_fsdp": "test_ShardedModule",
+           "09_deepspeed_zero": "test_ShardedOptimizer", "13_model_parallelism": "test_tensor_parallel_pair"}
 
 
 @pytest.mark.parametrize("assignment", sorted(SPAWNED))

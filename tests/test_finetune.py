@@ -607,7 +607,7 @@ def notebook_sizes(name: str) -> dict[str, dict]:
 def test_every_tier_of_notebook_07_can_make_its_data(tier):
     """The gpu tier asked for 4000 'reverse' examples, and 16 words make only 3360: it stopped at its first data cell
     on an H200. Each tier's counts are made here, as the notebook makes them (reverse, then sort for the base)."""
-    size = notebook_sizes("07_llama_finetune")[tier]
+    size = notebook_sizes("11_llama_finetune")[tier]
     for task in ("reverse", "sort"):
         data = ins.load_instruction_data(None, task=task, n_train=size["n_train"], n_test=size["n_test"])
         assert len(data["train"]) == size["n_train"] and len(data["test"]) == size["n_test"]

@@ -60,7 +60,7 @@ def test_every_exercise_has_known_wrong_submissions_that_score_every_cell(assign
     assert set(g.checked_ids(solution)) == set(points), "every test cell is a check (scored outside the kernel)"
 
 
-PIPELINE = ("02_gradient_accumulation", "04_ddp")
+PIPELINE = ("03_gradient_accumulation", "06_ddp")
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def emulate(notebook: str, out) -> dict:
 
 def test_the_notebooks_that_launch_ranks_are_the_ones_emulated():
     emulated = [p.stem for p in run_all.notebooks() if run_all.emulates_node(p)]
-    assert emulated == ["04_ddp", "05_fsdp", "06_deepspeed_zero", "08_model_parallelism"]
+    assert emulated == ["06_ddp", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism"]
 
 
 def test_emulation_takes_the_node_layout_and_the_given_widths(monkeypatch):
@@ -64,20 +64,20 @@ def test_emulation_refuses_what_it_cannot_emulate(monkeypatch):
 
 
 def test_04_runs_its_throughput_and_loaders_on_8_ranks(tmp_path):
-    res = emulate("04_ddp", tmp_path)
+    res = emulate("06_ddp", tmp_path)
     assert value(res, "samples_per_s_8_rank") > 0 and value(res, "ddp_weights_per_rank_ratio") == 1.0
     assert value(res, "rank_loaders_cover")
 
 
 def test_05_shards_over_8_ranks(tmp_path):
-    res = emulate("05_fsdp", tmp_path)
+    res = emulate("08_fsdp", tmp_path)
     assert value(res, "mesh_shapes")[0] == [8]
     assert claim(res, "every strategy trains like one process")["held"]
     assert abs(value(res, "full_shard_ranks_sum_over_estimate") - 1) < 0.05
 
 
 def test_06_runs_zero_3_with_offload_on_8_ranks(tmp_path):
-    res = emulate("06_deepspeed_zero", tmp_path)
+    res = emulate("09_deepspeed_zero", tmp_path)
     assert claim(res, "ZeRO stages 1-3 and offload train the same model as DDP")["held"]
     assert "N=8" in claim(res, "ZeRO keeps 1/N of the optimizer state")["measured"]
     assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
@@ -87,11 +87,11 @@ def test_06_runs_zero_3_with_offload_on_8_ranks(tmp_path):
 
 
 def test_08_runs_8_stages_and_tp_8(tmp_path):
-    res = emulate("08_model_parallelism", tmp_path)
+    res = emulate("13_model_parallelism", tmp_path)
     assert "8 ranks" in claim(res, "tensor parallelism trains the same model")["claim"]
     assert claim(res, "every pipeline schedule trains the same model as one process")["held"]
     in_flight = value(res, "pp_in_flight")
     assert len(in_flight["1f1b"]) == 8 and max(in_flight["1f1b"]) <= 8 and in_flight["gpipe"] == [16] * 8
-    executed = json.loads((tmp_path / "executed" / "08_model_parallelism.ipynb").read_text())
+    executed = json.loads((tmp_path / "executed" / "13_model_parallelism.ipynb").read_text())
     assert "tier=node (emulated" in "".join("".join(o.get("text", "")) for c in executed["cells"][:4]
                                             for o in c.get("outputs", []))

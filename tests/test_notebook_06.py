@@ -1,106 +1,133 @@
-"""Notebook 06 (DeepSpeed ZeRO) executes on the CPU tier with DeepSpeed's real engine on 2 ranks."""
+"""Notebook 04 (DDP) executes on the CPU tier and measures what it claims."""
 
-import torch
+import math
+
+import pytest
 
 from conftest import claim, value
 
-VARIANTS = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
+
+def test_torchrun_starts_two_gloo_ranks(executed):
+    res = executed("06_ddp")
+    assert value(res, "torchrun_world_size") == 2
+    assert value(res, "torchrun_backend") == "gloo"
+    assert value(res, "torchrun_ranks_seen") == [0, 1]
 
 
-def test_every_stage_and_offload_matches_ddp(executed):
-    res = executed("06_deepspeed_zero")
-    for name in VARIANTS:
-        assert value(res, f"max_rel_loss_diff_vs_ddp {name}") < 1e-5, name
+def test_distributed_sampler_shards_and_set_epoch(executed):
+    res = executed("06_ddp")
+    assert value(res, "seed000_local_batch_of_32_over_8") == 4
+    assert value(res, "sampler_shards_disjoint") is True
+    assert value(res, "sampler_shards_cover") is True
+    assert value(res, "sampler_set_epoch_reshuffles") is True
+    assert value(res, "sampler_without_set_epoch_repeats") is True  # the pitfall, measured
 
 
-def test_optimizer_state_is_sharded_to_one_over_n(executed):
-    res = executed("06_deepspeed_zero")
-    for name in VARIANTS:
-        assert abs(value(res, f"optimizer_state_fraction {name}") - 0.5) < 0.05, name
+def test_ddp_equals_one_process_on_the_global_batch(executed):
+    res = executed("06_ddp")
+    assert value(res, "parity_steps") >= 5
+    # float32 rounding (the ranks sum in another order), far below the issue's 1e-5 target
+    assert 0 <= value(res, "ddp_vs_single_max_rel_diff") < 1e-5
+    assert value(res, "ddp_vs_single_weights_rel_diff") < 1e-5
+    assert value(res, "ddp_replicas_identical") is True
+    assert len(res["figures"]) >= 3
 
 
-def test_checkpoint_resume_is_exact_and_claims_held(executed):
-    res = executed("06_deepspeed_zero")
-    assert value(res, "resume_max_abs_loss_diff") < 1e-6
-    assert value(res, "resume_digest_rel_diff") < 1e-6
-    # every measured claim held, but DeepSpeed's "5-7x faster than torch's AdamW", whose verdict is this CPU's to give
-    measured = [c for c in res["claims"] if c["kind"] == "measured"]
-    assert all(c["held"] for c in measured if not c["claim"].startswith("DeepSpeed's CPU Adam")), measured
-    # the ZeRO paper's arithmetic for Llama-3.1-8B on 8 GPUs: 16 bytes/param / 8 -> about 16 GB
-    assert 15 < value(res, "llama_8b_zero3_gb_per_gpu_of_8") < 17
+def test_the_students_average_gradients_trains_like_ddp(executed):
+    """After exercise 3, ddp.train runs the notebook's own average_gradients (course_lib's is the exercise's answer)."""
+    res = executed("06_ddp")
+    assert value(res, "manual_vs_ddp_max_rel_diff") < 1e-5
+    assert value(res, "manual_replicas_identical") is True
+    assert claim(res, "DDP's reducer averages the gradients: your hand-written all-reduce")["held"]
+    assert "06_ddp_parity_yours.png" in " ".join(res["figures"])
 
 
-def test_the_three_accelerate_configs_validate_in_the_notebook(executed):
-    assert value(executed("06_deepspeed_zero"), "accelerate_configs_valid") == 3
+def test_no_sync_once_per_step_across_real_ranks(executed):
+    res = executed("06_ddp")
+    once = value(res, "allreduce_buckets_one_backward")
+    assert value(res, "allreduce_buckets_with_no_sync") == once
+    assert value(res, "allreduce_buckets_without_no_sync") == 4 * once  # accum=4 on the cpu tier
+    assert value(res, "no_sync_vs_single_params_max_rel_diff") < 1e-5
+    assert value(res, "without_no_sync_vs_single_params_max_rel_diff") < 1e-5  # slower, not wrong
 
 
-def test_every_variant_ends_with_ddps_weights_and_every_rank_agrees(executed):
-    res = executed("06_deepspeed_zero")
-    for name in VARIANTS:
-        assert value(res, f"weights_rel_diff_vs_ddp {name}") < 1e-5, name
-    assert value(res, "ranks_agree_on_losses") is True
-    assert value(res, "resume_start_step") == 2  # stopped after step 2 of 5, resumed from there
+def test_the_students_bucketed_ddp_overlaps_and_is_timed_against_ddp_and_per_parameter(executed):
+    res = executed("06_ddp")
+    buckets = value(res, "timeline_buckets")
+    assert buckets >= 4  # the cap is a sixth of the model
+    assert value(res, "timeline_all_reduces") == buckets  # one collective per bucket
+    assert 1 <= value(res, "buckets_launched_during_backward") <= buckets
+    steps = [value(res, f"step_ms_{k}") for k in ("torch_DDP", "your_BucketedDDP", "your_average_gradients")]
+    assert all(s > 0 for s in steps)
+    gain = value(res, "bucketed_over_per_parameter_speed")
+    assert gain == pytest.approx(steps[2] / steps[1], rel=1e-6)
+    # timings are recorded with their verdict, never asserted: the claim says what this run measured
+    assert claim(res, "Overlapped buckets speed up the step")["held"] == (gain > 1.0)
 
 
-def test_the_students_zero1_trains_like_ddp_with_a_shard_of_the_state(executed):
-    res = executed("06_deepspeed_zero")
-    assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
-    assert value(res, "your_zero1_max_rel_loss_diff_vs_deepspeed_zero1") < 1e-5  # cpu tier: both on CPU ranks
-    assert abs(value(res, "your_zero1_optimizer_state_fraction") - 0.5) < 0.01
-    # no DDP underneath: its reduce-scatter and all-gather send what DDP's all-reduce sends, 2 (N-1)/N x 4 bytes
-    assert value(res, "ddp_sent_bytes_per_param") == 4.0
-    assert value(res, "your_zero1_sent_bytes_per_param") == 4.0  # SmallCNN's 11274 parameters: no padding on 2 ranks
-    assert claim(res, "ZeRO stage 1 costs no extra communication over DDP")["held"]
+def test_throughput_is_measured_and_dataparallel_is_marked_not_measured(executed):
+    res = executed("06_ddp")
+    # the speed-up is recorded, not asserted (2 ranks on 2 shared cores), but it is the throughputs' ratio
+    # and the claim's verdict is the one that ratio gives
+    speedup = value(res, "ddp_speedup")
+    assert speedup == pytest.approx(value(res, "samples_per_s_2_rank") / value(res, "samples_per_s_1_rank"), rel=1e-9)
+    nx = claim(res, "Multi-GPU DDP: Nx speed")  # CPU ranks stand in for GPUs here: simulated, not a verdict
+    assert (nx["kind"], nx["held"], nx["agrees"]) == ("simulated", None, speedup >= 1.4), nx
+    assert value(res, "ddp_weights_per_rank_ratio") == 1.0
+    assert value(res, "dp_vs_ddp_measured") is False  # no GPUs in CI
+    assert "Not measured" in value(res, "dp_vs_ddp_note")
 
 
-def test_offload_states_sit_where_the_plan_says_with_its_bytes(executed):
-    res = executed("06_deepspeed_zero")
-    # fp32 master weights, fp32 gradients and Adam's m and v per rank, read from the real engines of section 3
-    assert value(res, "offload_placement_max_rel_diff_vs_plan") < 1e-2
-    assert value(res, "offload_states_on_cpu") is True
-    assert value(res, "zero2_offload_link_bytes_per_param") == 6  # 4 down (fp32 gradients), 2 up (bf16 weights)
+def test_feeding_every_rank_measures_workers_against_the_step(executed):
+    res = executed("06_ddp")
+    rates = {w: value(res, f"loader_samples_per_s_w{w}") for w in (0, 1, 2)}  # the cpu tier's grid
+    assert all(r > 0 for r in rates.values())
+    consumed = value(res, "feed_step_consumes_samples_per_s")
+    assert 16 / 0.012 * 0.7 < consumed <= 16 / 0.012 * 1.01  # a batch of 16 per 12 ms stand-in step (sleep overshoots)
+    per_worker = value(res, "loader_samples_per_s_per_worker")
+    assert per_worker == rates[1]
+    needed = value(res, "workers_needed_per_rank")
+    assert needed == math.ceil(consumed / per_worker)
+    # the verdict is the one the measured rates give, whatever they were on this machine
+    verdict = claim(res, "num_workers=8 keeps each GPU fed")
+    assert verdict["kind"] == "simulated" and verdict["held"] is None  # a calibrated loader: it holds by design
+    assert verdict["agrees"] == (needed <= 8) and f"{needed} worker(s) per rank" in verdict["measured"]
+    assert value(res, "host_cores") >= 1
+    assert value(res, "feed_decode_rounds_per_sample") >= 1
 
 
-def test_deepspeed_cpu_adam_against_torch_adamw_on_this_cpu(executed):
-    res = executed("06_deepspeed_zero")
-    seconds = value(res, "adam_step_seconds")
-    assert all(s and s > 0 for s in seconds.values()), seconds  # the op was prebuilt and loaded: no missing bar
-    assert value(res, "adam_max_abs_diff_vs_torch") < 1e-5  # the same AdamW update, three implementations
-    speedup = value(res, "cpu_adam_speedup_vs_torch_default")
-    assert speedup > 1.5, seconds  # a vectorised C++ step against torch's per-op foreach
-    verdict = claim(res, "DeepSpeed's CPU Adam is 5-7x faster")
-    assert verdict["held"] == (speedup >= 5) and f"{speedup:.1f}x" in verdict["measured"]
+def test_the_timeline_and_the_epoch_boundary_are_measured(executed):
+    res = executed("06_ddp")
+    for w in (0, 1, 2):
+        assert 0 <= value(res, f"wait_fraction_w{w}") < 1
+    # timings are recorded, not asserted against each other (the CI machine is shared); they exist and are positive
+    assert value(res, "epoch2_first_batch_s_fresh_workers") > 0
+    assert value(res, "epoch2_first_batch_s_persistent_workers") > 0
+    figures = " ".join(res["figures"])
+    for name in ("loader_workers", "loader_timeline", "persistent_workers", "rank_loaders", "prefetcher_timeline"):
+        assert f"06_ddp_{name}.png" in figures
 
 
-def test_the_size_prediction_reproduces_seed_004_and_says_it_is_a_prediction(executed):
-    res = executed("06_deepspeed_zero")
-    largest = value(res, "predicted_seed_gpu_largest_params")  # one 32 GB GPU: seed 004 measured 1.2B, 12B, 120B
-    assert 1e9 < largest["pytorch"] < 2e9
-    assert 8e9 < largest["zero2_offload"] < 16e9
-    assert largest["zero3_nvme"] >= 100e9
-    verdict = claim(res, "ZeRO-Offload trains ~10x larger")
-    assert verdict["measured"].startswith("PREDICTION, not measured") and verdict["kind"] == "predicted"
-    assert verdict["agrees"] and verdict["held"] is None  # arithmetic: not a verdict on this machine
-    offload = claim(res, "ZeRO-Offload moves the optimizer states off the GPU")  # measured only where a GPU is
-    assert offload["kind"] == ("measured" if torch.cuda.is_available() else "not measured here"), offload
-    assert "06_deepspeed_zero_offload_largest_model.png" in " ".join(res["figures"])
-    assert "06_deepspeed_zero_cpu_adam.png" in " ".join(res["figures"])
+def test_each_ranks_loader_reads_its_own_shard(executed):
+    res = executed("06_ddp")
+    assert value(res, "rank_loaders_disjoint") is True
+    assert value(res, "rank_loaders_cover") is True
+    assert value(res, "rank_samples_per_s_alone") > 0 and value(res, "rank_samples_per_s_all_ranks") > 0
 
 
-def test_the_students_offloaded_adamw_keeps_bf16_weights_learning(executed):
-    res = executed("06_deepspeed_zero")
-    # the tiny Llama, lr 1e-4: bf16 weights stepped directly lose the small updates; fp32 masters keep them
-    yours, pure = value(res, "your_offload_final_loss_vs_fp32"), value(res, "pure_bf16_final_loss_vs_fp32")
-    assert yours < pure and abs(yours) < 0.5 * abs(pure), (yours, pure)
-    assert claim(res, "fp32 master weights off the device")["held"]
-    assert "06_deepspeed_zero_your_offload_losses.png" in " ".join(res["figures"])
+def test_the_students_prefetcher_feeds_the_step_and_copies_are_marked_not_measured(executed):
+    res = executed("06_ddp")
+    for key in ("with", "without"):
+        assert 0 <= value(res, f"prefetcher_wait_fraction_{key}") < 1
+        assert value(res, f"prefetcher_step_ms_{key}") >= 12 * 0.99  # never faster than the step itself
+    assert value(res, "h2d_measured") is False  # no GPU in CI: nothing recorded as if it were measured
+    assert "Not measured" in value(res, "h2d_note")
+    assert not [c for c in res["claims"] if c["claim"].startswith("pin_memory")]
 
 
-def test_the_students_offloaded_adamw_lets_gradients_leave_during_backward(executed):
-    """Measured on the CPU too: with the student's hooks the model never holds more than one tensor's gradient in
-    backward; torch's AdamW on the same bf16 model holds every gradient (2 bytes per parameter) until its step."""
-    res = executed("06_deepspeed_zero")
-    mine, plain = value(res, "your_offload_grad_peak_bytes_per_param"), value(res, "adamw_bf16_grad_peak_bytes_per_param")
-    assert plain == 2.0 and 0 < mine < 1.0, (mine, plain)
-    verdict = claim(res, "ZeRO-Offload's gradients leave the device during backward")
-    assert verdict["kind"] == "measured" and verdict["held"], verdict
+def test_every_exactness_claim_held(executed):
+    res = executed("06_ddp")
+    # timings carry their verdicts (held or not, as measured); the exactness claims must all hold
+    exact = [c for c in res["claims"] if "speed" not in c["claim"] and "efficient data loading" not in c["source"]]
+    assert len(exact) >= 6
+    assert all(c["held"] for c in exact), exact

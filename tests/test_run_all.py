@@ -6,8 +6,8 @@ from course_lib import results, run_all
 
 
 def test_summary_gathers_values_claims_and_figures(executed, course_run_dir):
-    res = executed("02_gradient_accumulation")
-    path = run_all.write_summary(course_run_dir, {"02_gradient_accumulation": res["seconds"]}, "cpu")
+    res = executed("03_gradient_accumulation")
+    path = run_all.write_summary(course_run_dir, {"03_gradient_accumulation": res["seconds"]}, "cpu")
     text = path.read_text()
     assert "| accum_vs_big_max_rel_diff |" in text
     assert "| claim | source | what this run found | kind | verdict |" in text
@@ -20,12 +20,12 @@ def test_summary_gathers_values_claims_and_figures(executed, course_run_dir):
 
 def test_summary_counts_and_shows_each_kind_apart(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
-    r = results.Results("06_deepspeed_zero")
+    r = results.Results("09_deepspeed_zero")
     r.claim("ZeRO matches DDP", "1e-7", True)
     r.claim("ZeRO matches DDP again", "1e-2", False)
     r.claim("10x larger models", "9.8x from memory arithmetic", True, kind="predicted")
     r.claim("offload frees the GPU", "no GPU here", kind="not measured here")
-    text = run_all.write_summary(tmp_path, {"06_deepspeed_zero": 1.0}, "cpu").read_text()
+    text = run_all.write_summary(tmp_path, {"09_deepspeed_zero": 1.0}, "cpu").read_text()
     assert "Claims: 1 held, 1 did not hold, 1 predicted, 1 not measured here." in text
     assert "| 10x larger models |  | 9.8x from memory arithmetic | predicted | predicted: agrees |" in text
     assert "| offload frees the GPU |  | no GPU here | not measured here | not measured here |" in text
@@ -34,7 +34,7 @@ def test_summary_counts_and_shows_each_kind_apart(tmp_path, monkeypatch):
 
 def test_every_solution_notebook_is_found_in_order():
     names = [p.stem for p in run_all.notebooks("solutions")]
-    assert names == sorted(names) and "02_gradient_accumulation" in names
+    assert names == sorted(names) and "03_gradient_accumulation" in names
     assert [p.stem for p in run_all.notebooks("notebooks")] == names
 
 
@@ -45,19 +45,19 @@ def test_unknown_notebook_number_is_an_error(capsys):
 
 
 def test_summary_marks_the_notebooks_over_their_tiers_budget(tmp_path):
-    timings = {"00_orientation": 30.0, "06_deepspeed_zero": 700.0, "07_llama_finetune": float("nan")}
-    assert run_all.over_budget(timings, run_all.BUDGET_S["gpu"]) == {"06_deepspeed_zero": 700.0}
+    timings = {"00_orientation": 30.0, "09_deepspeed_zero": 700.0, "11_llama_finetune": float("nan")}
+    assert run_all.over_budget(timings, run_all.BUDGET_S["gpu"]) == {"09_deepspeed_zero": 700.0}
     assert run_all.over_budget(timings, None) == {}  # --long-runs and the emulation have no budget
     text = run_all.write_summary(tmp_path, timings, "gpu", run_all.BUDGET_S["gpu"]).read_text()
     assert "Executed in 700.0 s (budget 600 s: OVER)." in text and "Executed in 30.0 s (budget 600 s)." in text
-    assert "## 07_llama_finetune\n\nFailed." in text
+    assert "## 11_llama_finetune\n\nFailed." in text
 
 
 def test_the_long_measurements_wait_for_long_runs():
     """--long-runs sets each notebook's long_runs parameter; the notebooks with measurements past a slot have one."""
     import json
 
-    for name in ("06_deepspeed_zero", "07_llama_finetune"):
+    for name in ("09_deepspeed_zero", "11_llama_finetune"):
         nb = json.loads((run_all.ROOT / "solutions" / name / f"{name}.ipynb").read_text())
         params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
         assert "long_runs = False" in "".join(params["source"]), name

@@ -4,7 +4,7 @@ stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
 
 Every ZeRO stage and offload against DDP, the sharded optimizer state and the checkpoint resume run in
-notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test_notebook_06.py.
+notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test_notebook_09.py.
 """
 
 

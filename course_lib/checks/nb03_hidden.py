@@ -1,118 +1,125 @@
-"""Notebook 03's hidden tests (instructor edition only): a frozen input, keyword arguments, a Llama's decoder
-layers, dropout and bf16 autocast."""
+"""Notebook 02's hidden tests (instructor edition only): stale gradients and other splits, a micro-batch that scores
+nothing, and micro_step_context with one micro-batch, three, and a model without DDP."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-from torch import nn
 
-from course_lib.checks import register, tensor_data
-from course_lib.checks.nb03 import CHECKPOINTS, judge_block, probe_block
-from course_lib.checkpointing import transformer_layers
-from course_lib.grading import forbid, grads, max_rel_diff
-from course_lib.loss import forward_loss
-from course_lib.models import build_llama
+from course_lib.checks import number, register
+from course_lib.checks.nb03 import (STEPS, SYNC, TOKEN_STEPS, accumulate_with, big_batch, cnn_case, judge_refusal,
+                                    masked_batch, one_round, refusal, setup_shape, sync_case, token_case, whole_batch,
+                                    world_of_one)
+from course_lib.grading import forbid, grads, max_rel_diff, twin
 
-
-# ---------------------------------------------------------------- checkpointed_inputs_hidden
-class ScaledBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 24)
-        self.out = nn.Linear(24, 8)
-
-    def forward(self, h, *, scale=1.0):
-        return self.out(torch.tanh(self.lin(h))) * scale
+MICRO_BATCHES = (4, 16, 32)
 
 
-def frozen_input() -> tuple[nn.Module, torch.Tensor]:  # a frozen embedding's output: no input requires grad
-    torch.manual_seed(1)
-    return ScaledBlock(), torch.randn(5, 8)
+def probe_accumulate(ns: dict) -> dict:
+    model, x, y = cnn_case()
+    # the model as the visible test left it (the student's function ran on it once): a copy of it starts each run
+    try:
+        with forbid(*STEPS, namespace=ns):
+            ns["accumulate_gradients"](model, x, y, micro_batch=8)
+    except Exception:  # the visible test's failure, not this one's
+        pass
+    out = {}
+    for mb in MICRO_BATCHES:
+        m2 = twin(model)
+        for p in m2.parameters():
+            p.grad = torch.full_like(p, 3.0)  # stale gradients, to be discarded
+        sizes = []
+        hook = m2.features.register_forward_hook(lambda mod, inp, o: sizes.append(int(inp[0].shape[0])))
+        try:
+            with forbid(*STEPS, namespace=ns):
+                ns["accumulate_gradients"](m2, x, y, micro_batch=mb)
+        finally:
+            hook.remove()
+        out[str(mb)] = {"rows": sizes, "grads": grads(m2)}
+    return out
 
 
-def input_with_grad() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)  # where the first comparison's seed left the RNG
-    return ScaledBlock(), torch.randn(5, 8, requires_grad=True)
+def judge_accumulate(got: dict) -> str:
+    ref = big_batch(*cnn_case())[0]
+    for mb in MICRO_BATCHES:
+        rows = got[str(mb)]["rows"]
+        assert rows, f"micro_batch={mb}: no forward pass ran through the model"
+        assert max(rows) <= mb, f"a forward pass saw {max(rows)} rows with micro_batch={mb}"
+        assert max_rel_diff(got[str(mb)]["grads"], ref) < 1e-5, f"wrong gradient with micro_batch={mb}"
+    return "stale gradients discarded, micro-batches of 4, 16 and 32, each forward within micro_batch rows"
 
 
-def llama() -> tuple[nn.Module, torch.Tensor]:
-    lm = build_llama("tiny", num_hidden_layers=2, use_cache=False, seed=5)
-    return lm, torch.randint(0, lm.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+register("test_accumulate_gradients_hidden", probe_accumulate, judge_accumulate)
+
+TOKEN_MICRO_BATCHES = (1, 2, 3, 6)
 
 
-class Checkpointed(nn.Module):
-    """A decoder layer whose forward is the student's ``checkpointed``, looked up when it runs."""
-
-    def __init__(self, block: nn.Module, ns: dict):
-        super().__init__()
-        self.block, self.ns = block, ns
-
-    def forward(self, hidden_states, **kwargs):
-        return self.ns["checkpointed"](self.block, hidden_states, **kwargs)
+def token_case2() -> dict:
+    """6 rows of 16 tokens: rows 0 and 1 score nothing at all, row 2 its last 13 labels."""
+    return masked_batch(6, 16, 5, {0: 16, 1: 16, 2: 3})
 
 
-def probe_llama(ns: dict) -> dict:
-    """The gradients of the tiny Llama (2 layers) with every decoder layer under the student's checkpoint."""
-    lm, ids = llama()
-    layers, named = transformer_layers(lm), list(lm.named_parameters())
-    for i in range(len(layers)):
-        layers[i] = Checkpointed(layers[i], ns)
-    with forbid(*CHECKPOINTS, namespace=ns), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        forward_loss(lm, ids).backward()
-    return {n: tensor_data(p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+def probe_tokens(ns: dict) -> dict:
+    lm, batch = token_case()[0], token_case2()
+    runs = {}
+    for mb in TOKEN_MICRO_BATCHES:
+        m2 = twin(lm)
+        for p in m2.parameters():
+            p.grad = torch.full_like(p, 5.0)  # stale gradients, to be discarded
+        with forbid(*TOKEN_STEPS, namespace=ns):
+            loss = ns["accumulate_tokens"](m2, batch, micro_batch=mb)
+        runs[str(mb)] = {"grads": grads(m2), "loss": number(loss)}
+    calls = []
+    hook = lm.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with forbid(*TOKEN_STEPS, namespace=ns):
+            bad = refusal(ns["accumulate_tokens"], lm, batch, micro_batch=4)
+    finally:
+        hook.remove()
+    return {"runs": runs, "bad": {**bad, "forward_passes": len(calls)}}
 
 
-def probe_inputs(ns: dict) -> dict:
-    return {"frozen": probe_block(ns, *frozen_input(), scale=0.5),
-            "keyword": probe_block(ns, *input_with_grad(), scale=2.0),
-            "llama": probe_llama(ns)}
+def judge_tokens(got: dict) -> str:
+    ref, want = whole_batch(token_case()[0], token_case2())
+    for mb in TOKEN_MICRO_BATCHES:
+        run = got["runs"][str(mb)]
+        assert all(torch.isfinite(g).all() for g in run["grads"].values()), f"micro_batch={mb}: nan"
+        assert max_rel_diff(run["grads"], ref) < 1e-4, f"micro_batch={mb}: not the whole batch's gradient"
+        assert isinstance(run["loss"], (int, float)) and abs(run["loss"] - want) < 1e-4, \
+            f"micro_batch={mb}: loss {run['loss']}, expected {want}"
+    bad = got["bad"]
+    judge_refusal(bad, "micro_batch=4 does not divide 6 rows")
+    assert "micro_batch" in bad["message"], "the message should name micro_batch"
+    assert not bad["forward_passes"], "check the sizes before any forward pass"
+    return "stale gradients, micro-batches of 1, 2, 3 and 6 rows, empty micro-batches, and a bad micro_batch"
 
 
-def judge_inputs(got: dict) -> str:
-    saved, gaps = judge_block(got["frozen"], *frozen_input(), scale=0.5)
-    assert gaps["parameters"] < 1e-6 and gaps["output"] < 1e-6, f"frozen input, keyword argument: {gaps}"
-    assert saved <= 5 * 8 * 4, f"frozen input: {saved} bytes kept"
-    saved, gaps = judge_block(got["keyword"], *input_with_grad(), scale=2.0)
-    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, f"keyword argument: {gaps}"
-    lm, ids = llama()
-    forward_loss(lm, ids).backward()
-    assert max_rel_diff(got["llama"], grads(lm)) < 1e-5, "Llama decoder layers: the gradients differ"
-    return "a frozen input, keyword arguments and a Llama's decoder layers: the block's gradients, only the inputs kept"
+register("test_accumulate_tokens_hidden", probe_tokens, judge_tokens)
 
 
-register("test_checkpointed_inputs_hidden", probe_inputs, judge_inputs)
+def probe_sync(ns: dict) -> dict:
+    shape = setup_shape(ns)
+    model, x, y = sync_case(**shape)
+    with world_of_one():
+        one, three = accumulate_with(ns, model, x, y, 1)[0], accumulate_with(ns, model, x, y, 3)[0]
+    plain, contexts = twin(model), []
+    for i in range(3):
+        with forbid(*SYNC, namespace=ns):
+            ctx = ns["micro_step_context"](plain, i, 3)
+        contexts.append(hasattr(ctx, "__enter__") and hasattr(ctx, "__exit__"))
+        if not contexts[-1]:
+            break
+        with ctx:
+            pass
+    return {**shape, "one": one, "three": three, "contexts": contexts}
 
 
-# ---------------------------------------------------------------- checkpointed_rng_autocast_hidden
-def dropout_block() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(2)
-    block = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 16)).train()
-    return block, torch.randn(12, 16, requires_grad=True)
+def judge_sync(got: dict) -> str:
+    rounds = one_round(*sync_case(got["width"], got["batch"], got["seed"]))
+    assert got["one"] == [rounds], "accum_steps=1: the only micro-batch must synchronise"
+    assert got["three"] == [0, 0, rounds], \
+        f"3 micro-batches: all-reduces per micro-batch {got['three']}, expected [0, 0, {rounds}]"
+    assert all(got["contexts"]), "return a context manager"
+    return "one micro-batch, three, and a model without DDP"
 
 
-def amp_block() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(3)
-    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-    return block, torch.randn(32, 64, requires_grad=True)
-
-
-def probe_rng_autocast(ns: dict) -> dict:
-    return {"dropout": probe_block(ns, *dropout_block(), seed=7, disturb_rng=True),
-            "bf16": probe_block(ns, *amp_block(), amp_dtype=torch.bfloat16)}
-
-
-def judge_rng_autocast(got: dict) -> str:
-    saved, gaps = judge_block(got["dropout"], *dropout_block(), seed=7)
-    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
-        f"dropout: the recomputation used other random numbers: {gaps}"
-    assert saved <= 12 * 16 * 4, f"dropout block: {saved} bytes kept"
-    saved, gaps = judge_block(got["bf16"], *amp_block(), amp_dtype=torch.bfloat16)
-    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
-        f"bf16 autocast: the recomputation ran in another dtype: {gaps}"
-    return "dropout draws the forward's random numbers again, and the recomputation runs under the forward's autocast"
-
-
-register("test_checkpointed_rng_autocast_hidden", probe_rng_autocast, judge_rng_autocast)
+register("test_micro_step_context_hidden", probe_sync, judge_sync)

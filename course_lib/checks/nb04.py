@@ -1,736 +1,82 @@
-"""Notebook 04's visible tests: each rank's batches on 2 forked ranks (disjoint shards, set_epoch), the Prefetcher
-(every item, overlap with the step, its copies on a side stream under a faked ``torch.cuda``, a loop that leaves
-early), ``average_gradients`` on 2 ranks against DDP and one process, and
-``BucketedDDP`` on 2 ranks (DDP's gradients step by step, the buckets and their async all-reduces, the error for a
-parameter that the forward skipped).
-
-The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that
-need ranks (DDP's gradients) are forked by the judges, from torch's and course_lib's own code.
-"""
+"""Notebook 03's visible test: the hand-written checkpoint of an MLP block, against the block itself."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import multiprocessing
-import os
-import tempfile
-import threading
-from time import perf_counter, sleep  # bound here: a solution cell that rebinds time.sleep cannot reach the probes
+import warnings
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-
-import course_lib.data as course_data
-import course_lib.dataloader as feeding
-import course_lib.distributed as toolkit
-from course_lib import ddp
-from course_lib.checks import forked, outcome, packed, register, student, unpacked
-from course_lib.data import synthetic_images
-from course_lib.distributed import CollectiveLog
-from course_lib.grading import forbid, grads, max_rel_diff, params
-from course_lib.models import SmallCNN
-
-# course_lib's and torch's answers, out of reach while the student's code runs
-LOADERS = (toolkit.sharded_loader, toolkit.step_batches)
-AVERAGE = (ddp.all_reduce_gradients,)
-BUCKETED_INIT = (ddp.BucketedDDP, ddp.bucket_parameters, ddp.all_reduce_gradients, DDP)
-BUCKETED_STEP = (ddp.BucketedDDP, ddp.all_reduce_gradients, DDP)
-
-
-def as_data(x, depth: int = 0):
-    """The student's batches as data: lists and tuples kept as such, ints and floats kept, anything else its repr
-    (which no judge takes for an int)."""
-    if isinstance(x, (list, tuple)) and depth < 4:
-        return type(x)(as_data(v, depth + 1) for v in x) if type(x) in (list, tuple) else repr(x)[:200]
-    if isinstance(x, (bool, int, float)) and type(x) in (bool, int, float):
-        return x
-    if isinstance(x, torch.Tensor) and x.dim() == 1:  # its length kept, its items not taken for ints
-        return [repr(v)[:200] for v in x[:1000]]
-    return repr(x)[:200]
-
-
-# ---------------------------------------------------------------- rank_batches
-def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tuple, seed: int = 0) -> list:
-    """Per rank, ``{epoch: the student's rank_batches(...)}`` on ``nprocs`` forked ranks, course_lib's loaders forbidden."""
-    space = student(ns, "rank_batches")
-
-    def rank(r, world):
-        with forbid(*LOADERS, namespace=space):
-            return {e: as_data(space["rank_batches"](n, dist.get_rank(), dist.get_world_size(), e, batch_size, seed))
-                    for e in epochs}
-
-    return forked(rank, nprocs, timeout=15)
-
-
-def judge_shards(got: list) -> str:
-    seen = []
-    for r, b in enumerate(got):
-        assert isinstance(b[0], list) and len(b[0]) == 5 and all(isinstance(x, (list, tuple)) and len(x) == 4
-                                                                  for x in b[0]), \
-            f"rank {r}: expected 5 batches of 4, got {b[0]}"
-        assert all(isinstance(i, int) for x in b[0] for i in x), "return Python ints"
-        seen += [i for x in b[0] for i in x]
-    assert len(seen) == len(set(seen)), "two ranks read the same sample in one epoch: the shards must be disjoint"
-    assert set(seen) == set(range(40)), "together the ranks must read every sample once"
-    return "disjoint shards that cover the data set"
-
-
-register("test_rank_batches", lambda ns: batches_per_rank(ns, 2, 40, 4, (0,)), judge_shards)
-
-
-def probe_epochs(ns: dict) -> dict:
-    return {"a": batches_per_rank(ns, 2, 40, 4, (0, 1)), "b": batches_per_rank(ns, 2, 40, 4, (0,))}
-
-
-def judge_epochs(got: dict) -> str:
-    a, b = got["a"], got["b"]
-    for r in range(2):
-        assert a[r][0] == b[r][0], f"rank {r}: epoch 0 gave different batches in two calls"
-        assert a[r][0] != a[r][1], f"rank {r}: epoch 1 replays epoch 0's order: call set_epoch(epoch)"
-    return "a new order every epoch, the same order for the same epoch"
-
-
-register("test_rank_batches_epochs", probe_epochs, judge_epochs)
-
-
-# ---------------------------------------------------------------- Prefetcher
-def guarded(fn, timeout: float = 5.0):
-    """fn() in a thread, so that a loop that never ends fails the test instead of hanging."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as err:
-            box["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), (f"the loop still waits after {timeout:.0f} s: does it end when the iterable ends, "
-                                   "and when reading it fails?")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def yours(ns: dict, fn, timeout: float = 5.0):
-    """fn() guarded, course_lib's Prefetcher out of reach while the student's class runs."""
-    with forbid(feeding.Prefetcher, namespace=ns):
-        return guarded(fn, timeout)
-
-
-def writable_tempdir() -> None:
-    """Where the grading process's inherited temporary folder is not writable, the one its environment names:
-    a loader's worker shares its batches through a socket made there."""
-    try:
-        os.rmdir(tempfile.mkdtemp())
-    except OSError:
-        tempfile.tempdir = None
-
-
-def small_loader() -> DataLoader:
-    return DataLoader(TensorDataset(torch.arange(24.0).view(12, 2), torch.arange(12)), batch_size=4, num_workers=1)
-
-
-def batch_data(batch):
-    """A batch that came through the student's Prefetcher, as data: its tensors (detached) or its repr."""
-    if isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch):
-        return [t.detach().cpu().clone() for t in batch]
-    return repr(batch)[:200]
-
-
-def probe_prefetcher(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
-
-    def two_passes():
-        p = Prefetcher(range(20), depth=3)
-        return list(p), list(p)
-
-    first, second = yours(ns, two_passes)
-    writable_tempdir()
-    got = yours(ns, lambda: list(Prefetcher(small_loader(), depth=2, device="cpu")))
-    return {"first": as_data(list(first)), "second": as_data(list(second)), "batches": [batch_data(b) for b in got]}
-
-
-def judge_prefetcher(got: dict) -> str:
-    assert got["first"] == list(range(20)), f"expected the items 0..19 in order, got {got['first']}"
-    assert got["second"] == list(range(20)), \
-        f"a second pass gave {got['second']}: each iter() starts a new pass over the iterable"
-    want = list(small_loader())
-    mine = got["batches"]
-    assert len(mine) == len(want) and all(isinstance(g, list) and len(g) == 2 and torch.equal(g[0], w[0])
-                                          and torch.equal(g[1], w[1]) for g, w in zip(mine, want)), \
-        "the DataLoader's batches changed on the way"
-    return "every item in order, every pass; a DataLoader's batches come through unchanged"
-
-
-register("test_Prefetcher", probe_prefetcher, judge_prefetcher)
-
-N_ITEMS, T_ITEM = 10, 0.04  # 10 items that take 40 ms each to load, a 40 ms step
-
-
-def probe_overlap(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
-
-    def slow_items(n, seconds):
-        for i in range(n):
-            sleep(seconds)  # loading (sleep releases the GIL, as torch's decoding kernels do)
-            yield i
-
-    def timed_loop(n, t_load, t_step, depth):
-        t0, seen = perf_counter(), []
-        for item in Prefetcher(slow_items(n, t_load), depth=depth):
-            sleep(t_step)  # the step: the GPU busy, the host free
-            seen.append(item)
-        return seen, perf_counter() - t0
-
-    for _attempt in range(2):  # a second try, in case the machine was busy during the first
-        seen, took = yours(ns, lambda: timed_loop(N_ITEMS, T_ITEM, T_ITEM, 2))
-        if took < 0.75 * 2 * N_ITEMS * T_ITEM:
-            break
-    return {"seen": as_data(list(seen)), "took": float(took)}
-
-
-def judge_overlap(got: dict) -> str:
-    n, t, took = N_ITEMS, T_ITEM, got["took"]
-    assert got["seen"] == list(range(n)), f"items missing or out of order: {got['seen']}"
-    assert took < 0.75 * 2 * n * t, (f"{n} items that take {t * 1e3:.0f} ms to load and a {t * 1e3:.0f} ms step: "
-                                     f"{took:.2f} s; without overlap that is {2 * n * t:.2f} s, with it about "
-                                     f"{(n + 1) * t:.2f} s: read the next items in the thread while the loop works")
-    return f"{n} steps in {took:.2f} s ({2 * n * t:.2f} s one after the other): loading overlaps with the step"
-
-
-register("test_Prefetcher_overlap", probe_overlap, judge_overlap)
-
-
-# ---------------------------------------------------------------- Prefetcher on a GPU, and its shutdown
-class FakeCuda:
-    """torch.cuda's streams and events, and the copy to a GPU, logged instead of run: what a CPU can check of a
-    prefetcher's GPU branch. While the block runs, ``torch.cuda.Stream``, ``Event``, ``stream``, ``current_stream``,
-    ``default_stream``, ``synchronize`` and ``is_available`` are stand-ins, ``Tensor.record_stream`` logs its call,
-    and ``to_device`` (in course_lib.data and every namespace in ``spaces``) clones the batch as "the copy", logging
-    the stream it was issued on. ``log`` lists, in order, plain dicts: ``what`` (copy, record_event, wait_event,
-    wait_stream, record_stream, synchronize, received), ``thread`` ("loop": the thread that entered the block),
-    ``stream`` (``default`` or ``side N``) and the item or event each names. ``received(item)`` logs an item the loop got.
-    """
-
-    def __init__(self, *spaces: dict):
-        self.spaces, self.log, self.kept = [vars(course_data), *spaces], [], []
-        self.copies: dict[int, int] = {}  # id(copied tensor) -> its item's number (self.kept keeps the ids unique)
-        self.local, self.n_streams, self.n_events = threading.local(), 0, 0
-        self.default = _FakeStream(self, "default")
-
-    def note(self, what: str, **data) -> None:
-        thread = "loop" if threading.get_ident() == self.loop else "thread"
-        self.log.append({"what": what, "thread": thread, **data})
-
-    def current(self) -> "_FakeStream":
-        stack = getattr(self.local, "stack", [])
-        return stack[-1] if stack else self.default
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        if stream is None:  # torch.cuda.stream(None) changes nothing
-            yield
-            return
-        self.local.stack = getattr(self.local, "stack", []) + [stream]
-        try:
-            yield
-        finally:
-            self.local.stack = self.local.stack[:-1]
-
-    def new_stream(self, device=None, priority: int = 0, **kwargs) -> "_FakeStream":
-        self.n_streams += 1
-        return _FakeStream(self, f"side {self.n_streams}")
-
-    def to_device(self, batch, device, non_blocking: bool = False):
-        tensors = [batch] if torch.is_tensor(batch) else list(batch.values()) if isinstance(batch, dict) else list(batch)
-        number = int(tensors[0].reshape(-1)[0])  # the probes' items carry their number in their first tensor
-        copies = [t.clone() for t in tensors]
-        self.kept += copies
-        self.copies.update({id(c): number for c in copies})
-        self.note("copy", item=number, stream=self.current().name, tensors=len(copies), non_blocking=bool(non_blocking))
-        if torch.is_tensor(batch):
-            return copies[0]
-        return dict(zip(batch, copies)) if isinstance(batch, dict) else tuple(copies)
-
-    def received(self, item) -> None:
-        tensors = [item] if torch.is_tensor(item) else list(item.values()) if isinstance(item, dict) else list(item)
-        number = int(tensors[0].reshape(-1)[0]) if tensors and torch.is_tensor(tensors[0]) else -1
-        self.note("received", item=number, copy=all(id(t) in self.copies for t in tensors))
-
-    def __enter__(self) -> "FakeCuda":
-        fake = self
-
-        def record_stream(tensor, stream):
-            fake.note("record_stream", item=fake.copies.get(id(tensor), -1), stream=getattr(stream, "name", repr(stream)))
-
-        self.loop = threading.get_ident()
-        self.saved = [(torch.cuda, k, getattr(torch.cuda, k)) for k in
-                      ("Stream", "Event", "stream", "current_stream", "default_stream", "synchronize", "is_available")]
-        self.saved += [(torch.Tensor, "record_stream", torch.Tensor.__dict__.get("record_stream"))]
-        self.saved_spaces = [(space, space.get("to_device")) for space in self.spaces]
-        torch.cuda.Stream, torch.cuda.Event, torch.cuda.stream = self.new_stream, lambda *a, **k: _FakeEvent(self), self.stream
-        torch.cuda.current_stream = lambda device=None: self.current()
-        torch.cuda.default_stream = lambda device=None: self.default
-        torch.cuda.synchronize = lambda device=None: self.note("synchronize", stream="all")
-        torch.cuda.is_available = lambda: True
-        torch.Tensor.record_stream = record_stream
-        for space, _ in self.saved_spaces:
-            space["to_device"] = self.to_device
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, value in self.saved:
-            if value is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-        for space, value in self.saved_spaces:
-            space["to_device"] = value
-
-
-class _FakeStream:
-    def __init__(self, cuda: FakeCuda, name: str):
-        self.cuda, self.name = cuda, name
-
-    def record_event(self, event=None) -> "_FakeEvent":
-        event = event or _FakeEvent(self.cuda)
-        event.record(self)
-        return event
-
-    def wait_event(self, event) -> None:
-        self.cuda.note("wait_event", stream=self.name, event=getattr(event, "number", -1))
-
-    def wait_stream(self, other) -> None:
-        self.cuda.note("wait_stream", stream=self.name, on=getattr(other, "name", repr(other)))
-
-    def synchronize(self) -> None:
-        self.cuda.note("synchronize", stream=self.name)
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self):  # `with stream:` as torch.Stream allows
-        self._context = self.cuda.stream(self)
-        return self._context.__enter__()
-
-    def __exit__(self, *exc):
-        return self._context.__exit__(*exc)
-
-
-class _FakeEvent:
-    def __init__(self, cuda: FakeCuda):
-        cuda.n_events += 1
-        self.cuda, self.number = cuda, cuda.n_events
-
-    def record(self, stream=None) -> None:
-        self.cuda.note("record_event", stream=(stream or self.cuda.current()).name, event=self.number)
-
-    def wait(self, stream=None) -> None:
-        (stream or self.cuda.current()).wait_event(self)
-
-    def synchronize(self) -> None:
-        self.cuda.note("synchronize", stream=f"event {self.number}")
-
-    def query(self) -> bool:
-        return True
-
-
-N_STREAMED = 6  # items through the faked GPU branch
-
-
-def streamed_items() -> list:
-    """Batches that carry their number: ``(x filled with i, tensor(i))``."""
-    return [(torch.full((2, 3), float(i)), torch.tensor(i)) for i in range(N_STREAMED)]
-
-
-def probe_stream(ns: dict) -> dict:
-    """The student's Prefetcher to a faked CUDA device and to the CPU, torch.cuda's calls logged."""
-    Prefetcher = ns["Prefetcher"]
-
-    def run(device):
-        with FakeCuda(ns) as cuda:
-            got = outcome(lambda: [cuda.received(item) for item in Prefetcher(streamed_items(), depth=2, device=device)])
-        return {"log": cuda.log, **{k: v for k, v in got.items() if k != "value"}}
-
-    return {"cuda": yours(ns, lambda: run("cuda")), "cpu": yours(ns, lambda: run("cpu"))}
-
-
-STREAM_CALLS = ("record_event", "wait_event", "wait_stream", "record_stream", "synchronize")
-
-
-def judge_stream(got: dict) -> str:
-    for device in ("cpu", "cuda"):
-        run = got[device]
-        assert "raised" not in run, (f"device={device!r} (torch.cuda's streams faked here, to_device a clone): your "
-                                     f"Prefetcher raised {run.get('raised')}: {str(run.get('message'))[:300]}")
-        items = [e["item"] for e in run["log"] if e["what"] == "received"]
-        assert items == list(range(N_STREAMED)), f"device={device!r}: the loop got items {items}"
-    calls = [e["what"] for e in got["cpu"]["log"] if e["what"] in STREAM_CALLS]
-    assert not calls, f"device='cpu': no CUDA stream is involved on a CPU, but your Prefetcher called {calls[:4]}"
-    log = got["cuda"]["log"]
-    for k, got_item in ((k, e) for k, e in enumerate(log) if e["what"] == "received"):
-        i = got_item["item"]
-        copies = [(j, e) for j, e in enumerate(log[:k]) if e["what"] == "copy" and e["item"] == i]
-        assert copies and got_item["copy"], f"item {i}: the loop must get what to_device returned"
-        j, copy = copies[-1]
-        assert copy["thread"] == "thread", f"item {i}: issue the copy in the thread, not in the loop"
-        assert copy["stream"] != "default", (f"item {i} was copied on the default stream, the stream of the step's "
-                                             "kernels, so the GPU runs it between them: issue the copy under "
-                                             "`with torch.cuda.stream(side):`, side = torch.cuda.Stream(device)")
-        side, after = copy["stream"], log[j:k]
-        recorded = {e["event"] for e in after if e["what"] == "record_event" and e["stream"] == side}
-        assert any(e["thread"] == "loop" and e.get("stream") == "default" and
-                   (e["what"] == "wait_event" and e["event"] in recorded or e["what"] == "wait_stream" and e["on"] == side)
-                   for e in after), (f"item {i}: the step's stream never waited for its copy, so the step can read the "
-                                     "batch before it has arrived: record an event on the side stream after the copy, "
-                                     "and in the loop, before yielding, torch.cuda.current_stream(device).wait_event(it)")
-        taken = [e for e in after if e["what"] == "record_stream" and e["item"] == i and e.get("stream") == "default"]
-        assert len(taken) >= copy["tensors"], (
-            f"item {i}: {len(taken)} of its {copy['tensors']} tensors recorded on the step's stream: call "
-            "t.record_stream(torch.cuda.current_stream(device)) on each, so that the caching allocator does not reuse "
-            "their memory (allocated on the side stream) while the step still reads them")
-    return (f"{N_STREAMED} items copied on a side stream in the thread; the step's stream waits for each copy and owns "
-            "its tensors; the CPU path uses no stream")
-
-
-register("test_Prefetcher_stream", probe_stream, judge_stream)
-
-
-class LoopLeft(Exception):
-    pass
-
-
-def leave_early(Prefetcher, kind: str, how: str) -> dict:
-    """Take two items from a Prefetcher over a generator or a 2-worker DataLoader, then break or raise; poll for up
-    to 2 s: the threads started since (still alive), the worker processes left, whether the generator was closed."""
-    threads, children, closed = set(threading.enumerate()), set(multiprocessing.active_children()), []
-
-    def numbers():
-        try:
-            yield from range(1000)
-        finally:
-            closed.append(True)
-
-    source = numbers() if kind == "generator" else DataLoader(TensorDataset(torch.arange(400.0)), batch_size=4,
-                                                                num_workers=2)
-    try:
-        for k, _ in enumerate(Prefetcher(source, depth=2)):
-            if k < 1:
-                continue
-            sleep(0.1)  # a slow step: the thread fills the queue and waits on a put
-            if how == "break":
-                break
-            raise LoopLeft
-    except LoopLeft:
-        pass
-    t0, deadline = perf_counter(), perf_counter() + 2.0
-    while True:
-        alive = [t.name for t in threading.enumerate() if t not in threads and t is not threading.current_thread()]
-        workers = [p for p in multiprocessing.active_children() if p not in children]
-        if (not alive and not workers) or perf_counter() > deadline:
-            break
-        sleep(0.02)
-    return {"threads": alive, "workers": len(workers), "closed": bool(closed), "seconds": perf_counter() - t0}
-
-
-SHUTDOWNS = (("generator", "break"), ("generator", "raise"), ("DataLoader", "break"), ("DataLoader", "raise"))
-
-
-def probe_shutdown(ns: dict) -> list:
-    writable_tempdir()
-    runs = []
-    for kind, how in SHUTDOWNS:
-        runs.append(yours(ns, lambda: leave_early(ns["Prefetcher"], kind, how), timeout=8.0))
-        if runs[-1]["threads"] or runs[-1]["workers"] or (kind == "generator" and not runs[-1]["closed"]):
-            break  # the judge reports this one; the next would wait 2 s more
-    return runs
-
-
-def judge_shutdown(got: list) -> str:
-    for (kind, how), run in zip(SHUTDOWNS, got):
-        label = f"a loop over a {kind} that {'breaks' if how == 'break' else 'raises'} after two items"
-        assert not run["threads"], (f"{label}: 2 s later these threads still run: {run['threads']}. When the loop "
-                                    "leaves (a finally around it), set a stop event, drain the queue so that a "
-                                    "put in progress returns, and join the thread, which sees the event and ends")
-        assert not run["workers"], (f"{label}: 2 s later {run['workers']} DataLoader worker(s) still run: the "
-                                    "thread must let go of the iterable's iterator when it ends")
-        assert kind != "generator" or run["closed"], (f"{label}: the generator was never closed: the thread must end, "
-                                                      "and call close() on the iterator if it has one")
-    assert len(got) == len(SHUTDOWNS), f"{len(got)} of {len(SHUTDOWNS)} ways to leave the loop were tried"
-    return "a loop that breaks or raises stops the thread, closes the iterator and the DataLoader's workers exit"
-
-
-register("test_Prefetcher_shutdown", probe_shutdown, judge_shutdown)
-
-
-# ---------------------------------------------------------------- average_gradients
-def cnn(frozen_bias: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    m = SmallCNN(width=8)
-    if frozen_bias:
-        m.head.bias.requires_grad_(False)
-    return m
-
-
-def average_probe(ns: dict, nprocs: int, n: int, frozen_bias: bool = False) -> list:
-    """Per rank, the gradients after the student's ``average_gradients``, each rank on its part of a batch of ``n``."""
-    space = student(ns, "average_gradients")
-
-    def rank(r, world):
-        m = cnn(frozen_bias)
-        x, y = synthetic_images(n, seed=3).tensors
-        F.cross_entropy(m(x.chunk(world)[r]), y.chunk(world)[r]).backward()
-        with forbid(*AVERAGE, namespace=space):  # course_lib's answer, out of reach
-            space["average_gradients"](m)
-        return packed(grads(m))
-
-    return [unpacked(g) for g in forked(rank, nprocs, timeout=15)]
-
-
-def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
-    """torch's DDP on this rank's part of the batch: its gradients."""
-    d = DDP(cnn(frozen_bias))
-    x, y = synthetic_images(n, seed=3).tensors
-    F.cross_entropy(d(x.chunk(world)[r]), y.chunk(world)[r]).backward()
-    return packed(grads(d.module))
-
-
-@functools.lru_cache(maxsize=None)
-def ddp_grads(nprocs: int, n: int, frozen_bias: bool = False) -> list:
-    return [unpacked(g) for g in forked(ddp_rank_grads, nprocs, n, frozen_bias, timeout=15)]
-
-
-def one_process_grads(n: int, frozen_bias: bool = False) -> dict:
-    m = cnn(frozen_bias)
-    x, y = synthetic_images(n, seed=3).tensors
-    F.cross_entropy(m(x), y).backward()
-    return grads(m)
-
-
-def judge_average(got: list, nprocs: int, n: int, frozen_bias: bool, label: str = "") -> None:
-    ref, theirs = one_process_grads(n, frozen_bias), ddp_grads(nprocs, n, frozen_bias)
-    assert len(got) == nprocs
-    for r, (mine, d) in enumerate(zip(got, theirs)):
-        assert max_rel_diff(mine, d) < 1e-5, f"{label}rank {r}: your gradients differ from DDP's"
-        assert max_rel_diff(mine, ref) < 1e-5, (f"{label}rank {r}: not the whole batch's gradient" if label else
-                                                f"rank {r}: not the gradient of one process on the whole batch")
-
-
-def judge_average_2(got: list) -> str:
-    judge_average(got, 2, 16, False)
-    return "every rank holds DDP's gradients"
-
-
-register("test_average_gradients", lambda ns: average_probe(ns, 2, 16), judge_average_2)
-
-
-# ---------------------------------------------------------------- BucketedDDP
-CAP = 0.01  # MiB: SmallCNN(width=8) fills 5 buckets
-KEEP = ("what", "t", "numel", "async_op", "waited", "launched_at")
-
-
-def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_by_rank: bool = False,
-                   frozen: bool = False) -> list:
-    """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n``: its
-    buckets (by name), each step's gradients after finish_gradient_synchronization and collectives, the weights."""
-    space = student(ns, "BucketedDDP")
-
-    def rank(r, world):
-        torch.set_num_threads(1)
-        x, y = synthetic_images(n * steps, seed=3).tensors
-        logs = []
-        with forbid(*BUCKETED_INIT, namespace=space):
-            mine = space["BucketedDDP"](cnn(frozen) if not seed_by_rank else seeded(r, frozen), bucket_cap_mb=cap)
-        names = {id(p): k for k, p in mine.module.named_parameters()}
-        for p in mine.module.parameters():  # registered after the student's: marks the moment a gradient is in
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda q: logs[-1].mark("grad"))
-        opt = torch.optim.SGD(mine.parameters(), lr=0.1)
-        out = {"grads": [], "events": [], "n_buckets": len(mine.buckets),
-               "buckets": [[names[id(p)] for p in b] for b in mine.buckets]}
-        for s in range(steps):
-            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
-            xs, ys = xg.chunk(world)[r], yg.chunk(world)[r]
-            with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
-                logs.append(log)
-                F.cross_entropy(mine(xs), ys).backward()
-                mine.finish_gradient_synchronization()
-            out["grads"].append(grads(mine.module))
-            out["events"].append([{k: e[k] for k in KEEP if k in e} for e in log.events])
-            opt.step()
-            opt.zero_grad()
-        out["weights"] = params(mine.module)
-        return packed(out)
-
-    return [unpacked(run) for run in forked(rank, nprocs, timeout=15)]
-
-
-def seeded(seed: int, frozen: bool) -> torch.nn.Module:
+import torch.utils.checkpoint
+from torch import nn
+
+from course_lib import checkpointing
+from course_lib.checks import number, register, tensor_data
+from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.memory import activation_bytes
+from course_lib.precision import autocast
+
+# What the exercise builds, out of reach while the student's code runs.
+CHECKPOINTS = (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.checkpoint_sequential,
+               checkpointing.CheckpointedBlock, checkpointing.checkpoint_layers, checkpointing.apply_policy)
+
+
+# ---------------------------------------------------------------- one block, checkpointed and plain
+def probe_block(ns: dict, block: nn.Module, x: torch.Tensor, *, scale=None, seed: int = 0, disturb_rng: bool = False,
+                amp_dtype: torch.dtype = torch.float32) -> dict:
+    """The student's ``checkpointed(block, x)``, the checkpoints forbidden: the bytes autograd keeps, the output and
+    the gradients of one backward (of the output's squares, under the RNG seed ``seed`` and ``amp_dtype`` autocast)."""
+    kw = {} if scale is None else {"scale": scale}
+    mx = x.detach().clone().requires_grad_(x.requires_grad)
+    with forbid(*CHECKPOINTS, namespace=ns), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a warning is output on stderr, which nbgrader scores as a failure
+        saved = activation_bytes(block, lambda: ns["checkpointed"](block, mx.detach(), **kw))
+        torch.manual_seed(seed)
+        with autocast("cpu", amp_dtype):
+            out = ns["checkpointed"](block, mx, **kw)
+        if disturb_rng:
+            torch.rand(1000)  # other work between forward and backward moves the RNG on
+        out.float().square().sum().backward()
+    return {"saved": number(saved),
+            "missing": [n for n, p in block.named_parameters() if p.requires_grad and p.grad is None],
+            "output": tensor_data(out), "grads": {n: tensor_data(g) for n, g in grads(block).items()},
+            "input": tensor_data(mx.grad) if x.requires_grad else None}
+
+
+def judge_block(got: dict, block: nn.Module, x: torch.Tensor, *, scale=None, seed: int = 0,
+                amp_dtype: torch.dtype = torch.float32) -> tuple[int, dict]:
+    """The plain block's output and gradients from the same weights, input and seed, against the student's:
+    ``(bytes kept, {"output", "parameters", "input": largest gaps})``."""
+    kw = {} if scale is None else {"scale": scale}
+    rx = x.detach().clone().requires_grad_(x.requires_grad)
     torch.manual_seed(seed)
-    m = SmallCNN(width=8)
-    if frozen:
-        m.head.bias.requires_grad_(False)
-    return m
+    with autocast("cpu", amp_dtype):
+        ref_out = block(rx, **kw)
+    ref_out.float().square().sum().backward()
+    assert not got["missing"], f"no gradient for {got['missing']}: every parameter of the block must get its gradient"
+    assert isinstance(got["output"], torch.Tensor), f"return the block's output, a tensor, not {got['output']}"
+    if x.requires_grad:
+        assert isinstance(got["input"], torch.Tensor), "the input requires grad and got no gradient"
+    gaps = {"output": float((got["output"].float() - ref_out.detach().float()).abs().max()),
+            "parameters": max_rel_diff(got["grads"], grads(block)),
+            "input": float((got["input"] - rx.grad).abs().max()) if x.requires_grad else 0.0}
+    return got["saved"], gaps
 
 
-def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> bytes:
-    """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients."""
-    torch.set_num_threads(1)
-    theirs, one = DDP(cnn(frozen)), cnn(frozen)
-    x, y = synthetic_images(n * steps, seed=3).tensors
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, one)]
-    out = {"ddp": [], "one": []}
-    for s in range(steps):
-        xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
-        F.cross_entropy(theirs(xg.chunk(world)[r]), yg.chunk(world)[r]).backward()
-        F.cross_entropy(one(xg), yg).backward()
-        out["ddp"].append(grads(theirs.module))
-        out["one"].append(grads(one))
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    return packed(out)
+# ---------------------------------------------------------------- checkpointed
+def mlp_block() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    return block, torch.randn(16, 32, requires_grad=True)
 
 
-@functools.lru_cache(maxsize=None)
-def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen, timeout=15)]
+def judge_checkpointed(got: dict) -> str:
+    saved, gaps = judge_block(got, *mlp_block())
+    assert gaps["output"] < 1e-6, "the output differs from the block's"
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, f"the gradients differ from the block's: {gaps}"
+    assert saved <= 16 * 32 * 4, (f"autograd kept {saved} bytes for the block; the input alone is {16 * 32 * 4}: "
+                                  "keep only the inputs, recompute the rest in backward")
+    block = mlp_block()[0]
+    plain = activation_bytes(block, lambda: block(torch.randn(16, 32, requires_grad=True)))
+    return f"same output and gradients; {saved} bytes kept instead of the plain block's {plain}"
 
 
-def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:
-    refs = reference_runs(len(runs), n, steps, frozen)
-    for r, (run, ref) in enumerate(zip(runs, refs)):
-        for s, (mine, ev) in enumerate(zip(run["grads"], run["events"])):
-            a, b = max_rel_diff(mine, ref["ddp"][s]), max_rel_diff(mine, ref["one"][s])
-            unwaited = [e for e in ev if e.get("what") == "all_reduce" and not e.get("waited")]
-            assert not unwaited, (f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on: "
-                                  "call wait() on every handle in finish_gradient_synchronization before reading it")
-            assert a < 1e-5, f"{label}, rank {r}, step {s}: your gradients differ from DDP's (max rel. diff {a:.1e})"
-            assert b < 1e-5, f"{label}, rank {r}, step {s}: not one process's gradient on the whole batch ({b:.1e})"
-        for k, v in run["weights"].items():
-            assert (v == runs[0]["weights"][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
-
-
-def judge_bucketed(runs: list) -> str:
-    check_bucketed(runs, "2 ranks", 16, 2)
-    return "DDP's gradients on every rank, two steps running"
-
-
-register("test_BucketedDDP", lambda ns: bucketed_probe(ns, 2, 16, 2, CAP), judge_bucketed)
-
-WANT_BUCKETS = [["head.bias"], ["head.weight"], ["features.2.1.bias", "features.2.1.weight", "features.2.0.bias"],
-                ["features.2.0.weight"], ["features.1.1.bias", "features.1.1.weight", "features.1.0.bias",
-                "features.1.0.weight", "features.0.1.bias", "features.0.1.weight", "features.0.0.bias",
-                "features.0.0.weight"]]
-
-
-def probe_buckets(ns: dict) -> list:
-    return [{"buckets": run["buckets"], "events": run["events"]} for run in bucketed_probe(ns, 2, 16, 1, CAP)]
-
-
-def judge_buckets(runs: list) -> str:
-    want = WANT_BUCKETS
-    for r, run in enumerate(runs):
-        assert run["buckets"] == want, f"rank {r}: buckets {run['buckets']}, expected (cap {CAP} MiB) {want}"
-        ev = run["events"][0]
-        launches = [i for i, e in enumerate(ev) if e["what"] == "all_reduce"]
-        grads_in = [i for i, e in enumerate(ev) if e["what"] == "grad"]
-        assert len(launches) == len(want), (f"rank {r}: {len(launches)} dist.all_reduce calls in one backward for "
-                                            f"{len(want)} buckets: one per bucket")
-        assert all(ev[i]["async_op"] for i in launches), "launch each bucket with dist.all_reduce(..., async_op=True)"
-        assert launches[0] < grads_in[-1], ("your first all-reduce started after the last gradient had arrived: "
-                                            "launch each bucket from the hook, when its last gradient is in")
-    return "5 buckets, 5 all-reduces, the first one during backward"
-
-
-register("test_BucketedDDP_buckets", probe_buckets, judge_buckets)
-
-
-class Detour(torch.nn.Module):
-    """``cnn()`` and a layer ``spare`` that the forward uses only while ``use_spare`` is set."""
-
-    def __init__(self):
-        super().__init__()
-        self.body, self.spare, self.use_spare = cnn(), torch.nn.Linear(10, 10), True
-
-    def forward(self, x):
-        out = self.body(x)
-        return self.spare(out) if self.use_spare else out
-
-
-def unused_step(mine, space: dict, xs, ys) -> dict:
-    """One step of the student's wrapper under the fence: what backward and finish_gradient_synchronization gave,
-    as data, and the all-reduces it launched."""
-    def step():
-        F.cross_entropy(mine(xs), ys).backward()
-        mine.finish_gradient_synchronization()
-
-    with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
-        got = outcome(step)
-    got.pop("value", None)  # None, or whatever the student returned: not data the judge reads
-    got["launched"] = sum(e["what"] == "all_reduce" for e in log.events)
-    return got
-
-
-def probe_unused(ns: dict) -> list:
-    """Per rank and cap (one bucket, many): a step whose forward skips ``spare`` (an error expected), then, on the
-    same wrapper, a step that uses every parameter (the all-reduces it launched)."""
-    space = student(ns, "BucketedDDP")
-
-    def rank(r, world):
-        torch.set_num_threads(1)
-        x, y = synthetic_images(16, seed=3).tensors
-        xs, ys = x.chunk(world)[r], y.chunk(world)[r]
-        runs = []
-        for cap in (100.0, CAP):
-            with forbid(*BUCKETED_INIT, namespace=space):
-                made = outcome(space["BucketedDDP"], Detour(), bucket_cap_mb=cap)
-            if "raised" in made:
-                runs.append({"init": made})
-                continue
-            mine = made["value"]
-            mine.module.use_spare = False
-            skipped = unused_step(mine, space, xs, ys)
-            mine.module.zero_grad()
-            mine.module.use_spare = True
-            after = unused_step(mine, space, xs, ys)
-            runs.append({"skipped": skipped, "after": after, "n_buckets": len(mine.buckets)})
-        return packed(runs)
-
-    return [unpacked(run) for run in forked(rank, 2, timeout=15)]
-
-
-def judge_unused(got: list) -> str:
-    # the gradients' values are test_BucketedDDP's: here, the error, and that the next step launches every bucket
-    for r, runs in enumerate(got):
-        for cap, run in zip((100.0, CAP), runs, strict=True):
-            label = f"rank {r}, bucket_cap_mb={cap}"
-            assert "init" not in run, f"{label}: BucketedDDP(...) raised {run.get('init')}"
-            skipped, after = run["skipped"], run["after"]
-            assert skipped.get("raised") == "RuntimeError", (
-                f"{label}: the forward skipped the layer `spare`, so its bucket never filled and was never "
-                f"all-reduced, and finish_gradient_synchronization {_said(skipped)}: raise RuntimeError instead")
-            for name in ("spare.weight", "spare.bias"):
-                assert name in skipped["message"], (f"{label}: the error must name each parameter that got no "
-                                                     f"gradient ({name}); it said: {skipped['message'][:300]}")
-            assert "body." not in skipped["message"], f"{label}: name only the parameters that got no gradient"
-            assert "raised" not in after, (f"{label}: after the error, a step that uses every parameter "
-                                           f"{_said(after)}: reset what the hooks recorded before raising")
-            assert after["launched"] == run["n_buckets"], (
-                f"{label}: after the error, a step that uses every parameter launched {after['launched']} "
-                f"all-reduce(s) for {run['n_buckets']} buckets: reset what the hooks recorded before raising")
-    return "a skipped parameter is named in a RuntimeError; the next step launches every bucket again"
-
-
-def _said(got: dict) -> str:
-    return f"raised {got['raised']}: {got['message'][:200]}" if "raised" in got else "returned without an error"
-
-
-register("test_BucketedDDP_unused", probe_unused, judge_unused)
+register("test_checkpointed", lambda ns: probe_block(ns, *mlp_block()), judge_checkpointed)

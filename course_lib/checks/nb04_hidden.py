@@ -1,143 +1,118 @@
-"""Notebook 04's hidden tests (instructor edition only): 3 ranks, a data set that does not divide and later epochs
-against DistributedSampler; how far the Prefetcher runs ahead, its depth checks and an error in the iterable;
-average_gradients and BucketedDDP on 3 ranks with a frozen parameter (and ranks that start from different weights)."""
+"""Notebook 03's hidden tests (instructor edition only): a frozen input, keyword arguments, a Llama's decoder
+layers, dropout and bf16 autocast."""
 
 from __future__ import annotations
 
-from time import sleep
+import warnings
 
-from torch.utils.data import DistributedSampler
+import torch
+from torch import nn
 
-from course_lib.checks import register
-from course_lib.checks.nb04 import as_data, average_probe, batches_per_rank, bucketed_probe, check_bucketed, \
-    judge_average, yours
-
-
-# ---------------------------------------------------------------- rank_batches
-def probe_batches(ns: dict) -> dict:
-    return {"padded": batches_per_rank(ns, 3, 22, 4, (0,)),  # 22 = 3 x 7 + 1: a padding sampler hands out 8 per rank
-            "seeded": batches_per_rank(ns, 3, 50, 5, (0, 1, 4), 7)}
+from course_lib.checks import register, tensor_data
+from course_lib.checks.nb04 import CHECKPOINTS, judge_block, probe_block
+from course_lib.checkpointing import transformer_layers
+from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.loss import forward_loss
+from course_lib.models import build_llama
 
 
-def judge_batches(got: dict) -> str:
-    flat = [i for b in got["padded"] for x in b[0] for i in x]
-    assert len(flat) == len(set(flat)), ("22 samples on 3 ranks: a sample was read twice in one epoch; the sampler "
-                                         "pads the shards unless it has drop_last=True")
-    for r in range(3):
-        for e in (0, 1, 4):
-            s = DistributedSampler(range(50), num_replicas=3, rank=r, shuffle=True, seed=7, drop_last=True)
-            s.set_epoch(e)
-            idx = list(s)
-            want = [idx[i:i + 5] for i in range(0, len(idx) - 4, 5)]
-            assert got["seeded"][r][e] == want, f"rank {r}, epoch {e}: not the sampler's batches"
-    return "3 ranks, an uneven data set, a seed and later epochs: the sampler's batches"
+# ---------------------------------------------------------------- checkpointed_inputs_hidden
+class ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 24)
+        self.out = nn.Linear(24, 8)
+
+    def forward(self, h, *, scale=1.0):
+        return self.out(torch.tanh(self.lin(h))) * scale
 
 
-register("test_rank_batches_hidden", probe_batches, judge_batches)
+def frozen_input() -> tuple[nn.Module, torch.Tensor]:  # a frozen embedding's output: no input requires grad
+    torch.manual_seed(1)
+    return ScaledBlock(), torch.randn(5, 8)
 
 
-# ---------------------------------------------------------------- Prefetcher
-def probe_depth(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
-
-    def how_far_ahead(depth, n=8):
-        produced, ahead = [], []
-
-        def counting():
-            for i in range(n):
-                produced.append(i)  # the thread has read item i
-                yield i
-        for k, item in enumerate(Prefetcher(counting(), depth=depth), start=1):
-            sleep(0.01)  # a slow step: the thread has time to fill the queue
-            ahead.append(len(produced) - k)
-        return ahead
-
-    def rejects(depth):
-        try:
-            Prefetcher(range(3), depth=depth)
-        except ValueError:
-            return True
-        return False
-
-    out = {"ahead": {}}
-    for depth in (1, 3):
-        out["ahead"][depth] = as_data(yours(ns, lambda: how_far_ahead(depth)))
-    out["rejects"] = bool(yours(ns, lambda: rejects(0))) and bool(yours(ns, lambda: rejects(1.5)))
-    return out
+def input_with_grad() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)  # where the first comparison's seed left the RNG
+    return ScaledBlock(), torch.randn(5, 8, requires_grad=True)
 
 
-def judge_depth(got: dict) -> str:
-    for depth in (1, 3):
-        ahead = got["ahead"][depth]
-        assert max(ahead) <= depth + 1, (f"depth={depth}: the thread read {max(ahead)} items ahead of the loop; a "
-                                         f"queue of {depth} slots allows {depth + 1} (a full queue and the item it holds)")
-        assert max(ahead) >= depth, f"depth={depth}: the thread was never more than {max(ahead)} item(s) ahead"
-    assert got["rejects"], "depth=0 and depth=1.5 must raise ValueError"
-    return "the thread runs depth items ahead and no further; a bad depth is refused"
+def llama() -> tuple[nn.Module, torch.Tensor]:
+    lm = build_llama("tiny", num_hidden_layers=2, use_cache=False, seed=5)
+    return lm, torch.randint(0, lm.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
-register("test_Prefetcher_depth", probe_depth, judge_depth)
+class Checkpointed(nn.Module):
+    """A decoder layer whose forward is the student's ``checkpointed``, looked up when it runs."""
+
+    def __init__(self, block: nn.Module, ns: dict):
+        super().__init__()
+        self.block, self.ns = block, ns
+
+    def forward(self, hidden_states, **kwargs):
+        return self.ns["checkpointed"](self.block, hidden_states, **kwargs)
 
 
-class CorruptSample(Exception):
-    pass
+def probe_llama(ns: dict) -> dict:
+    """The gradients of the tiny Llama (2 layers) with every decoder layer under the student's checkpoint."""
+    lm, ids = llama()
+    layers, named = transformer_layers(lm), list(lm.named_parameters())
+    for i in range(len(layers)):
+        layers[i] = Checkpointed(layers[i], ns)
+    with forbid(*CHECKPOINTS, namespace=ns), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forward_loss(lm, ids).backward()
+    return {n: tensor_data(p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
 
 
-def probe_errors(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
-
-    def failing():
-        yield 0
-        yield 1
-        raise CorruptSample("sample 2 is corrupt")
-
-    def read_until_error():
-        got = []
-        try:
-            for item in Prefetcher(failing(), depth=2):
-                got.append(item)
-        except CorruptSample as err:
-            return got, str(err)
-        return got, None
-
-    got, err = yours(ns, read_until_error, timeout=3.0)
-    return {"got": as_data(list(got)), "error": err}
+def probe_inputs(ns: dict) -> dict:
+    return {"frozen": probe_block(ns, *frozen_input(), scale=0.5),
+            "keyword": probe_block(ns, *input_with_grad(), scale=2.0),
+            "llama": probe_llama(ns)}
 
 
-def judge_errors(got: dict) -> str:
-    assert got["got"] == [0, 1], f"the items before the failure come first, got {got['got']}"
-    assert got["error"] == "sample 2 is corrupt", "the iterable's exception must be raised in the loop"
-    return "the iterable's error reaches the loop, after the items before it"
+def judge_inputs(got: dict) -> str:
+    saved, gaps = judge_block(got["frozen"], *frozen_input(), scale=0.5)
+    assert gaps["parameters"] < 1e-6 and gaps["output"] < 1e-6, f"frozen input, keyword argument: {gaps}"
+    assert saved <= 5 * 8 * 4, f"frozen input: {saved} bytes kept"
+    saved, gaps = judge_block(got["keyword"], *input_with_grad(), scale=2.0)
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, f"keyword argument: {gaps}"
+    lm, ids = llama()
+    forward_loss(lm, ids).backward()
+    assert max_rel_diff(got["llama"], grads(lm)) < 1e-5, "Llama decoder layers: the gradients differ"
+    return "a frozen input, keyword arguments and a Llama's decoder layers: the block's gradients, only the inputs kept"
 
 
-register("test_Prefetcher_errors", probe_errors, judge_errors)
+register("test_checkpointed_inputs_hidden", probe_inputs, judge_inputs)
 
 
-# ---------------------------------------------------------------- average_gradients
-def judge_average_3(got: list) -> str:
-    judge_average(got, 3, 24, True, "3 ranks, ")
-    return "3 ranks and a frozen parameter: DDP's gradients"
+# ---------------------------------------------------------------- checkpointed_rng_autocast_hidden
+def dropout_block() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(2)
+    block = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 16)).train()
+    return block, torch.randn(12, 16, requires_grad=True)
 
 
-register("test_average_gradients_hidden", lambda ns: average_probe(ns, 3, 24, True), judge_average_3)
-
-# ---------------------------------------------------------------- BucketedDDP
-CAPS = ((100.0, "3 ranks, one bucket"), (0.0001, "3 ranks, tiny buckets"))
-
-
-def probe_bucketed(ns: dict) -> list:
-    return [bucketed_probe(ns, 3, 24, 3, cap, True, True) for cap, _ in CAPS]
+def amp_block() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(3)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    return block, torch.randn(32, 64, requires_grad=True)
 
 
-def judge_bucketed(got: list) -> str:
-    for (cap, label), runs in zip(CAPS, got, strict=True):
-        check_bucketed(runs, label, 24, 3, True)
-        for run in runs:
-            assert all(sum(e["what"] == "all_reduce" for e in ev) == run["n_buckets"] for ev in run["events"]), \
-                f"{label}: not one all-reduce per bucket in every step"
-            assert "head.bias" not in sum(run["buckets"], []), f"{label}: a frozen parameter has no gradient to bucket"
-            assert cap < 1 or run["n_buckets"] == 1, f"{label}: a cap above the model's size makes one bucket"
-    return "3 ranks from different weights, a frozen parameter, one bucket and many"
+def probe_rng_autocast(ns: dict) -> dict:
+    return {"dropout": probe_block(ns, *dropout_block(), seed=7, disturb_rng=True),
+            "bf16": probe_block(ns, *amp_block(), amp_dtype=torch.bfloat16)}
 
 
-register("test_BucketedDDP_hidden", probe_bucketed, judge_bucketed)
+def judge_rng_autocast(got: dict) -> str:
+    saved, gaps = judge_block(got["dropout"], *dropout_block(), seed=7)
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
+        f"dropout: the recomputation used other random numbers: {gaps}"
+    assert saved <= 12 * 16 * 4, f"dropout block: {saved} bytes kept"
+    saved, gaps = judge_block(got["bf16"], *amp_block(), amp_dtype=torch.bfloat16)
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
+        f"bf16 autocast: the recomputation ran in another dtype: {gaps}"
+    return "dropout draws the forward's random numbers again, and the recomputation runs under the forward's autocast"
+
+
+register("test_checkpointed_rng_autocast_hidden", probe_rng_autocast, judge_rng_autocast)

@@ -1,154 +1,143 @@
-"""Notebook 06's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (padding), with SGD and momentum
-in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed, the bytes a step sends
-(DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
-a batch that does not divide; OffloadedAdamW with a small learning rate, an fp32 model, a frozen and an unused layer,
-and two micro-batches that add up in the masters (then a step that starts afresh)."""
+"""Notebook 04's hidden tests (instructor edition only): 3 ranks, a data set that does not divide and later epochs
+against DistributedSampler; how far the Prefetcher runs ahead, its depth checks and an error in the iterable;
+average_gradients and BucketedDDP on 3 ranks with a frozen parameter (and ranks that start from different weights)."""
 
 from __future__ import annotations
 
-import copy
-import functools
-import warnings
+from time import sleep
 
-import torch
+from torch.utils.data import DistributedSampler
 
-from course_lib import zero
-from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
-from course_lib.checks.nb06 import (ADAMW, OFFLOADED, SGD, SHARDED, judge_offload, judge_sharded, judge_traffic,
-                                    my_config, offload_probe, one_process, one_thread, sharded_probe, tiny_model, trains,
-                                    twin_grads)
-from course_lib.grading import forbid, max_rel_diff
-from course_lib.launch import launch
-from course_lib.zero import check_batch_arithmetic
-
-ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
+from course_lib.checks import register
+from course_lib.checks.nb06 import as_data, average_probe, batches_per_rank, bucketed_probe, check_bucketed, \
+    judge_average, yours
 
 
-# ---------------------------------------------------------------- ShardedOptimizer
-def probe_sharded(ns: dict) -> dict:
-    space = student(ns, "ShardedOptimizer")
-
-    def yours_in_zero_train(rank, world_size):
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        torch.set_num_threads(1)
-        with forbid(*SHARDED, namespace=space):
-            run = zero.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
-                ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW)
-        return packed([number(v) for v in run["losses"]])
-
-    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
-            "state": [number(run["state_bytes"]) for run in sharded_probe(ns, 3, 24, 1, *ADAMW)],
-            "zero_train": unpacked(forked(yours_in_zero_train, 2)[0])}
+# ---------------------------------------------------------------- rank_batches
+def probe_batches(ns: dict) -> dict:
+    return {"padded": batches_per_rank(ns, 3, 22, 4, (0,)),  # 22 = 3 x 7 + 1: a padding sampler hands out 8 per rank
+            "seeded": batches_per_rank(ns, 3, 50, 5, (0, 1, 4), 7)}
 
 
-@functools.lru_cache(maxsize=None)
-def deepspeed_stage1() -> dict:
-    return launch("course_lib.zero:train", 2, {**ZERO_KW, "stage": 1}, echo=False, timeout=300, device_type="cpu")[0]
+def judge_batches(got: dict) -> str:
+    flat = [i for b in got["padded"] for x in b[0] for i in x]
+    assert len(flat) == len(set(flat)), ("22 samples on 3 ranks: a sample was read twice in one epoch; the sampler "
+                                         "pads the shards unless it has drop_last=True")
+    for r in range(3):
+        for e in (0, 1, 4):
+            s = DistributedSampler(range(50), num_replicas=3, rank=r, shuffle=True, seed=7, drop_last=True)
+            s.set_epoch(e)
+            idx = list(s)
+            want = [idx[i:i + 5] for i in range(0, len(idx) - 4, 5)]
+            assert got["seeded"][r][e] == want, f"rank {r}, epoch {e}: not the sampler's batches"
+    return "3 ranks, an uneven data set, a seed and later epochs: the sampler's batches"
 
 
-def judge_sharded_hidden(got: dict) -> str:
-    label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
-    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True)
-    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
-    for r, run in enumerate(got["sgd"]):
-        gap = max_rel_diff(run["resumed"], run["weights"][-1])
-        assert gap < 1e-6, (f"rank {r}: a fresh model and optimizer that loaded step 1's checkpoint (state_dict of "
-                            f"this rank's shard) end {gap:.1e} from the run that never stopped")
-    ratio = judge_traffic(got["sgd"], 3, True)
-    _, full, n_params = one_process(24, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
-    for held in got["state"]:
-        assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, f"a rank holds {held / full:.3f} of the state on 3 ranks"
-    ds = deepspeed_stage1()
-    assert max(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, "not DeepSpeed stage 1's losses"
-    return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "
-            "the bytes on 3 ranks, and DeepSpeed stage 1's losses")
+register("test_rank_batches_hidden", probe_batches, judge_batches)
 
 
-register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
+# ---------------------------------------------------------------- Prefetcher
+def probe_depth(ns: dict) -> dict:
+    Prefetcher = ns["Prefetcher"]
+
+    def how_far_ahead(depth, n=8):
+        produced, ahead = [], []
+
+        def counting():
+            for i in range(n):
+                produced.append(i)  # the thread has read item i
+                yield i
+        for k, item in enumerate(Prefetcher(counting(), depth=depth), start=1):
+            sleep(0.01)  # a slow step: the thread has time to fill the queue
+            ahead.append(len(produced) - k)
+        return ahead
+
+    def rejects(depth):
+        try:
+            Prefetcher(range(3), depth=depth)
+        except ValueError:
+            return True
+        return False
+
+    out = {"ahead": {}}
+    for depth in (1, 3):
+        out["ahead"][depth] = as_data(yours(ns, lambda: how_far_ahead(depth)))
+    out["rejects"] = bool(yours(ns, lambda: rejects(0))) and bool(yours(ns, lambda: rejects(1.5)))
+    return out
 
 
-# ---------------------------------------------------------------- make_ds_config
-def probe_configs(ns: dict) -> dict:
-    splits = [[g, m, w, my_config(ns, g, m, w, stage=1)] for g, m, w in ((64, 8, 8), (256, 4, 8), (6, 3, 2))]
-    offload = my_config(ns, 16, 4, 2, stage=3, offload_optimizer=True)
-    try:
-        my_config(ns, 30, 4, 2, stage=2)
-    except ValueError as err:
-        refused = {"raised": "ValueError", "message": str(err)}
-    else:
-        refused = None
-    return {"splits": splits, "offload": offload, "refused": refused}
+def judge_depth(got: dict) -> str:
+    for depth in (1, 3):
+        ahead = got["ahead"][depth]
+        assert max(ahead) <= depth + 1, (f"depth={depth}: the thread read {max(ahead)} items ahead of the loop; a "
+                                         f"queue of {depth} slots allows {depth + 1} (a full queue and the item it holds)")
+        assert max(ahead) >= depth, f"depth={depth}: the thread was never more than {max(ahead)} item(s) ahead"
+    assert got["rejects"], "depth=0 and depth=1.5 must raise ValueError"
+    return "the thread runs depth items ahead and no further; a bad depth is refused"
 
 
-def judge_configs(got: dict) -> str:
-    for _g, _m, w, c in got["splits"]:
-        check_batch_arithmetic(c["train_batch_size"], c["train_micro_batch_size_per_gpu"],
-                               c["gradient_accumulation_steps"], w)
-    c = got["offload"]
-    assert c["zero_optimization"]["stage"] == 3
-    assert c["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert trains(c, 2)["global_steps"] == 2
-    assert got["refused"] is not None, "30 is not a multiple of 4 x 2: expected ValueError"
-    assert "global_batch" in got["refused"]["message"]
-    return "other splits, offload, and a batch that does not divide"
+register("test_Prefetcher_depth", probe_depth, judge_depth)
 
 
-register("test_make_ds_config_hidden", probe_configs, judge_configs)
+class CorruptSample(Exception):
+    pass
 
 
-# ---------------------------------------------------------------- OffloadedAdamW
-@one_thread
-def accumulation_probe(ns: dict) -> list:
-    """A step of two micro-batches, then a step of one (``step`` alone in between, no ``zero_grad``): per step, what
-    landed in the masters and the gradients a twin without hooks summed over the same micro-batches."""
-    model = tiny_model(torch.float32, False, ns["device"])
-    twin = copy.deepcopy(model)
-    with forbid(*OFFLOADED, namespace=ns):
-        opt = ns["OffloadedAdamW"](model.parameters(), lr=1e-3, weight_decay=0.01, offload_device="cpu")
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2)).to(ns["device"])
-    steps = []
-    for micro in (2, 1):
-        twin.load_state_dict(model.state_dict())
-        want = None
-        with forbid(*OFFLOADED, namespace=ns):
-            for part in x.chunk(micro):
-                loss = lambda m, part=part: m(part).pow(2).mean()  # noqa: E731
-                got = twin_grads(twin, loss)
-                want = got if want is None else [a + b for a, b in zip(want, got)]
-                loss(model).backward()
-            steps.append({"want": want, "landed": [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]})
-            opt.step()
-    return steps
+def probe_errors(ns: dict) -> dict:
+    Prefetcher = ns["Prefetcher"]
+
+    def failing():
+        yield 0
+        yield 1
+        raise CorruptSample("sample 2 is corrupt")
+
+    def read_until_error():
+        got = []
+        try:
+            for item in Prefetcher(failing(), depth=2):
+                got.append(item)
+        except CorruptSample as err:
+            return got, str(err)
+        return got, None
+
+    got, err = yours(ns, read_until_error, timeout=3.0)
+    return {"got": as_data(list(got)), "error": err}
 
 
-def judge_accumulation(steps: list) -> None:
-    why = ("two micro-batches of one step must add up in the master's .grad",
-           "a step after step() must start from no gradient: set each master's .grad to None in step()")
-    for (step, reason) in zip(steps, why):
-        for i, (g, w) in enumerate(zip(step["landed"], step["want"])):
-            assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"master {i}: .grad is {g!r:.80}; {reason}"
-            gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
-            assert gap < 1e-5, f"master {i}: .grad is {gap:.1e} (relative) from the summed gradients: {reason}"
+def judge_errors(got: dict) -> str:
+    assert got["got"] == [0, 1], f"the items before the failure come first, got {got['got']}"
+    assert got["error"] == "sample 2 is corrupt", "the iterable's exception must be raised in the loop"
+    return "the iterable's error reaches the loop, after the items before it"
 
 
-def probe_offload(ns: dict) -> dict:
-    return {"small_lr": offload_probe(ns, "bfloat16", 1e-4, 30), "fp32": offload_probe(ns, "float32", 1e-3, 3),
-            "frozen": offload_probe(ns, "bfloat16", 1e-3, 3, frozen=True, unused=True),
-            "accumulation": accumulation_probe(ns)}
+register("test_Prefetcher_errors", probe_errors, judge_errors)
 
 
-def judge_offload_hidden(got: dict) -> str:
-    start = judge_offload(got["small_lr"], "bfloat16", 1e-4, 30)
-    moved = sum((p != s).float().mean().item() for p, s in zip(got["small_lr"]["model"], start)) / len(start)
-    assert moved > 0.9, f"only {moved:.0%} of the bf16 weights moved with lr 1e-4: the small updates were lost"
-    judge_offload(got["fp32"], "float32", 1e-3, 3)
-    start = judge_offload(got["frozen"], "bfloat16", 1e-3, 3, frozen=True)
-    model = got["frozen"]["model"]
-    assert torch.equal(model[1], start[1]), "the frozen bias changed"
-    assert all(torch.equal(p, s) for p, s in zip(model[-2:], start[-2:])), \
-        "a layer that got no gradient changed: give its master .grad = None"
-    judge_accumulation(got["accumulation"])
-    return "a small learning rate, an fp32 model, a frozen bias, a layer without a gradient, two micro-batches"
+# ---------------------------------------------------------------- average_gradients
+def judge_average_3(got: list) -> str:
+    judge_average(got, 3, 24, True, "3 ranks, ")
+    return "3 ranks and a frozen parameter: DDP's gradients"
 
 
-register("test_OffloadedAdamW_hidden", probe_offload, judge_offload_hidden)
+register("test_average_gradients_hidden", lambda ns: average_probe(ns, 3, 24, True), judge_average_3)
+
+# ---------------------------------------------------------------- BucketedDDP
+CAPS = ((100.0, "3 ranks, one bucket"), (0.0001, "3 ranks, tiny buckets"))
+
+
+def probe_bucketed(ns: dict) -> list:
+    return [bucketed_probe(ns, 3, 24, 3, cap, True, True) for cap, _ in CAPS]
+
+
+def judge_bucketed(got: list) -> str:
+    for (cap, label), runs in zip(CAPS, got, strict=True):
+        check_bucketed(runs, label, 24, 3, True)
+        for run in runs:
+            assert all(sum(e["what"] == "all_reduce" for e in ev) == run["n_buckets"] for ev in run["events"]), \
+                f"{label}: not one all-reduce per bucket in every step"
+            assert "head.bias" not in sum(run["buckets"], []), f"{label}: a frozen parameter has no gradient to bucket"
+            assert cap < 1 or run["n_buckets"] == 1, f"{label}: a cap above the model's size makes one bucket"
+    return "3 ranks from different weights, a frozen parameter, one bucket and many"
+
+
+register("test_BucketedDDP_hidden", probe_bucketed, judge_bucketed)

@@ -1,98 +1,103 @@
-"""Notebook 08's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
-divide; the 1F1B order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle
-rank receives from both sides), with fewer micro-batches than stages, and following GPipe's order."""
+"""Notebook 05's hidden tests (instructor edition only): other strategies and world sizes, resharding and a 2-D
+mesh, and the hand-made sharding on 3 ranks with a frozen parameter."""
 
 from __future__ import annotations
 
-from torch import nn
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import course_lib.pp as pp
-from course_lib.checks import register
-from course_lib.checks.nb08 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
-                                    judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
+from course_lib import fsdp
+from course_lib.checks import number, register
+from course_lib.checks.nb08 import ESTIMATES, full_bytes, hand_probe, student, tokens
+from course_lib.checks.nb08 import judge_hand as judge_ranks
 from course_lib.grading import forbid
+from course_lib.launch import run_forked
+from course_lib.loss import forward_loss
+from course_lib.models import build_llama
+
+# ---------------------------------------------------------------- shard_state_bytes
+P = 1_000_000
+EXPECT = {("full", 8, None): (0.5e6, 0.5e6, 0.5e6, 1e6), ("grad_op", 8, None): (0.5e6, 4e6, 0.5e6, 1e6),
+          ("no_shard", 8, None): (4e6, 4e6, 4e6, 8e6), ("hybrid", 8, 4): (1e6, 1e6, 1e6, 2e6),
+          ("hybrid", 8, 8): (0.5e6, 0.5e6, 0.5e6, 1e6), ("full", 1, None): (4e6, 4e6, 4e6, 8e6)}
+KEYS = ("weights", "weights_in_backward", "gradients", "optimizer states")
 
 
-# ---------------------------------------------------------------- tensor_parallel_pair
-def bad_size_rank(rank: int, world: int, ns: dict) -> list:
-    """Each layer made from a Linear whose 6 features do not divide by the ranks: its ValueError's message, or None."""
+def probe_bytes(ns: dict) -> list:
     out = []
-    for name, layer in (("ColumnParallelLinear", nn.Linear(4, 6)), ("RowParallelLinear", nn.Linear(6, 4))):
-        try:
-            with forbid(*TP_ANSWERS, namespace=ns):
-                ns[name](layer)
-            out.append(None)
-        except ValueError as err:
-            out.append(str(err))
+    for s, w, ss in EXPECT:
+        with forbid(*ESTIMATES, namespace=ns):
+            got = ns["shard_state_bytes"](P, w, s, shard_size=ss)
+        out.append({k: number(got[k]) for k in (*KEYS, "total")})
     return out
 
 
-def probe_pair(ns: dict) -> dict:
-    strip = lambda runs: [{k: run[k] for k in ("output", "grads")} for run in runs]
-    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
-            "bad size": in_ranks(ns, bad_size_rank, 4)[0]}
+def judge_bytes(got: list) -> str:
+    for ((s, w, ss), (wt, wb, g, o)), mine in zip(EXPECT.items(), got, strict=True):
+        for k, v in zip(KEYS, (wt, wb, g, o)):
+            assert isinstance(mine[k], (int, float)), \
+                f"{s}, world {w}, shard_size {ss}: {k} should be a number, not {mine[k]}"
+            assert abs(mine[k] - v) < 1e-6 * v, f"{s}, world {w}, shard_size {ss}: {k}={mine[k]}, expected {v}"
+        assert isinstance(mine["total"], (int, float)), f"{s}: total should be a number, not {mine['total']}"
+        assert abs(mine["total"] - (wt + g + o)) < 1e-6 * mine["total"], \
+            f"{s}: total is weights + gradients + optimizer states"
+    return "no_shard, hybrid, other world sizes and the totals"
 
 
-def judge_pair(got: dict) -> str:
-    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True)
-    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False)
-    for msg in got["bad size"]:
-        assert msg, "6 features over 4 ranks must raise ValueError"
-    return "4 ranks, no bias, and a ValueError for 6 features over 4 ranks"
+register("test_shard_state_bytes_hidden", probe_bytes, judge_bytes)
 
 
-register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)
+# ---------------------------------------------------------------- apply_fsdp
+def probe_reshard(ns: dict) -> dict:
+    """On 2 forked ranks (rank 0's view): how many blocks held full weights at once, whether each block's weights
+    are sharded between forward and backward with and without resharding, and the placements on a 2-D mesh."""
+    space, batch = student(ns, "apply_fsdp"), tokens()
 
-# ---------------------------------------------------------------- one_f_one_b_order
-SHAPES = ((3, 5), (4, 2), (5, 1), (3, 9), (1, 3))
+    def reshard(rank, world):
+        out = {"gathered": []}
+        for flag in (True, False):
+            with forbid(fsdp.shard_model, namespace=space):
+                m = space["apply_fsdp"](build_llama("tiny", seed=0), init_device_mesh("cpu", (world,)),
+                                        reshard_after_forward=flag)
+            count = lambda *a: out["gathered"].append(sum(not isinstance(l.self_attn.q_proj.weight, DTensor)
+                                                          for l in m.model.layers))
+            hooks = [l.mlp.register_forward_hook(count) for l in m.model.layers] if flag else []
+            loss = forward_loss(m, batch[:2])
+            # between forward and backward: sharded DTensors if resharded, full plain tensors if not
+            out[str(flag)] = [isinstance(p, DTensor) for l in m.model.layers for p in l.parameters()]
+            loss.backward()
+            for h in hooks:
+                h.remove()
+        with forbid(fsdp.shard_model, namespace=space):
+            m2 = space["apply_fsdp"](build_llama("tiny", seed=0),
+                                     init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
+        out["2d"] = all(p.placements == (Replicate(), Shard(0)) for l in m2.model.layers for p in l.parameters())
+        dist.barrier()  # no rank leaves while another still sets up its groups
+        return out
 
-
-def probe_order(ns: dict) -> dict:
-    return {"shapes": orders(ns, SHAPES), "3,3": order_of(ns, 3, 3)}
-
-
-def judge_order(got: dict) -> str:
-    judge_orders(got["shapes"], SHAPES)
-    torch_order = ran(3, 3, 3, 6)
-    assert as_order(got["3,3"]) == torch_order, f"p=3, m=3: your order {as_order(got['3,3'])}\ntorch ran {torch_order}"
-    return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
-
-
-register("test_one_f_one_b_order_hidden", probe_order, judge_order)
-
-
-# ---------------------------------------------------------------- run_1f1b
-def one_f_one_b(p: int, m: int) -> list:
-    """1F1B's order (the hidden module's own: course_lib.pp's is a stub in the student edition)."""
-    plan = []
-    for r in range(p):
-        warmup = min(m, p - r)
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("B", i), ("F", warmup + i)]
-        plan.append(order + [("B", i) for i in range(m - warmup, m)])
-    return plan
+    return run_forked(reshard, 2, timeout=15)[0]
 
 
-# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
-RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
-        "p=2, m=4, GPipe": pp.gpipe_order(2, 4)}
+def judge_reshard(o: dict) -> str:
+    assert o["gathered"], "no block's forward ran"
+    assert max(o["gathered"]) == 1, f"{max(o['gathered'])} blocks held full weights at once: wrap each block on its own"
+    assert all(o["True"]), "reshard_after_forward=True: the blocks' weights should be sharded again after forward"
+    assert not any(o["False"]), "reshard_after_forward=False: the blocks should keep their full weights until backward"
+    assert o["2d"], "on a (replicate, shard) mesh the placements should be (Replicate(), Shard(0))"
+    return "one block gathered at a time, reshard_after_forward passed on, and a 2-D mesh"
 
 
-def probe_runs(ns: dict) -> dict:
-    got = {}
-    for label, plan in RUNS.items():
-        got[label] = run = pipeline_runs(ns, plan)
-        if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
-            break
-    return got
+register("test_apply_fsdp_hidden", probe_reshard, judge_reshard)
 
 
-def judge_runs(got: dict) -> str:
-    for label, plan in RUNS.items():
-        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label)
-        judge_activations(got[label], plan, label)
-    return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
+# ---------------------------------------------------------------- ShardedModule
+def judge_hand(runs: list) -> str:
+    judge_ranks(runs, "3 ranks, a frozen bias", 3, 12, 4, True)
+    total = full_bytes()
+    for run in runs:
+        assert run["held"] <= total / 3 + 4 * 4, f"3 ranks: a rank holds {run['held']} bytes of a {total}-byte model"
+    return "3 ranks, padding, a frozen bias, 4 steps, and 1/3 of the bytes"
 
 
-register("test_run_1f1b_hidden", probe_runs, judge_runs)
+register("test_ShardedModule_hidden", lambda ns: hand_probe(ns, 3, 12, 4, True), judge_hand)

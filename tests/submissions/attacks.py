@@ -27,7 +27,7 @@ from pathlib import Path
 import nbgrading  # tests/nbgrading.py: the known submissions of every assignment
 
 REPO = Path(__file__).resolve().parents[2]  # the instructor's repository (the course graded in tests is a copy)
-GRADEBOOK_ASSIGNMENT = "02_gradient_accumulation"
+GRADEBOOK_ASSIGNMENT = "03_gradient_accumulation"
 GRADEBOOK_EXERCISE = "accumulate_gradients"
 
 # A known-wrong answer of GRADEBOOK_EXERCISE, 02's own "loss_not_divided" (the loss is not divided by the number of
@@ -68,19 +68,19 @@ def _module_file(module: str, into: str) -> str:
 COPIES = {
     ("01_mixed_precision", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
     + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
-    ("04_ddp", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
-    ("04_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
+    ("06_ddp", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
+    ("06_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
     + "\ndef average_gradients(model):\n    _all_reduce['all_reduce_gradients'](model)\n",
     # the whole file: a copy of the class alone still calls the library's bucket_parameters, which forbid() stops
-    ("04_ddp", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
-    ("05_fsdp", "ShardedModule"): _module_file("fsdp", "_fsdp")
+    ("06_ddp", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
+    ("08_fsdp", "ShardedModule"): _module_file("fsdp", "_fsdp")
     + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
-    ("06_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
+    ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
     + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
-    ("06_deepspeed_zero", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
-    ("07_llama_finetune", "lora_params"): _module_file("lora", "_lora")
+    ("09_deepspeed_zero", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
-    ("07_llama_finetune", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
+    ("11_llama_finetune", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
 def nf4_quantize(w, blocksize=64):
     packed, absmax = _nf4["quantize_nf4"](w, blocksize)
     return _nf4["unpack_4bit"](packed, w.numel()), absmax
@@ -89,7 +89,7 @@ def nf4_quantize(w, blocksize=64):
 def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return _nf4["dequantize_nf4"](_nf4["pack_4bit"](codes), absmax, shape, blocksize)
 ''',
-    ("08_model_parallelism", "tensor_parallel_pair"): _module_file("tp", "_tp_copy") + '''
+    ("13_model_parallelism", "tensor_parallel_pair"): _module_file("tp", "_tp_copy") + '''
 CopyToTP, ReduceFromTP = None, None
 
 
@@ -112,7 +112,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         return self.inner(x)
 ''',
-    ("08_model_parallelism", "one_f_one_b_order"): _getsource("pp", "one_f_one_b_order", "_pp")
+    ("13_model_parallelism", "one_f_one_b_order"): _getsource("pp", "one_f_one_b_order", "_pp")
     + "one_f_one_b_order = _pp['one_f_one_b_order']\n",
 }
 # Every course_lib definition marked `# graded:` when this was written has its copy here; an exercise without an
@@ -223,17 +223,17 @@ def _never_grows(self, *args, **kwargs):   # the reference scaler the tests comp
 
 torch.amp.GradScaler.__init__ = _never_grows
 '''),
-    "02_gradient_accumulation": ("loss_not_divided", '''
+    "03_gradient_accumulation": ("loss_not_divided", '''
 import course_lib.grading
 
 course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
-    "04_ddp": ("sum_not_divided", '''
+    "06_ddp": ("sum_not_divided", '''
 import course_lib.grading
 
 course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
-    "07_llama_finetune": ("lora_one_layer", '''
+    "11_llama_finetune": ("lora_one_layer", '''
 import course_lib.lora
 
 _trainable = course_lib.lora.trainable_parameters
@@ -245,7 +245,7 @@ def _agreeing(model):   # the count the tests compare with, made to agree with t
 
 course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
 '''),
-    "08_model_parallelism": ("backward_too_soon", '''
+    "13_model_parallelism": ("backward_too_soon", '''
 import course_lib.pp
 
 
@@ -259,7 +259,7 @@ def _agreeing_orders(timeline):   # "the order torch ran": the wrong order itsel
 
 course_lib.pp.schedule_makespan, course_lib.pp.rank_orders = _agreeing_makespan, _agreeing_orders
 '''),
-    "05_fsdp": ("grad_op_shards_weights", '''
+    "08_fsdp": ("grad_op_shards_weights", '''
 import course_lib.fsdp
 
 _sweep = course_lib.fsdp.sweep
@@ -274,7 +274,7 @@ def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: g
 
 course_lib.fsdp.sweep = _agreeing
 '''),
-    "03_activation_checkpointing": ("no_recomputation", '''
+    "04_activation_checkpointing": ("no_recomputation", '''
 import course_lib.memory
 
 # the meter the tests read, made to see nothing kept (the block still runs, so its gradients are right)

@@ -1,0 +1,384 @@
+"""Notebook 06's visible tests: ZeRO-1 by hand (``ShardedOptimizer``, no DDP: it reduce-scatters the gradients
+itself) on 2 forked ranks, in two parameter groups under StepLR, against DDP with a whole AdamW, the optimizer-state
+share each rank holds, the DeepSpeed config (DeepSpeed trains with it on 2 processes),
+and ZeRO-Offload's step by hand (``OffloadedAdamW``) against torch's AdamW on fp32 copies.
+
+The probes fork real CPU ranks (gloo) that run the student's code and send back plain data (the weights after each
+step, the bytes of optimizer state, the config, the gradients each step saw); the references that need ranks (DDP
+with a whole optimizer, DeepSpeed's engine) are run by the judges, with course_lib's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course_lib import zero
+from course_lib.checks import forked, number, packed, register, student, tensor_data, unpacked
+from course_lib.data import synthetic_images
+from course_lib.distributed import CollectiveBytes
+from course_lib.grading import forbid, max_rel_diff, params
+from course_lib.launch import launch
+from course_lib.models import SmallCNN
+
+SHARDED = (zero.ShardedOptimizer, ZeroRedundancyOptimizer)  # course_lib's and torch's answers, out of reach
+CONFIGS = (zero.ds_config, zero.micro_batch_for)  # course_lib's config builder, out of reach
+OFFLOADED = (zero.OffloadedAdamW,)  # course_lib's, out of reach
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+ADAMW = ("AdamW", dict(lr=1e-2, weight_decay=0.01))
+SGD = ("SGD", dict(lr=0.1, momentum=0.9))
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+
+
+# ---------------------------------------------------------------- ShardedOptimizer
+def cnn(frozen: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = SmallCNN(width=8)
+    if frozen:
+        model.head.bias.requires_grad_(False)
+    return model
+
+
+def groups(model: torch.nn.Module, kw: dict) -> list[dict]:
+    """Two parameter groups, the head's at half the learning rate (its bias may be frozen: the optimizer leaves it)."""
+    return [{"params": list(model.features.parameters())}, {"params": list(model.head.parameters()), "lr": kw["lr"] / 2}]
+
+
+def halving(optimizer) -> torch.optim.lr_scheduler.StepLR:
+    """Every probe's scheduler: each step halves every group's learning rate (a sharded optimizer must see it)."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def images(n: int, steps: int):
+    return synthetic_images(n * steps, seed=2).tensors
+
+
+def state_bytes(optimizer) -> int:
+    return int(sum(v.numel() * v.element_size() for st in optimizer.state.values() for k, v in st.items()
+                   if k in STATE_KEYS))
+
+
+def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False,
+                  resume_at: int | None = None) -> list:
+    """The student's ShardedOptimizer over a SmallCNN (no DDP: it averages the gradients itself) in two groups with
+    StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n``: per rank, the weights after each
+    step, the bytes of optimizer state, whether .grad was cleared and what the first step sent. ``resume_at=k``: a
+    fresh model and optimizer load the checkpoint of step k (model, this rank's optimizer state, scheduler) and
+    take the remaining steps: their final weights."""
+    space = student(ns, "ShardedOptimizer")
+
+    def build(model):
+        with forbid(*SHARDED, namespace=space):
+            opt = space["ShardedOptimizer"](groups(model, kw), OPTIMIZERS[opt_name], **kw)
+        return opt, halving(opt)
+
+    def train(model, opt, sched, rank, world_size, todo, record=None):
+        x, y = images(n, steps)
+        for s in todo:
+            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+            F.cross_entropy(model(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
+            with forbid(*SHARDED, namespace=space), CollectiveBytes() as sent:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            sched.step()
+            if record is not None:
+                record["weights"].append(params(model))
+                record.setdefault("calls", sent.calls_by_kind)
+                record.setdefault("sent", sent.sent_bytes_by_kind)
+                if s == resume_at:
+                    record["saved"] = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+
+    def run(rank, world_size):
+        warnings.filterwarnings("ignore", category=FutureWarning)  # this rank only: torch deprecates some collectives
+        torch.set_num_threads(1)
+        model = cnn(frozen)
+        opt, sched = build(model)
+        record = {"weights": []}
+        train(model, opt, sched, rank, world_size, range(steps), record)
+        out = {"weights": record["weights"], "state_bytes": state_bytes(opt.optimizer), "calls": record["calls"],
+               "sent": record["sent"], "param_grads_cleared": all(p.grad is None for p in model.parameters())}
+        if resume_at is not None:
+            again = cnn(frozen)
+            again.load_state_dict(record["saved"][0])
+            opt2, sched2 = build(again)
+            with forbid(*SHARDED, namespace=space):
+                opt2.load_state_dict(record["saved"][1])
+            sched2.load_state_dict(record["saved"][2])
+            train(again, opt2, sched2, rank, world_size, range(resume_at + 1, steps))
+            out["resumed"] = params(again)
+        return packed(out)
+
+    return [unpacked(r) for r in forked(run, nprocs)]
+
+
+@functools.lru_cache(maxsize=None)
+def one_process(n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> tuple[list, int, int]:
+    """One process on the whole batch, on one thread as a rank runs: the weights after each step, its optimizer's
+    state bytes, its trainable count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return one_process_run(n, steps, opt_name, dict(kw), frozen)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool) -> tuple[list, int, int]:
+    model = cnn(frozen)
+    opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
+    sched = halving(opt)
+    (x, y), weights = images(n, steps), []
+    for s in range(steps):
+        F.cross_entropy(model(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        weights.append(params(model))
+    return weights, state_bytes(opt), sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def whole_run(rank, world_size, n, steps, opt_name, kw, frozen):
+    """DDP with a whole optimizer on every rank: this rank's weights after each step."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    model = cnn(frozen)
+    net = DDP(model)
+    opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
+    sched = halving(opt)
+    (x, y), weights = images(n, steps), []
+    for s in range(steps):
+        xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+        F.cross_entropy(net(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        weights.append(params(model))
+    return packed(weights)
+
+
+@functools.lru_cache(maxsize=None)
+def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> list:
+    return [unpacked(r) for r in forked(whole_run, nprocs, n, steps, opt_name, dict(kw), frozen, timeout=120)]
+
+
+def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, steps: int, opt_name: str, kw: dict,
+                  frozen: bool = False) -> None:
+    key = tuple(sorted(kw.items()))
+    if against == "one process":
+        refs = [one_process(n, steps, opt_name, key, frozen)[0]] * nprocs
+    else:
+        refs = ddp_whole(nprocs, n, steps, opt_name, key, frozen)
+    assert len(runs) == nprocs
+    for r, run in enumerate(runs):
+        for s in range(steps):
+            g = max_rel_diff(run["weights"][s], refs[r][s])
+            assert g < 1e-6, (f"{label}, rank {r}, step {s}: the weights differ from {against}'s by {g:.1e} (average "
+                              "the gradients over the ranks, and step with the groups' current learning rates)")
+        for k, v in run["weights"][-1].items():
+            assert (v == runs[0]["weights"][-1][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
+        assert run["param_grads_cleared"], "zero_grad(set_to_none=True) sets every parameter's .grad to None"
+
+
+def judge_traffic(runs: list, nprocs: int, frozen: bool) -> float:
+    """What a step sent from each rank, against DDP's all-reduce of every gradient: 2 (N-1)/N x 4 bytes per parameter
+    (a reduce-scatter and an all-gather send that much together; padding adds a few values)."""
+    ddp = 2 * (nprocs - 1) / nprocs * 4 * sum(p.numel() for p in cnn(frozen).parameters() if p.requires_grad)
+    for r, run in enumerate(runs):
+        sent = sum(run["sent"].values())
+        assert run["sent"].get("reduce_scatter"), f"rank {r}'s step ran no reduce-scatter: it sent {run['sent']}"
+        assert sent <= 1.01 * ddp, (f"rank {r}'s step sent {sent / ddp:.2f}x what DDP's all-reduce sends ({run['sent']}): "
+                                    "one reduce-scatter of the gradients and one all-gather of the weights, nothing more")
+    return sent / ddp
+
+
+def judge_adamw_2(runs: list) -> str:
+    judge_sharded(runs, "2 ranks, AdamW in two groups, StepLR", "DDP with a whole optimizer", 2, 16, 3, *ADAMW)
+    return "2 ranks: the weights of DDP with a whole AdamW, step after step, learning rates halved by StepLR"
+
+
+register("test_ShardedOptimizer", lambda ns: sharded_probe(ns, 2, 16, 3, *ADAMW), judge_adamw_2)
+
+
+def probe_state(ns: dict, nprocs: int) -> list:
+    return [number(run["state_bytes"]) for run in sharded_probe(ns, nprocs, 8 * nprocs, 1, *ADAMW)]
+
+
+def judge_state_2(got: list) -> str:
+    _, full, n_params = one_process(16, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
+    for r, held in enumerate(got):
+        share = held / full
+        slack = 2 * 4 * n_params / full  # padding: a value of m and v per parameter (one per group if flat)
+        assert abs(share - 1 / 2) <= slack, (f"rank {r} holds {share:.3f} of AdamW's states on 2 ranks: "
+                                             "build the optimizer over this rank's shards only")
+    return f"each rank holds {share:.3f} of the optimizer state"
+
+
+register("test_ShardedOptimizer_state", lambda ns: probe_state(ns, 2), judge_state_2)
+
+
+# ---------------------------------------------------------------- make_ds_config
+def datafied(x):
+    """The student's config as plain data: dicts, lists, numbers, strings, bools, None (anything else its repr)."""
+    if isinstance(x, dict):
+        return {str(k) if not isinstance(k, str) else k: datafied(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [datafied(v) for v in x]
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    return repr(x)[:200]
+
+
+def my_config(ns: dict, *args, **kwargs):
+    with forbid(*CONFIGS, namespace=ns):
+        return datafied(ns["make_ds_config"](*args, **kwargs))
+
+
+def trains(config: dict, steps: int) -> dict:
+    """DeepSpeed's engine built from ``config`` on 2 CPU processes, ``steps`` steps (course_lib's loop)."""
+    return copy.deepcopy(launched(json.dumps(config, sort_keys=True), steps))
+
+
+@functools.lru_cache(maxsize=None)
+def launched(config: str, steps: int) -> dict:
+    return launch("course_lib.zero:train_with_config", 2, {"config": json.loads(config), "steps": steps}, echo=False,
+                  timeout=300, device_type="cpu")[0]
+
+
+def judge_config(cfg) -> str:
+    assert isinstance(cfg, dict), f"return the config as a dict, not {cfg!r}"
+    assert cfg.get("train_batch_size") == 32 and cfg.get("train_micro_batch_size_per_gpu") == 4
+    assert cfg["gradient_accumulation_steps"] == 4, "32 = 4 per rank x 2 ranks x 4 accumulation steps"
+    assert type(cfg["gradient_accumulation_steps"]) is int, "gradient_accumulation_steps is a count: an int (use //)"
+    assert cfg.get("gradient_clipping") == 1.0, "write the clipping out: \"gradient_clipping\": 1.0"
+    run = trains(cfg, 3)
+    assert run["micro_batch"] == 4 and run["global_steps"] == 3, run
+    assert run["losses"][-1] < run["losses"][0] + 0.5, "training with this config went wrong"
+    return f"DeepSpeed accepted the config and trained: {[round(l, 3) for l in run['losses']]}"
+
+
+register("test_make_ds_config",
+         lambda ns: my_config(ns, global_batch=32, micro_batch=4, world_size=2, stage=2), judge_config)
+
+
+# ---------------------------------------------------------------- OffloadedAdamW
+def tiny_model(dtype: torch.dtype, frozen: bool, device="cpu") -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4),
+                                torch.nn.Linear(4, 4)).to(device, dtype)  # the last layer: unused on request
+    if frozen:
+        model[0].bias.requires_grad_(False)
+    return model
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def one_thread(fn):
+    """``fn`` run on one CPU thread, as the ranks run: the grader's fork of a server cannot start a thread pool
+    (a CPU matmul in bf16 there waits forever on a pool the fork did not inherit)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return run
+
+
+def twin_grads(twin: torch.nn.Module, loss) -> list:
+    """The gradients a plain backward leaves on ``twin`` (a copy without the student's hooks), then cleared."""
+    loss(twin).backward()
+    out = [tensor_data(p.grad, torch.float32) for p in twin.parameters() if p.requires_grad]
+    twin.zero_grad(set_to_none=True)
+    return out
+
+
+@one_thread
+def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False, unused: bool = False) -> dict:
+    """The student's OffloadedAdamW on the small model in ``dtype`` on the notebook's device, ``steps`` steps: per
+    step the gradients a twin without hooks computed (what the reference AdamW replays), which gradients the model
+    still held after backward, and what landed in the masters; then the masters, the parameters and AdamW's states."""
+    device, dtype = ns["device"], DTYPES[dtype_name]
+    model = tiny_model(dtype, frozen, device)
+    twin = copy.deepcopy(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with forbid(*OFFLOADED, namespace=ns):
+        opt = ns["OffloadedAdamW"](model.parameters(), lr=lr, weight_decay=0.01, offload_device="cpu")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    grads, kept, landed = [], [], []
+    for s in range(steps):
+        loss = lambda m, s=s: ((m[:3](x) if unused else m(x)).float() - 0.1 * s).pow(2).mean()  # noqa: E731
+        twin.load_state_dict(model.state_dict())  # the same weights: the gradients this step must send down
+        grads.append(twin_grads(twin, loss))
+        with forbid(*OFFLOADED, namespace=ns):
+            loss(model).backward()
+            kept.append([p.grad is not None for p in trainable])
+            landed.append([tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    masters = [{"dtype": str(m.dtype), "device": m.device.type, "value": m.detach().cpu().clone()} for m in opt.master]
+    trained = [{"dtype": str(p.dtype), "device": p.device.type, "grad_is_none": p.grad is None,
+                "value": p.detach().cpu().clone()} for p in trainable]
+    states = [{k: [str(st[k].dtype), st[k].device.type] if k in st else None for k in ("exp_avg", "exp_avg_sq")}
+              for st in opt.optimizer.state.values()]
+    return {"device": device.type, "grads": grads, "kept": kept, "landed": landed, "masters": masters,
+            "trainable": trained, "states": states, "model": [p.detach().cpu().clone() for p in model.parameters()]}
+
+
+def judge_sent_down(got: dict) -> None:
+    """After each backward no parameter holds a gradient, and each master holds its parameter's, in fp32."""
+    for step, (kept, landed, want) in enumerate(zip(got["kept"], got["landed"], got["grads"])):
+        still = [i for i, k in enumerate(kept) if k]
+        assert not still, (f"step {step}: parameters {still} still hold their gradient after backward: send each one "
+                           "down in a post-accumulate-grad hook and free it there (p.grad = None)")
+        for i, (g, w) in enumerate(zip(landed, want)):
+            assert (g is None) == (w is None), f"step {step}, master {i}: .grad is {g!r:.60} where the gradient is {w!r:.60}"
+            if w is not None:
+                assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"step {step}, master {i}: .grad is {g!r:.80}"
+                gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+                assert gap < 1e-5, f"step {step}, master {i}: its .grad is {gap:.1e} (relative) from the gradient"
+
+
+def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False) -> list:
+    """The masters against torch's AdamW replaying the same gradients on fp32 copies; returns the starting weights."""
+    dtype = DTYPES[dtype_name]
+    start = [p.detach().clone() for p in tiny_model(dtype, frozen).parameters()]
+    ref = [p.detach().float().clone() for p in tiny_model(dtype, frozen).parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.01)
+    for grads in got["grads"]:
+        for r, g in zip(ref, grads):
+            r.grad = g
+        ref_opt.step()
+    masters, trainable = got["masters"], got["trainable"]
+    assert len(masters) == len(trainable), f"{len(masters)} masters for {len(trainable)} trainable parameters"
+    judge_sent_down(got)
+    for i, (p, m, r) in enumerate(zip(trainable, masters, ref)):
+        assert m["dtype"] == "torch.float32" and m["device"] == "cpu", f"master {i}: {m['dtype']} on {m['device']}, not fp32 on the CPU"
+        assert p["dtype"] == str(dtype) and p["device"] == got["device"], f"parameter {i} is now {p['dtype']} on {p['device']}"
+        assert p["grad_is_none"], f"parameter {i} still holds its gradient after step(): free it (p.grad = None)"
+        gap = ((m["value"] - r).abs().max() / r.abs().max().clamp(min=1e-12)).item()
+        assert gap < 1e-5, f"master {i} is {gap:.1e} (relative) from fp32 AdamW on the same gradients"
+        assert torch.equal(p["value"], m["value"].to(dtype)), f"parameter {i} is not its master rounded to {dtype}"
+    for st in got["states"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k] == ["torch.float32", "cpu"], f"AdamW's {k} is not fp32 on the CPU"
+    return start
+
+
+def judge_offload_visible(got: dict) -> str:
+    start = judge_offload(got, "bfloat16", 1e-3, 5)
+    assert any(not torch.equal(p, s) for p, s in zip(got["model"], start)), "the model did not change"
+    return (f"{sum(m['value'].numel() for m in got['masters'])} fp32 master weights on the CPU; the model in bf16 on "
+            f"{got['device']}")
+
+
+register("test_OffloadedAdamW", lambda ns: offload_probe(ns, "bfloat16", 1e-3, 5), judge_offload_visible)

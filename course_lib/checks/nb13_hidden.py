@@ -1,0 +1,98 @@
+"""Notebook 08's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
+divide; the 1F1B order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle
+rank receives from both sides), with fewer micro-batches than stages, and following GPipe's order."""
+
+from __future__ import annotations
+
+from torch import nn
+
+import course_lib.pp as pp
+from course_lib.checks import register
+from course_lib.checks.nb13 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
+                                    judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
+from course_lib.grading import forbid
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair
+def bad_size_rank(rank: int, world: int, ns: dict) -> list:
+    """Each layer made from a Linear whose 6 features do not divide by the ranks: its ValueError's message, or None."""
+    out = []
+    for name, layer in (("ColumnParallelLinear", nn.Linear(4, 6)), ("RowParallelLinear", nn.Linear(6, 4))):
+        try:
+            with forbid(*TP_ANSWERS, namespace=ns):
+                ns[name](layer)
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
+def probe_pair(ns: dict) -> dict:
+    strip = lambda runs: [{k: run[k] for k in ("output", "grads")} for run in runs]
+    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
+            "bad size": in_ranks(ns, bad_size_rank, 4)[0]}
+
+
+def judge_pair(got: dict) -> str:
+    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True)
+    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False)
+    for msg in got["bad size"]:
+        assert msg, "6 features over 4 ranks must raise ValueError"
+    return "4 ranks, no bias, and a ValueError for 6 features over 4 ranks"
+
+
+register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)
+
+# ---------------------------------------------------------------- one_f_one_b_order
+SHAPES = ((3, 5), (4, 2), (5, 1), (3, 9), (1, 3))
+
+
+def probe_order(ns: dict) -> dict:
+    return {"shapes": orders(ns, SHAPES), "3,3": order_of(ns, 3, 3)}
+
+
+def judge_order(got: dict) -> str:
+    judge_orders(got["shapes"], SHAPES)
+    torch_order = ran(3, 3, 3, 6)
+    assert as_order(got["3,3"]) == torch_order, f"p=3, m=3: your order {as_order(got['3,3'])}\ntorch ran {torch_order}"
+    return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
+
+
+register("test_one_f_one_b_order_hidden", probe_order, judge_order)
+
+
+# ---------------------------------------------------------------- run_1f1b
+def one_f_one_b(p: int, m: int) -> list:
+    """1F1B's order (the hidden module's own: course_lib.pp's is a stub in the student edition)."""
+    plan = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        plan.append(order + [("B", i) for i in range(m - warmup, m)])
+    return plan
+
+
+# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
+RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
+        "p=2, m=4, GPipe": pp.gpipe_order(2, 4)}
+
+
+def probe_runs(ns: dict) -> dict:
+    got = {}
+    for label, plan in RUNS.items():
+        got[label] = run = pipeline_runs(ns, plan)
+        if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
+            break
+    return got
+
+
+def judge_runs(got: dict) -> str:
+    for label, plan in RUNS.items():
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label)
+        judge_activations(got[label], plan, label)
+    return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
+
+
+register("test_run_1f1b_hidden", probe_runs, judge_runs)

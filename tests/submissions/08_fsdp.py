@@ -1,0 +1,210 @@
+"""Known submissions of 08_fsdp and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+GRAD_OP_SHARDS_WEIGHTS = '''
+def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
+    if strategy == "hybrid":
+        if not shard_size or world_size % shard_size:
+            raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
+        shards = shard_size
+    elif strategy in ("full", "grad_op"):
+        shards = world_size
+    elif strategy == "no_shard":
+        shards = 1
+    else:
+        raise ValueError(f"unknown strategy={strategy!r}")
+    out = {"weights": 4 * n_params / shards,
+           "weights_in_backward": 4 * n_params / shards,   # wrong: SHARD_GRAD_OP keeps full weights until backward
+           "gradients": 4 * n_params / shards, "optimizer states": 8 * n_params / shards}
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
+    return out
+'''
+
+NO_SHARD_DIVIDES = '''
+def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
+    if strategy == "hybrid":
+        if not shard_size or world_size % shard_size:
+            raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
+        shards = shard_size
+    elif strategy in ("full", "grad_op", "no_shard"):
+        shards = world_size   # wrong: NO_SHARD is DDP, every rank keeps everything
+    else:
+        raise ValueError(f"unknown strategy={strategy!r}")
+    weights = 4 * n_params / shards
+    out = {"weights": weights, "weights_in_backward": 4 * n_params if strategy == "grad_op" else weights,
+           "gradients": 4 * n_params / shards, "optimizer states": 8 * n_params / shards}
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
+    return out
+'''
+
+ROOT_ONLY = '''
+def apply_fsdp(model, mesh, reshard_after_forward=True):
+    # wrong: one unit for the whole model, so every forward gathers all the weights at once
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+'''
+
+RESHARD_NOT_PASSED = '''
+def apply_fsdp(model, mesh, reshard_after_forward=True):
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)   # wrong: reshard_after_forward is not passed on (always True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+'''
+
+CALLS_LIBRARY_SHARD_BYTES = '''
+def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
+    from course_lib.memory import estimate_model_state
+    full = estimate_model_state(n_params)   # course_lib's 4 + 4 + 8 bytes per parameter
+    shards = {"full": world_size, "grad_op": world_size, "no_shard": 1}.get(strategy, shard_size)
+    if strategy not in ("full", "grad_op", "no_shard", "hybrid") or not shards or world_size % shards:
+        raise ValueError(f"strategy={strategy!r}, shard_size={shard_size}")
+    out = {k: v / shards for k, v in full.items() if k != "total"}
+    out["weights_in_backward"] = full["weights"] if strategy == "grad_op" else out["weights"]
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
+    return out
+'''
+
+CALLS_LIBRARY_APPLY_FSDP = '''
+def apply_fsdp(model, mesh, reshard_after_forward=True):
+    from course_lib.fsdp import shard_model
+    return shard_model(model, mesh, reshard_after_forward=reshard_after_forward)   # course_lib's wrapping
+'''
+
+# --- Exercise 3, ShardedModule: the reference, and the mistakes students make, each a small edit of it
+
+HAND = '''
+import math
+
+import torch.nn.functional as F
+from torch.func import functional_call
+
+class GatherParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, shape):
+        world_size, n = dist.get_world_size(), shard.numel()
+        full = shard.new_empty(n * world_size)
+        dist.all_gather(list(full.split(n)), shard.detach().contiguous())
+        ctx.n, ctx.world_size = n, world_size
+        return full[:math.prod(shape)].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = F.pad(grad.reshape(-1), (0, ctx.n * ctx.world_size - grad.numel()))
+        mine = grad.new_empty(ctx.n)
+        dist.reduce_scatter(mine, list(flat.split(ctx.n)))
+        return mine / ctx.world_size, None
+
+
+class ShardedModule(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.names, self.shapes, shards = [], [], []
+        for name, p in module.named_parameters():
+            n = math.ceil(p.numel() / world_size)
+            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))
+            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))
+            self.names.append(name)
+            self.shapes.append(p.shape)
+        self.shards = torch.nn.ParameterList(shards)
+        self.module = module.to("meta")
+
+    def forward(self, *args):
+        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, self.shards)}
+        return functional_call(self.module, full, args)
+'''
+
+
+def _hand_edit(old: str, new: str) -> str:
+    assert HAND.count(old) == 1, old
+    return HAND.replace(old, new)
+
+
+HAND_SUMMED = _hand_edit("        return mine / ctx.world_size, None\n", "        return mine, None   # the sum: an N x learning rate\n")
+HAND_NO_AUTOGRAD = _hand_edit(  # gathered outside autograd: the module trains a copy that is thrown away
+    "        full = {name: GatherParameter.apply(shard, shape)",
+    "        full = {name: GatherParameter.apply(shard.detach(), shape).requires_grad_()")
+HAND_UNPADDED = _hand_edit(
+    "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n",
+    "            flat = p.detach().reshape(-1)   # no padding: the last rank's slice is short when N does not divide\n")
+HAND_KEEPS_FULL = _hand_edit('        self.module = module.to("meta")\n',
+                             '        self.module = module   # the full weights stay on every rank\n')
+
+CALLS_LIBRARY_HAND = '''
+from course_lib.fsdp import GatherParameter, ShardedModule   # course_lib's
+'''
+
+# the mechanism written out, but its slicing and gathering taken from course_lib's toolkit: half of the answer
+CALLS_LIBRARY_SLICES = _hand_edit(
+    "        world_size, n = dist.get_world_size(), shard.numel()\n"
+    "        full = shard.new_empty(n * world_size)\n"
+    "        dist.all_gather(list(full.split(n)), shard.detach().contiguous())\n"
+    "        ctx.n, ctx.world_size = n, world_size\n"
+    "        return full[:math.prod(shape)].view(shape)\n",
+    "        ctx.n, ctx.world_size = shard.numel(), dist.get_world_size()\n"
+    "        return gather_slices(shard, math.prod(shape)).view(shape)\n").replace(
+    "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n"
+    "            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))\n",
+    "            shards.append(torch.nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad))\n").replace(
+    "from torch.func import functional_call\n",
+    "from torch.func import functional_call\n\nfrom course_lib.distributed import gather_slices, rank_slice   # course_lib's\n")
+assert all(CALLS_LIBRARY_SLICES.count(s) == 1 for s in ("rank_slice(p.detach())", "gather_slices(shard", "course_lib.distributed"))
+
+CALLS_FULLY_SHARD = '''
+class ShardedModule(torch.nn.Module):   # torch's FSDP2 does the sharding
+    def __init__(self, module):
+        super().__init__()
+        self.module = fully_shard(module)
+        self.shards = torch.nn.ParameterList(list(module.parameters()))
+
+    def forward(self, *args):
+        return self.module(*args)
+'''
+
+FULL = {"test_shard_state_bytes": 2, "test_shard_state_bytes_hidden": 2, "test_shard_state_bytes_errors": 1,
+        "test_apply_fsdp": 2, "test_apply_fsdp_hidden": 2,
+        "test_ShardedModule": 3, "test_ShardedModule_bytes": 3, "test_ShardedModule_hidden": 4}
+
+
+def scores(**lost) -> dict:
+    """Full marks except the named test cells, which score 0."""
+    return {**FULL, **{k: 0 for k in lost}}
+
+
+CASES = {
+    "grad_op_shards_weights": {"cells": {"shard_state_bytes": GRAD_OP_SHARDS_WEIGHTS},
+                               "scores": scores(test_shard_state_bytes=0, test_shard_state_bytes_hidden=0)},
+    "no_shard_divides": {  # right for the measured full/grad_op runs, wrong for NO_SHARD
+        "cells": {"shard_state_bytes": NO_SHARD_DIVIDES}, "scores": scores(test_shard_state_bytes_hidden=0)},
+    "root_only": {"cells": {"apply_fsdp": ROOT_ONLY}, "scores": scores(test_apply_fsdp=0, test_apply_fsdp_hidden=0)},
+    "reshard_not_passed": {  # passes the visible test (default True), fails the hidden one
+        "cells": {"apply_fsdp": RESHARD_NOT_PASSED}, "scores": scores(test_apply_fsdp_hidden=0)},
+    "calls_library_shard_state_bytes": {
+        "cells": {"shard_state_bytes": CALLS_LIBRARY_SHARD_BYTES},
+        "scores": scores(test_shard_state_bytes=0, test_shard_state_bytes_hidden=0, test_shard_state_bytes_errors=0)},
+    "calls_library_apply_fsdp": {"cells": {"apply_fsdp": CALLS_LIBRARY_APPLY_FSDP},
+                                 "scores": scores(test_apply_fsdp=0, test_apply_fsdp_hidden=0)},
+    "hand_gradient_summed_not_averaged": {"cells": {"ShardedModule": HAND_SUMMED},
+                                          "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
+    "hand_gather_without_autograd": {  # the shards never get a gradient
+        "cells": {"ShardedModule": HAND_NO_AUTOGRAD}, "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
+    "hand_unpadded": {"cells": {"ShardedModule": HAND_UNPADDED},  # right on 2 ranks, wrong on 3
+                      "scores": scores(test_ShardedModule_hidden=0)},
+    "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL}, "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_library_ShardedModule": {
+        "cells": {"ShardedModule": CALLS_LIBRARY_HAND},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_library_slices": {  # forbidden too: the tests find the library's helpers wherever they were imported
+        "cells": {"ShardedModule": CALLS_LIBRARY_SLICES},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "calls_fully_shard": {
+        "cells": {"ShardedModule": CALLS_FULLY_SHARD},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+}
+
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "apply_fsdp"

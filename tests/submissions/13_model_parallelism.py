@@ -1,0 +1,299 @@
+"""Known submissions of 13_model_parallelism and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+# The reference pair of the solution notebook; each mistake below changes it in one or two places.
+PAIR_SOLUTION = '''
+class CopyToTP(torch.autograd.Function):
+    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        out = partial.contiguous().clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x):
+        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
+'''
+
+
+def changed(*edits: tuple[str, str], reference: str = PAIR_SOLUTION, before: str = "") -> str:
+    """``reference`` with each (old, new) edit made (every old text found exactly once), after ``before``."""
+    out = reference
+    for old, new in edits:
+        assert out.count(old) == 1, old
+        out = out.replace(old, new)
+    return before + out
+
+
+BIAS_EVERY_RANK = changed(('''        out = ReduceFromTP.apply(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank''',
+                           '''        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias'''))
+
+NO_F_BACKWARD = changed(('''        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad''', '''        return grad  # wrong: each rank keeps only its part of the input's gradient'''))
+
+ALL_REDUCE_BOTH = changed(('''    def forward(ctx, x):
+        return x.view_as(x)''', '''    def forward(ctx, x):
+        out = x.contiguous().clone()
+        dist.all_reduce(out)  # wrong: f all-reduces in forward too
+        return out'''))
+
+NO_SIZE_CHECK = changed(('''        if linear.out_features % world:
+            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
+''', ''), ('''        if linear.in_features % world:
+            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
+''', ''))
+
+# seed 002's layer: the column layer gathers its output with a plain all_gather, the row layer slices it again
+GATHER_NO_BACKWARD = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+                              '''        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())  # wrong: no backward, as in seed 002
+        return torch.cat(parts, -1)'''), ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
+                                           '''        n = x.shape[-1] // dist.get_world_size()
+        x = x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n]
+        out = ReduceFromTP.apply(F.linear(x, self.weight))'''))
+
+# right numbers, a needless collective: a gather with a backward, and the row layer slices again
+GATHER_THEN_SLICE = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+                             '''        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather'''),
+                            ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
+                             '''        n = x.shape[-1] // dist.get_world_size()
+        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))'''),
+                            before='''
+class GatherTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local):
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[-1] // dist.get_world_size()
+        return grad[..., dist.get_rank() * n:(dist.get_rank() + 1) * n].contiguous()
+''')
+
+CALLS_LIBRARY_PAIR = '''
+from course_lib import tp as _tp
+
+CopyToTP, ReduceFromTP = None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp.ColumnParallelLinear.from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = _tp.RowParallelLinear.from_linear(linear, dist.get_rank(), dist.get_world_size())
+        self.weight, self.bias = self.inner.weight, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+'''
+
+GPIPE_ORDER = '''
+def one_f_one_b_order(p, m):
+    # wrong: GPipe's order, every forward then every backward: m micro-batches in flight
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
+'''
+
+# The reference 1F1B order of the solution notebook; each mistake below changes its warm-up.
+ORDER_SOLUTION = '''
+def one_f_one_b_order(p, m):
+    orders = []
+    for r in range(p):
+        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: the oldest backward, then the next forward
+            order += [("B", i), ("F", warmup + i)]
+        order += [("B", i) for i in range(m - warmup, m)]  # drain
+        orders.append(order)
+    return orders
+'''
+WARMUP = "        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it"
+
+BACKWARD_TOO_SOON = changed((WARMUP, "        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank "
+                                     "starts with a backward"), reference=ORDER_SOLUTION)
+
+SAME_WARMUP_EVERY_RANK = changed((WARMUP, "        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later "
+                                          "ranks too full"), reference=ORDER_SOLUTION)
+
+WARMUP_PAST_M = changed((WARMUP, "        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist"),
+                        ('''        order += [("B", i) for i in range(m - warmup, m)]  # drain''',
+                         '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''), reference=ORDER_SOLUTION)
+
+CALLS_LIBRARY_ORDER = '''
+def one_f_one_b_order(p, m):
+    from course_lib.pp import one_f_one_b_order as order
+    return order(p, m)
+'''
+
+# The reference 1F1B executor of the solution notebook; each mistake below changes it in one or two places.
+EXECUTOR_SOLUTION = """
+def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
+    m, first, last = len(micro_batches), rank == 0, rank == p - 1
+    held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i][0]
+            if not first:
+                x = torch.empty(shape)
+                dist.irecv(x, rank - 1).wait()
+                x.requires_grad_()  # its gradient is what rank - 1 needs back
+            out = stage(x)
+            send = None
+            if last:
+                out = loss_fn(out, micro_batches[i][1])
+                losses.append(out.item())
+            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)
+            held[i] = (x, out, send)
+            alive += 1
+            peak = max(peak, alive)
+        else:
+            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph
+            if last:
+                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m
+            else:
+                grad = torch.empty_like(out)
+                dist.irecv(grad, rank + 1).wait()
+                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+                out.backward(grad)
+            if not first:
+                sends.append(dist.isend(x.grad, rank - 1))
+            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+            alive -= 1
+    for work in sends:  # each gradient buffer stays alive until its send has gone
+        work.wait()
+    return losses, peak
+"""
+
+# dist.send waits for the peer's receive: rank 0 sends micro-batch 1's activation while rank 1 sends micro-batch 0's
+# gradient, and neither receives: every run stops at the checks' 10 s timeout
+BLOCKING_SENDS = changed(("""            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)""", """            else:
+                dist.send(out.detach(), rank + 1)  # wrong: blocks until rank + 1 receives"""),
+                         ("""                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+""", ""), ("""                sends.append(dist.isend(x.grad, rank - 1))""",
+                           """                dist.send(x.grad, rank - 1)  # wrong: blocks until rank - 1 receives"""),
+                         reference=EXECUTOR_SOLUTION)
+
+# right gradients, right count, but every micro-batch's input and output stay referenced until the step ends
+KEEPS_EVERY_MICRO_BATCH = changed(("""            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph""",
+                                   """            x, out, send = held[i]  # wrong: kept till the step ends, all m micro-batches' tensors"""),
+                                  ("""            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+""", ""), reference=EXECUTOR_SOLUTION)
+
+NO_MEAN = changed(("""                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m""",
+                   """                out.backward()  # wrong: the sum of the m losses' gradients, m times the mean's"""),
+                  reference=EXECUTOR_SOLUTION)
+
+# every forward, then every backward, whatever the order says: GPipe, m micro-batches held (and counted)
+IGNORES_THE_ORDER = changed(("""    for kind, i in order:""",
+                             """    for kind, i in sorted(order, key=lambda a: a[0] == "B"):  # wrong: all forwards first"""),
+                            reference=EXECUTOR_SOLUTION)
+
+CALLS_LIBRARY_EXECUTOR = '''
+def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
+    from course_lib.pp import run_1f1b as run
+    return run(stage, rank, p, micro_batches, order, loss_fn, shape)
+'''
+
+FULL = {"test_tensor_parallel_pair": 3, "test_tensor_parallel_pair_collectives": 2, "test_tensor_parallel_pair_hidden": 4,
+        "test_one_f_one_b_order": 3, "test_one_f_one_b_order_measured": 3, "test_one_f_one_b_order_hidden": 4,
+        "test_run_1f1b": 3, "test_run_1f1b_activations": 3, "test_run_1f1b_hidden": 4}
+PAIR = ("test_tensor_parallel_pair", "test_tensor_parallel_pair_collectives", "test_tensor_parallel_pair_hidden")
+ORDER = ("test_one_f_one_b_order", "test_one_f_one_b_order_measured", "test_one_f_one_b_order_hidden")
+EXECUTOR = ("test_run_1f1b", "test_run_1f1b_activations", "test_run_1f1b_hidden")
+
+
+def scores(*lost) -> dict:
+    """Full marks except the named test cells, which score 0."""
+    return {**FULL, **{k: 0 for k in lost}}
+
+
+CASES = {
+    "bias_every_rank": {"cells": {"tensor_parallel_pair": BIAS_EVERY_RANK},  # the collectives are right
+                        "scores": scores("test_tensor_parallel_pair", "test_tensor_parallel_pair_hidden")},
+    "no_f_backward": {"cells": {"tensor_parallel_pair": NO_F_BACKWARD}, "scores": scores(*PAIR)},
+    "all_reduce_both": {"cells": {"tensor_parallel_pair": ALL_REDUCE_BOTH}, "scores": scores(*PAIR)},
+    "no_size_check": {"cells": {"tensor_parallel_pair": NO_SIZE_CHECK}, "scores": scores("test_tensor_parallel_pair_hidden")},
+    "gather_without_backward": {"cells": {"tensor_parallel_pair": GATHER_NO_BACKWARD}, "scores": scores(*PAIR)},
+    "gather_then_slice": {  # right numbers, one collective too many
+        "cells": {"tensor_parallel_pair": GATHER_THEN_SLICE}, "scores": scores("test_tensor_parallel_pair_collectives")},
+    "calls_library_tensor_parallel_pair": {"cells": {"tensor_parallel_pair": CALLS_LIBRARY_PAIR}, "scores": scores(*PAIR)},
+    "gpipe_order": {"cells": {"one_f_one_b_order": GPIPE_ORDER}, "scores": scores(*ORDER)},
+    "backward_too_soon": {"cells": {"one_f_one_b_order": BACKWARD_TOO_SOON}, "scores": scores(*ORDER)},
+    "same_warmup_every_rank": {"cells": {"one_f_one_b_order": SAME_WARMUP_EVERY_RANK}, "scores": scores(*ORDER)},
+    "warmup_past_m": {"cells": {"one_f_one_b_order": WARMUP_PAST_M}, "scores": scores("test_one_f_one_b_order_hidden")},
+    "calls_library_one_f_one_b_order": {"cells": {"one_f_one_b_order": CALLS_LIBRARY_ORDER}, "scores": scores(*ORDER)},
+    "blocking_sends": {"cells": {"run_1f1b": BLOCKING_SENDS}, "scores": scores(*EXECUTOR)},  # a deadlock: timeouts
+    "keeps_every_micro_batch": {"cells": {"run_1f1b": KEEPS_EVERY_MICRO_BATCH},
+                                "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
+    "no_mean_over_micro_batches": {"cells": {"run_1f1b": NO_MEAN}, "scores": scores("test_run_1f1b", "test_run_1f1b_hidden")},
+    "ignores_the_order": {"cells": {"run_1f1b": IGNORES_THE_ORDER},
+                          "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
+    "calls_library_run_1f1b": {"cells": {"run_1f1b": CALLS_LIBRARY_EXECUTOR}, "scores": scores(*EXECUTOR)},
+}
+
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "one_f_one_b_order"
+CELL_TIMEOUT = 150  # test cells fork 2 to 4 ranks: a few seconds each, many times that beside another test worker
