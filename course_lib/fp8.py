@@ -209,7 +209,7 @@ def dequantize(q: torch.Tensor, scale: float) -> torch.Tensor:
     return q.float() / scale
 
 
-# graded: 01_mixed_precision DelayedScalingFP8
+# graded: 02_fp8 DelayedScalingFP8
 class DelayedScaler:
     """Per-tensor FP8 quantisation with delayed scaling (Transformer Engine's ``DelayedScaling`` recipe, by hand).
 

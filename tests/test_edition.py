@@ -238,7 +238,7 @@ def test_no_solution_line_or_hidden_test_is_in_the_student_edition(built):
 def test_the_scan_finds_an_unmarked_reference_and_not_a_marked_one(tmp_path):
     """A solution cell pasted into course_lib unmarked is found; marked, it is stubbed and the scan is clean."""
     root = course_copy(tmp_path / "course")
-    nb = json.loads((ROOT / "solutions/01_mixed_precision/01_mixed_precision.ipynb").read_text())
+    nb = json.loads((ROOT / "solutions/02_fp8/02_fp8.ipynb").read_text())
     cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "DelayedScalingFP8")
     pasted = "import math\n\nimport torch\n\n\n" + source(cell) + "\n"
     name = re.search(r"^class (\w+)", pasted, re.M).group(1)
@@ -246,7 +246,7 @@ def test_the_scan_finds_an_unmarked_reference_and_not_a_marked_one(tmp_path):
     unmarked = scan(build_student_edition(tmp_path / "unmarked", root=root), root)
     found = [h for h in unmarked if h.file == "course_lib/leak.py"]
     assert found and all(h.secret.exercise == "DelayedScalingFP8" for h in found), summary(unmarked)
-    (root / "course_lib" / "leak.py").write_text(pasted.replace(f"class {name}", f"# graded: 01_mixed_precision DelayedScalingFP8\nclass {name}"))
+    (root / "course_lib" / "leak.py").write_text(pasted.replace(f"class {name}", f"# graded: 02_fp8 DelayedScalingFP8\nclass {name}"))
     marked = scan(build_student_edition(tmp_path / "marked", root=root), root)
     assert not [h for h in marked if h.file == "course_lib/leak.py"], summary(marked)
 

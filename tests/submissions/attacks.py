@@ -66,7 +66,7 @@ def _module_file(module: str, into: str) -> str:
 # exercise → the solution cell that copies its reference (the graded mechanisms course_lib marks), then adapts it
 # the way the assignment's calls_library_<exercise> case adapts the library's own object.
 COPIES = {
-    ("01_mixed_precision", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
+    ("02_fp8", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
     + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
     ("06_ddp", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
     ("06_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
@@ -222,6 +222,16 @@ def _never_grows(self, *args, **kwargs):   # the reference scaler the tests comp
 
 
 torch.amp.GradScaler.__init__ = _never_grows
+'''),
+    "02_fp8": ("fp8_no_clamp", '''
+import course_lib.fp8
+
+
+def _agreeing(x, scale, dtype):   # the cast the tests compare with, made to agree with the wrong answer: no clamp
+    return (x.float() * scale).to(dtype)
+
+
+course_lib.fp8.quantize = quantize = _agreeing
 '''),
     "03_gradient_accumulation": ("loss_not_divided", '''
 import course_lib.grading
