@@ -40,10 +40,10 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # DeepSpeed JIT-compiles its shared-memory comm op (deepspeed_shm_comm) in the first CPU launch: about a
-# minute on 2 cores, past nbgrader's 60 s cell limit in notebook 06's first graded launch. Built here once,
+# minute on 2 cores, past nbgrader's 60 s cell limit in notebook 09's first graded launch. Built here once,
 # with the CPU accelerator that course_lib.launch gives CPU ranks; a later load only checks it (ninja).
 # Its CPU Adam (cpu_adam, about 50 s more) is what ZeRO-Offload steps the offloaded optimizer with, and what
-# notebook 06 times against torch's AdamW: built by the same command.
+# notebook 10 times against torch's AdamW: built by the same command.
 SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 CPU_ADAM_OP := $(TORCH_EXTENSIONS_DIR)/cpu_adam/cpu_adam.so
 BUILD_OPS = DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES= \
@@ -86,7 +86,7 @@ floor:
 node-emulation: setup
 	$(PY) -m course_lib.run_all --tier node --emulate --out runs-node-emulated
 
-# torchao, for tests/test_fp8.py's run of notebook 01's FP8 training path (torchao's Float8Linear trains on a CPU
+# torchao, for tests/test_fp8.py's run of notebook 02's FP8 training path (torchao's Float8Linear trains on a CPU
 # too): beside the venv, not in it, because transformers imports torchao whenever it can, and on a CPU that import
 # prints failed CUDA-kernel loads on stderr, which nbgrader scores as a failed cell. The test puts it on PYTHONPATH
 # of the process it starts. 0.18 is the torchao built against TORCH_SPEC's torch.

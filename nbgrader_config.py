@@ -51,7 +51,7 @@ c.Execute.interrupt_on_timeout = True
 c.Execute.allow_errors = True
 
 # The grading kernel inherits this process's environment (jupyter_client copies os.environ). DeepSpeed
-# JIT-builds its CPU comm op on first use, about a minute, past the cell limit above in notebook 06's
+# JIT-builds its CPU comm op on first use, about a minute, past the cell limit above in notebook 09's
 # first graded launch: point the kernel at the op `make setup` built (.venv/torch_extensions, next to the
 # Python that runs nbgrader), unless the caller chose a folder (make, the images and .ci/run do). The same rule as
 # course_lib.launch.extensions_dir(), written out: importing course_lib would load torch into every nbgrader command.

@@ -14,7 +14,7 @@ over fp32 trainable weights, transformers' default attention, which is already S
 under LoRA, the frozen base stored in bf16 with fp32 adapters (a plain LoRA script loads the base
 in bf16). The recipe's gains are only what it adds to that (``course_lib.recipe``).
 
-The batches: instruction examples packed into rows of ``seq`` tokens as notebook 07 teaches,
+The batches: instruction examples packed into rows of ``seq`` tokens as notebook 11 teaches,
 prompts masked, ``position_ids`` restarting at 0 for each document and a block-causal document
 mask (``instruct.packed_attention_mask``, built by ``loss.model_inputs`` from ``document_ids`` in
 both runs), so no example attends to the one packed before it. Which SDPA kernel runs is recorded
@@ -86,7 +86,7 @@ TARGET_DEVICES = ("H100", "H200")
 
 
 def packed_batches(n_batches: int, micro_batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> list[dict]:
-    """``n_batches`` batches of instruction examples packed into rows, as notebook 07 packs them.
+    """``n_batches`` batches of instruction examples packed into rows, as notebook 11 packs them.
 
     Each batch holds ``input_ids``, ``labels`` (prompts and each document's first token masked),
     ``position_ids`` restarting at 0 per document and ``document_ids``, from which the loss builds

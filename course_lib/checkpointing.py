@@ -3,7 +3,7 @@
 A checkpointed block saves only its input; backward runs its forward again to get the
 rest. ``use_reentrant=False`` is the implementation to use: it supports keyword
 arguments, and gives the block's parameters gradients even when the block's input does
-not require grad (the old reentrant one silently does not; notebook 03 shows it).
+not require grad (the old reentrant one silently does not; notebook 04 shows it).
 
 Policies, from most memory to least:
 - none: every activation kept;
@@ -79,7 +79,7 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList:
     return inner.layers
 
 
-# The four policies notebook 03 compares, from most memory kept to least.
+# The four policies notebook 04 compares, from most memory kept to least.
 POLICIES: dict[str, dict | None] = {
     "none": None,
     "selective (MLP)": dict(every=1, part="mlp"),

@@ -146,9 +146,9 @@ REPORT_NOTES: dict[str, str] = {
              "never pip-install torch over a ROCm or CUDA build",
     "accelerator stack": "ROCm builds reach AMD GPUs through the torch.cuda API, so the same code runs on MI300X "
                          "and NVIDIA; 'CPU only' means the small cpu tier",
-    "GPUs": "how many processes DDP, FSDP and DeepSpeed start on this machine (notebooks 04-06), and the tier",
+    "GPUs": "how many processes DDP, FSDP and DeepSpeed start on this machine (notebooks 06-10), and the tier",
     "CPU cores": "data-loader workers, and the gloo processes the cpu tier starts instead of GPUs",
-    "host memory": "where CPU offload (FSDP, ZeRO-Offload) keeps optimizer states and weights (notebooks 05-06)",
+    "host memory": "where CPU offload (FSDP, ZeRO-Offload) keeps optimizer states and weights (notebooks 08-10)",
     "NUMA auto-balancing": "the kernel moving memory pages between CPU sockets while GPUs read them; seed 001 "
                            "asks for 0 on MI300X nodes: sudo sh -c 'echo 0 > /proc/sys/kernel/numa_balancing'",
     "collective backend": "the library that all-reduces gradients: NCCL on NVIDIA, RCCL (still called 'nccl' "

@@ -22,7 +22,7 @@ every flattened parameter, ``GatherParameter`` all-gathers the full weight for t
 reduce-scatters (and averages) its gradient in backward. It keeps each gathered weight until
 backward has used it, as ``reshard_after_forward=False`` does; ``fully_shard`` frees it after
 forward and gathers it again for backward, prefetches the next unit's weights, and switches the
-gradient reduction off for accumulation (``set_requires_gradient_sync(False)``). Both are notebook 05's
+gradient reduction off for accumulation (``set_requires_gradient_sync(False)``). Both are notebook 08's
 exercise: the student edition holds stubs in their place (``train`` and ``sweep`` run on ``fully_shard``).
 """
 

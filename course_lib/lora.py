@@ -7,8 +7,8 @@ parameters instead of ``in · out``: for Llama-3.1-8B with r = 16 on every linea
 After training, the adapters are saved alone (megabytes), put back on the same base weights,
 or merged into them (``W + (alpha/r)·B·A``): a plain model with no extra latency.
 
-The layer itself is peft's (``lora_linear`` is the reference notebook 07's ``LoRALinear`` is compared
-with); the count from a config (``lora_trainable_parameters``) is notebook 07's exercise, a stub in the
+The layer itself is peft's (``lora_linear`` is the reference notebook 11's ``LoRALinear`` is compared
+with); the count from a config (``lora_trainable_parameters``) is notebook 11's exercise, a stub in the
 student edition.
 """
 

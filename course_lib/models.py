@@ -1,7 +1,7 @@
 """The models of the course: a small CNN, and Llama-shaped transformers built from configs.
 
 Nothing here downloads weights: presets are configs, and ``build_llama`` gives random
-weights. ``from_pretrained`` users pass a model name in notebook 07 instead.
+weights. ``from_pretrained`` users pass a model name in notebook 11 instead.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class SmallCNN(nn.Module):
     """Three conv blocks and a linear head for 32×32 images.
 
     GroupNorm, not BatchNorm: BatchNorm's statistics depend on the micro-batch, which would
-    make gradient accumulation differ from the big batch (notebook 02 shows why).
+    make gradient accumulation differ from the big batch (notebook 03 shows why).
     """
 
     def __init__(self, num_classes: int = 10, width: int = 32, in_channels: int = 3):

@@ -486,13 +486,13 @@ def check_fp8_and_4bit(quick: bool = False) -> list[Row]:
     name = str(e4m3).removeprefix("torch.")
     why = fp8.scaled_mm_runs(device.type, e4m3, e4m3)
     rows = [Row(f"FP8 matmul: torch._scaled_mm {name} on {device.type}", PASS if why is None else ABSENT,
-                "ran" if why is None else f"{why}: notebook 01 emulates FP8 matmuls here",
+                "ran" if why is None else f"{why}: notebook 02 emulates FP8 matmuls here",
                 "" if why is None else "FP8 GEMMs need an H100/H200/L40S-class NVIDIA GPU or an MI300X")]
     dev = repr(device.type)
     rows.append(optional_row(f"FP8 training: torchao on {device.type}", "torchao", f"torchao_probe({dev})",
-                             fp8.INSTALL_TORCHAO, quick, "notebook 01's FP8 training"))
+                             fp8.INSTALL_TORCHAO, quick, "notebook 02's FP8 training"))
     rows.append(optional_row(f"4-bit: bitsandbytes NF4 matmul on {device.type}", "bitsandbytes",
-                             f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 07's QLoRA"))
+                             f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 12's QLoRA"))
     return rows
 
 

@@ -109,7 +109,7 @@ def prepare(model: nn.Module, recipe: Recipe) -> nn.Module:
         for module in model.modules():
             if isinstance(module, nn.Linear) and not module.weight.requires_grad and module.weight is not tied:
                 module.weight.data = module.weight.data.to(torch.bfloat16)
-    if recipe.checkpointing:  # notebook 03's whole-block checkpointing, before compile so each compiled layer holds it
+    if recipe.checkpointing:  # notebook 04's whole-block checkpointing, before compile so each compiled layer holds it
         checkpoint_layers(transformer_layers(lm))
     if recipe.compile:
         for layer in lm.model.layers:

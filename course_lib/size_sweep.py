@@ -236,7 +236,7 @@ def train_trial(strategy: str, config, micro_batch: int, seq_len: int, steps: in
 
 
 def _checkpointed(model: nn.Module, checkpointing: bool) -> nn.Module:
-    if checkpointing:  # notebook 03's whole-block checkpointing
+    if checkpointing:  # notebook 04's whole-block checkpointing
         checkpoint_layers(transformer_layers(model))
     return model
 

@@ -18,7 +18,7 @@ by hand (attention by heads); ``parallelize_llama`` does the same with torch's D
 (``parallelize_module``), sequence parallelism on the norms included; ``train`` runs either, or
 DP×TP on a 2-D mesh with FSDP2, and counts the bytes of every collective (``CollectiveBytes``).
 
-The pair and its autograd functions are notebook 08's exercise: the student edition holds stubs in their
+The pair and its autograd functions are notebook 13's exercise: the student edition holds stubs in their
 place, and the by-hand split takes the student's layers (``layers=(ColumnParallelLinear, RowParallelLinear)``
 of the notebook, run on ranks forked from it: ``launch.run_forked``).
 """
@@ -231,7 +231,7 @@ def _pair_for(layers: Layers | None, rank: int, world: int, group) -> tuple[Laye
     """The (column, row) makers to split a block with, and whether the block copies its input once itself.
 
     ``layers`` given: a pair that splits over the default group, each column layer copying its own input
-    (notebook 08's ``ColumnParallelLinear`` and ``RowParallelLinear``). None: course_lib's, over ``group``.
+    (notebook 13's ``ColumnParallelLinear`` and ``RowParallelLinear``). None: course_lib's, over ``group``.
     """
     if layers is None:
         return _course_pair(rank, world, group), True
@@ -304,7 +304,7 @@ def parallelize_llama_by_hand(model: nn.Module, rank: int, world: int, group=Non
 
     The replicated weights need no gradient sync: the column layers' copy of their input (Megatron's f)
     already gives every rank the whole gradient of the activations that reach them. ``layers=(column, row)``
-    splits with that pair (notebook 08's own layers) instead of course_lib's.
+    splits with that pair (notebook 13's own layers) instead of course_lib's.
     """
     for layer in model.model.layers:
         parallelize_attention(layer.self_attn, rank, world, group, layers)
@@ -412,7 +412,7 @@ def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int 
     over the world), "torch" (``parallelize_llama`` on a 1-D mesh), "ddp" (torch's DDP over the world), "dp"
     (FSDP2 over the world, no TP) or "dp_tp" (a (dp, world/dp) mesh: TP inside "tp", FSDP2 over "dp"). TP
     ranks see the same tokens; DP ranks their slice of the global batch. ``overrides`` go to the model config (``num_key_value_heads=4``).
-    ``layers=(column, row)`` gives "hand" another pair (notebook 08's, in ranks forked from it: ``run_forked``).
+    ``layers=(column, row)`` gives "hand" another pair (notebook 13's, in ranks forked from it: ``run_forked``).
     Returns the global batch's losses, tokens/s, peak GPU memory, and the last step's collectives.
     """
     if steps < 1:

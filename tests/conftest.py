@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Under xdist each worker, and every kernel and process it starts, computes on one OpenMP thread: two workers
-# with a thread per core each put four spinning OpenMP threads on two cores, which ran notebook 07's CPU tier
+# with a thread per core each put four spinning OpenMP threads on two cores, which ran notebook 11's CPU tier
 # past papermill's 10-minute limit instead of its 2 minutes. (course_lib.launch keeps a value already set.)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -87,7 +87,7 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
 SAME_WORKER = {"test_run_all": "test_notebook_03"}
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
-# on fixed time limits, and the measured pipeline bubbles of notebook 08 and test_pp (sleep-padded stages, held
+# on fixed time limits, and the measured pipeline bubbles of notebook 13 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
 ALONE = {"test_browser", "test_hub", "test_notebook_13", "test_pp"}
 # The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on two) run

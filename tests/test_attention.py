@@ -220,7 +220,7 @@ def test_the_compiled_call_decides_the_same_while_tracing(monkeypatch):
 
 
 def test_the_meta_init_model_attends_as_build_llama_does():
-    model = empty_llama("tiny", attention_dropout=0.1)  # notebook 05's meta-device initialisation
+    model = empty_llama("tiny", attention_dropout=0.1)  # notebook 08's meta-device initialisation
     model.to_empty(device="cpu")
     assert model.config._attn_implementation == build_llama("tiny").config._attn_implementation == att.IMPLEMENTATION
     model.train()  # dropout inside attention: course_sdpa refuses the math fallback that "sdpa" would take silently

@@ -39,7 +39,7 @@ KEPT = {
         "course_lib.train.train_step, the one step every notebook trains with, skips the sync on all but the last "
         "micro-step (model.no_sync)",
     ("09_deepspeed_zero", "make_ds_config"):
-        "course_lib.zero.ds_config writes the DeepSpeed config that notebook 06 shows and every ZeRO run (and the size "
+        "course_lib.zero.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
         "sweep) launches with; one dict key matches the exercise's, whose arithmetic and errors are graded by behaviour",
 }
 # Idioms any training code writes; a match on one of them gives no exercise away.
@@ -306,7 +306,7 @@ TOY = '''"""A module to stub."""
 import dataclasses
 
 
-# graded: 06_ddp BucketedDDP
+# graded: 07_ddp_reducer BucketedDDP
 @dataclasses.dataclass
 class Buckets(dict):
     """Buckets, in reverse order."""
@@ -328,7 +328,7 @@ def average(model,
     return {"world": world // 2}
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 async def fetch(x): return x + 1
 
 
@@ -342,8 +342,8 @@ def test_stubs_keep_signature_and_docstring_and_leave_the_rest_byte_for_byte(tmp
     root = course_copy(tmp_path / "course")
     (root / "course_lib" / "toy.py").write_text(TOY)
     assert {k: v for k, v in graded_references(root).items() if k.startswith("toy.")} == {
-        "toy.Buckets": ("06_ddp", "BucketedDDP"), "toy.average": ("06_ddp", "average_gradients"),
-        "toy.fetch": ("06_ddp", "Prefetcher")}
+        "toy.Buckets": ("07_ddp_reducer", "BucketedDDP"), "toy.average": ("06_ddp", "average_gradients"),
+        "toy.fetch": ("05_input_pipeline", "Prefetcher")}
     stubbed = edition.stub_module(root / "course_lib" / "toy.py", root)
     assert "def average(model,\n            world: int = 2,\n            *, op: str = \"sum\") -> dict[str, int]:\n" \
            "    \"\"\"Average gradients.\n\n    Over every rank.\n    \"\"\"\n    raise NotImplementedError(" in stubbed
@@ -353,7 +353,7 @@ def test_stubs_keep_signature_and_docstring_and_leave_the_rest_byte_for_byte(tmp
     assert stubbed.endswith(TOY[TOY.index("\n\ndef kept"):]) and stubbed.startswith(TOY[:TOY.index("# graded")])
     out = build_student_edition(tmp_path / "edition", root=root)
     results = stub_messages(out, ["toy.Buckets", "toy.average", "toy.fetch"], cwd=tmp_path)
-    assert results["toy.fetch"][0] == ("course_lib.toy.fetch is written in notebook 06_ddp's exercise Prefetcher: "
+    assert results["toy.fetch"][0] == ("course_lib.toy.fetch is written in notebook 05_input_pipeline's exercise Prefetcher: "
                                        "use the one you wrote there")
     assert all(msg.startswith("course_lib.toy.") for msg, _ in results.values()), results
 
@@ -388,9 +388,9 @@ def without(text: str, names: set[str]) -> str:
 
 
 @pytest.mark.parametrize("module, expect", [
-    ("LIMIT = 2\n# graded: 06_ddp BucketedDDP\nLIMIT = 3\n", "must sit on the line right above a top-level def or class"),
-    ("class C:\n    # graded: 06_ddp BucketedDDP\n    def m(self):\n        return 1\n", "(a method is stubbed with its class"),
-    ("LIMIT = 2\n# graded: 06_ddp BucketedDDP\n\ndef f():\n    return 1\n", "must sit on the line right above"),
+    ("LIMIT = 2\n# graded: 07_ddp_reducer BucketedDDP\nLIMIT = 3\n", "must sit on the line right above a top-level def or class"),
+    ("class C:\n    # graded: 07_ddp_reducer BucketedDDP\n    def m(self):\n        return 1\n", "(a method is stubbed with its class"),
+    ("LIMIT = 2\n# graded: 07_ddp_reducer BucketedDDP\n\ndef f():\n    return 1\n", "must sit on the line right above"),
     ("LIMIT = 2\n# graded: 99_nowhere BucketedDDP\ndef f():\n    return 1\n", "'99_nowhere' is not a folder of solutions/"),
     ("LIMIT = 2\n# graded: 06_ddp NoSuchExercise\ndef f():\n    return 1\n",
      "'NoSuchExercise' is not the grade_id of a solution cell of 06_ddp; use one of ['rank_batches'"),

@@ -168,7 +168,7 @@ def test_fp8_matmul_kernel_and_emulation_agree():
 
 def test_a_pair_of_formats_the_kernel_refuses_falls_back_to_emulation(monkeypatch):
     """An H200 under torch 2.11 refused e5m2 x e5m2 with a ValueError (not a RuntimeError), which escaped the
-    probe and stopped notebook 01's magnitude sweep. Here the CPU kernel is made to refuse that pair the same way."""
+    probe and stopped notebook 02's magnitude sweep. Here the CPU kernel is made to refuse that pair the same way."""
     real = torch._scaled_mm
 
     def refuses_e5m2_pairs(a, b, **kw):
@@ -289,7 +289,7 @@ def test_torchao_is_chosen_for_training_only_after_one_real_step():
         assert why is None, why
     assert "not 8.0" in fp8.fp8_training_support_for("sm_80", "cuda", "NVIDIA A100-SXM4-80GB")  # no probe needed
 
-# Notebook 01's GPU path, torchao's float8 training, run on this CPU in a process of its own with the torchao that
+# Notebook 02's GPU path, torchao's float8 training, run on this CPU in a process of its own with the torchao that
 # `make test` installs beside the venv (pyproject.toml says why not in it), or the one installed where it can be
 # imported (an FP8 GPU machine): the linears but the head become Float8Linear, and training tracks bf16 autocast
 # closely without equalling it (the forward really is quantised). Speed and memory need an FP8 GPU.

@@ -1,8 +1,8 @@
-"""course_lib.fsdp beyond what notebook 05 measures: accumulation under FSDP2, local byte counting of
+"""course_lib.fsdp beyond what notebook 08 measures: accumulation under FSDP2, local byte counting of
 DTensors, the mesh's refusals, and batches that are a function of the step (2 forked gloo ranks).
 
 The strategies against one process, bytes per rank, the mixed-precision and offload policies,
-meta-device init and the DCP resume are measured by notebook 05 and tested in test_notebook_08.py.
+meta-device init and the DCP resume are measured by notebook 08 and tested in test_notebook_08.py.
 """
 
 import pytest

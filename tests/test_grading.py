@@ -17,7 +17,7 @@ swallowing every later cell's errors, rebinding the tests' helpers, writing the 
 rows must not change). Grading never changes a submitted file.
 
 The course graded here is exercise-only: cells tagged ``demo`` (long demonstrations that no test
-cell reads, such as notebook 04's torchrun launch) are left out of it, because autograde
+cell reads, such as notebook 06's torchrun launch) are left out of it, because autograde
 re-runs the whole notebook for every submission. The test_notebook_NN tests execute those cells,
 and the instructor-flow test grades complete notebooks.
 """

@@ -364,7 +364,7 @@ def test_run_forked_refuses_a_process_that_already_has_a_group():
 
 
 def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling():
-    """Notebook 06's first graded launch has nbgrader's 60 s: `make ops` (part of `make setup`) must have built
+    """Notebook 09's first graded launch has nbgrader's 60 s: `make ops` (part of `make setup`) must have built
     exactly the op a CPU launch loads, with the flags it loads it with, so the launch only checks it."""
     from course_lib.launch import extensions_dir
 
@@ -399,7 +399,7 @@ def _what_a_rank_sees(rank, world):
 
 
 def test_run_forked_hides_the_gpus_from_the_ranks_it_spawns_on_a_gpu_machine(monkeypatch):
-    """Notebook 06's DDP comparison on a GPU machine: run_forked spawns (fork is unsafe there), and its CPU ranks
+    """Notebook 09's DDP comparison on a GPU machine: run_forked spawns (fork is unsafe there), and its CPU ranks
     must not see the GPUs, or each puts its model on cuda:0 and they all share one GPU over gloo. Forced here:
     the spawn path that a GPU machine takes, with GPUs made visible to this process as a GPU machine has them."""
     import course_lib.launch as launch_mod

@@ -1,4 +1,4 @@
-"""Notebook 02 (gradient accumulation) executes on the CPU tier and measures what it claims."""
+"""Notebook 03 (gradient accumulation) executes on the CPU tier and measures what it claims."""
 
 import pytest
 

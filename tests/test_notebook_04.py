@@ -1,4 +1,4 @@
-"""Notebook 03 (activation checkpointing) executes on the CPU tier and measures what it claims."""
+"""Notebook 04 (activation checkpointing) executes on the CPU tier and measures what it claims."""
 
 import pytest
 

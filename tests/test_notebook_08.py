@@ -1,4 +1,4 @@
-"""Notebook 05 (FSDP) executes on the CPU tier and measures what it claims."""
+"""Notebook 08 (FSDP) executes on the CPU tier and measures what it claims."""
 
 from conftest import value
 

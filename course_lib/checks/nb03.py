@@ -1,4 +1,4 @@
-"""Notebook 02's visible tests: accumulated gradients against the big batch's, a bad micro_batch refused,
+"""Notebook 03's visible tests: accumulated gradients against the big batch's, a bad micro_batch refused,
 token-weighted accumulation on masked rows, and the all-reduces of micro_step_context under DDP."""
 
 from __future__ import annotations

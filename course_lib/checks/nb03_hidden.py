@@ -1,4 +1,4 @@
-"""Notebook 02's hidden tests (instructor edition only): stale gradients and other splits, a micro-batch that scores
+"""Notebook 03's hidden tests (instructor edition only): stale gradients and other splits, a micro-batch that scores
 nothing, and micro_step_context with one micro-batch, three, and a model without DDP."""
 
 from __future__ import annotations

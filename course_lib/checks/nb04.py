@@ -1,4 +1,4 @@
-"""Notebook 03's visible test: the hand-written checkpoint of an MLP block, against the block itself."""
+"""Notebook 04's visible test: the hand-written checkpoint of an MLP block, against the block itself."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 03's hidden tests (instructor edition only): a frozen input, keyword arguments, a Llama's decoder
+"""Notebook 04's hidden tests (instructor edition only): a frozen input, keyword arguments, a Llama's decoder
 layers, dropout and bf16 autocast."""
 
 from __future__ import annotations

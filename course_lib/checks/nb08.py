@@ -1,4 +1,4 @@
-"""Notebook 05's visible tests: the bytes per rank against a measured FSDP run, the block-by-block wrap on 2 ranks,
+"""Notebook 08's visible tests: the bytes per rank against a measured FSDP run, the block-by-block wrap on 2 ranks,
 and FSDP by hand (``ShardedModule``) on 2 ranks against one process and against ``fully_shard``.
 
 The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that

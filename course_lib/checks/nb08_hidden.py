@@ -1,4 +1,4 @@
-"""Notebook 05's hidden tests (instructor edition only): other strategies and world sizes, resharding and a 2-D
+"""Notebook 08's hidden tests (instructor edition only): other strategies and world sizes, resharding and a 2-D
 mesh, and the hand-made sharding on 3 ranks with a frozen parameter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 08's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
+"""Notebook 13's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
 the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks), and the 1F1B executor on 2
 forked ranks (one process's losses and gradients; the micro-batches it holds, counted and measured)."""
 

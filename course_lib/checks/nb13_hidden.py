@@ -1,4 +1,4 @@
-"""Notebook 08's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
+"""Notebook 13's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
 divide; the 1F1B order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle
 rank receives from both sides), with fewer micro-batches than stages, and following GPipe's order."""
 
