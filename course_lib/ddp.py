@@ -8,7 +8,7 @@ bucket by bucket, overlapped with the backward pass; ``BucketedDDP`` is that mec
 screen (gradient hooks, buckets in reverse order, an async all-reduce per full bucket, one wait
 before the optimizer step). ``train`` runs any of them through the course's one loop, ``fit``,
 and returns the losses, so they (and a single process on the whole batch) can be compared.
-``all_reduce_gradients`` and ``BucketedDDP`` are notebook 04's exercises: the student edition holds
+``all_reduce_gradients`` and ``BucketedDDP`` are notebooks 06's and 07's exercises: the student edition holds
 stubs in their place, and ``train`` and ``throughput`` take the student's own through ``wrap`` and
 ``sync_grads``.
 """
@@ -155,7 +155,7 @@ def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "d
     ``mode``: ``"ddp"`` (DistributedDataParallel), ``"bucketed"`` (``BucketedDDP``), ``"manual"``
     (plain model and ``all_reduce_gradients`` after backward). With a world of one it is single-process training.
     ``wrap`` and ``sync_grads`` replace the mode's wrapper and its after-backward call, as in ``throughput``
-    (notebook 04 passes your own, through ``run_forked``; ``mode`` then only labels the run).
+    (notebooks 06 and 07 pass your own, through ``run_forked``; ``mode`` then only labels the run).
     Returns this rank's per-step global-batch losses and a digest of the final weights.
     """
     # one thread, however the rank was started (torchrun, fork, spawn): a CPU kernel's sums run in an

@@ -1,6 +1,6 @@
 """QLoRA: the frozen base model stored in 4-bit NormalFloat (NF4), LoRA adapters trained on top.
 
-QLoRA (Dettmers et al. 2023) keeps LoRA's recipe (notebook 07: a frozen base, small adapters that
+QLoRA (Dettmers et al. 2023) keeps LoRA's recipe (notebook 11: a frozen base, small adapters that
 train) and shrinks the one big thing left, the frozen base weights, from 16 bits to about 4:
 - **The NF4 code book.** 16 levels placed at quantiles of N(0, 1), normalised to [-1, 1], with an
   exact 0: each level is equally likely for normally distributed weights, which is what trained
@@ -23,7 +23,7 @@ scales its 8-bit "dynamic" code book (``dynamic_code``). ``memory_table`` gives 
 model state of a Llama shape. On a GPU, ``compare_qlora`` fine-tunes the same model twice through
 transformers' ``BitsAndBytesConfig`` and peft, bf16 LoRA and then QLoRA; bitsandbytes is imported only there.
 
-What QLoRA stores and runs is notebook 07's exercises, stubs in the student edition: the quantiser and its round
+What QLoRA stores and runs is notebook 11's exercises, stubs in the student edition: the quantiser and its round
 trip (``quantize_nf4``, ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``), the storage (``pack_4bit``,
 ``unpack_4bit``, ``compress_absmax``, ``decompress_absmax``) and the layer (``QLoRALinear``). What measures them
 (``round_trip_model``, ``layer_errors``) takes the student's as an argument. The adapters on a whole model are
@@ -316,7 +316,7 @@ def bits_per_parameter(blocksize: int = BLOCKSIZE, double_quant: bool = True,
 
 def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> int:
     """Bytes of the tensors that hold ``w`` in NF4: measured on what ``quantize_nf4`` (and ``compress_absmax``)
-    return, not computed from a formula. (Notebook 07 measures the buffers of the student's ``QLoRALinear``.)"""
+    return, not computed from a formula. (Notebook 11 measures the buffers of the student's ``QLoRALinear``.)"""
     packed, absmax = quantize_nf4(w, blocksize)
     parts = [packed, *compress_absmax(absmax)] if double_quant else [packed, absmax]
     return sum(t.numel() * t.element_size() for t in parts)

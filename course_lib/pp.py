@@ -10,14 +10,14 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
 
 - ``gpipe_order`` / ``one_f_one_b_order`` / ``schedule_makespan``: the schedules as pure functions
   (the order of F and B each rank runs) and a simulator of their timeline with unit costs. 1F1B's order is
-  notebook 08's exercise (a stub in the student edition); the runs below execute torch's own schedules.
+  notebook 13's exercise (a stub in the student edition); the runs below execute torch's own schedules.
 - ``LlamaStage`` / ``split_llama``: the course's Llama cut by decoder layers (stage 0 has the
   embedding, the last has the final norm and the LM head; the loss is the schedule's ``loss_fn``).
 - ``naive_step``: the seed's split written out with ``dist.send``/``dist.recv``: whole batch, forward
   stage by stage, backward in reverse.
 - ``run_1f1b``: a pipeline executor by hand: one rank's forwards and backwards of its micro-batches in the
   order given (1F1B's or GPipe's), activations up and gradients down with ``isend``/``irecv``, holding only
-  the micro-batches the order has in flight. Notebook 08's exercise 3 (a stub in the student edition).
+  the micro-batches the order has in flight. Notebook 13's exercise 3 (a stub in the student edition).
 - ``Recorder``: wall-clock start and end of every forward and backward of every micro-batch on every
   rank, on a time base shared through a barrier; ``bubble_fraction``, ``in_flight_peak`` and
   ``plot_timeline`` read it; ``memory.SavedTensorMeter``'s peak is the bytes autograd keeps for backward.

@@ -9,7 +9,7 @@ every stage can be compared with it loss for loss, and it saves and resumes Deep
 checkpoints. ``ShardedOptimizer`` is stage 1 by hand, as DeepSpeed and the ZeRO paper do it: no DDP, one
 reduce-scatter of the flat gradients, each rank stepping its 1/N slice with any torch optimizer, one all-gather
 (``engine="zero1"``); ``step_traffic`` counts that it sends what DDP sends.
-It and ``OffloadedAdamW`` are notebook 06's exercises: the student edition holds stubs in their place,
+It and ``OffloadedAdamW`` are notebooks 09's and 10's exercises: the student edition holds stubs in their place,
 and ``train(engine="zero1", make_optimizer=...)`` runs the student's own optimizer.
 
 On every device ``torch_adam`` keeps DeepSpeed from JIT-compiling its fused Adam, and with

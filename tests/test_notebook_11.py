@@ -1,4 +1,4 @@
-"""Notebook 07 (Llama fine-tune) executes on the CPU tier and measures what it claims."""
+"""Notebook 11 (Llama fine-tune) executes on the CPU tier and measures what it claims."""
 
 import math
 

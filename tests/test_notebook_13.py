@@ -1,4 +1,4 @@
-"""Notebook 08 (tensor, pipeline and 3D parallelism) executes on the CPU tier and measures what it claims."""
+"""Notebook 13 (tensor, pipeline and 3D parallelism) executes on the CPU tier and measures what it claims."""
 
 import pytest
 
@@ -23,7 +23,7 @@ def test_the_students_pair_and_order_are_used(executed):
 
 
 def test_the_students_executor_trains_the_llama_stages(executed):
-    """Notebook 08 runs the student's run_1f1b on the tiny Llama's 2 stages, 8 micro-batches, in both orders."""
+    """Notebook 13 runs the student's run_1f1b on the tiny Llama's 2 stages, 8 micro-batches, in both orders."""
     res = executed("13_model_parallelism")
     assert 0 <= value(res, "your_1f1b_grad_gap") < 1e-5
     assert value(res, "your_1f1b_peaks") == {"GPipe": [8, 8], "1F1B": [2, 1]}

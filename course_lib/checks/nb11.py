@@ -1,4 +1,4 @@
-"""Notebook 07's visible tests: the response labels, the LoRA layer (one layer and a tiny Llama), the LoRA count,
+"""Notebook 11's visible tests: the response labels, the LoRA layer (one layer and a tiny Llama), the LoRA count,
 NF4 on single blocks, its storage (both against bitsandbytes' bytes, stored here: the student edition's course_lib
 has no quantiser to compare with) and the QLoRA layer (against peft's LoRA on a weight NF4 stores exactly)."""
 

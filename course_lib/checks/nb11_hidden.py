@@ -1,4 +1,4 @@
-"""Notebook 07's hidden tests (instructor edition only): padding and a pad id equal to EOS, merge and dropout against
+"""Notebook 11's hidden tests (instructor edition only): padding and a pad id equal to EOS, merge and dropout against
 peft's layer, the LoRA count on other layers and Llama-3.1-8B, NF4 on many blocks, its storage against course_lib's
 (odd counts, blocks of scales far apart, another blocksize) and the QLoRA layer on normal weights (double quantisation,
 the bytes it stores, bf16 autocast, a 3-D input, no bias)."""
