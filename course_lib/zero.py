@@ -491,7 +491,7 @@ def tokens_to_hide(bytes_per_param: float, link_bytes_per_s: float, optimizer_pa
             "CPU optimizer": gpu_flops / (6 * optimizer_params_per_s)}
 
 
-# graded: 09_deepspeed_zero OffloadedAdamW
+# graded: 10_zero_offload OffloadedAdamW
 class OffloadedAdamW:
     """ZeRO-Offload's optimizer on one device, by hand: the model keeps only its (16-bit) weights; every gradient
     leaves for ``offload_device`` during backward, as soon as backward has produced it, and the fp32 master

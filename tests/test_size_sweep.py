@@ -1,7 +1,7 @@
 """course_lib.size_sweep: the prediction of the largest model per strategy, the search (out-of-memory caught and
 freed, other errors not), and real trials: a tiny Llama's step timed, DeepSpeed's offload engines with its CPU Adam.
 
-The sweep itself needs a GPU (notebook 06 runs it there); here everything around it runs on the CPU.
+The sweep itself needs a GPU (notebook 10 runs it there); here everything around it runs on the CPU.
 """
 
 import gc

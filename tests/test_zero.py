@@ -1,10 +1,11 @@
-"""course_lib.zero beyond what notebook 06 measures: DeepSpeed's default clipping, the config's arithmetic,
+"""course_lib.zero beyond what notebooks 09 and 10 measure: DeepSpeed's default clipping, the config's arithmetic,
 ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a resumed checkpoint, DDP's bytes) against DeepSpeed's
 stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
 
-Every ZeRO stage and offload against DDP, the sharded optimizer state and the checkpoint resume run in
-notebook 06 on DeepSpeed's real engine over 2 gloo ranks, and are tested in test_notebook_09.py.
+Every ZeRO stage against DDP, the sharded optimizer state and the checkpoint resume run in notebook 09, offload
+against DDP in notebook 10, on DeepSpeed's real engine over 2 gloo ranks: test_notebook_09.py and
+test_notebook_10.py test them.
 """
 
 

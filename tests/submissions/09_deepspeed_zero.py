@@ -191,86 +191,9 @@ def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimiz
                      world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's config
 '''
 
-# --- Exercise 3, OffloadedAdamW (ZeRO-Offload's step by hand): the reference, and the mistakes students make
-
-_OFFLOAD_INIT = '''
-class OffloadedAdamW:
-    def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-'''
-
-OFFLOADED = _OFFLOAD_INIT + '''        for p, m in zip(self.params, self.master):
-            p.register_post_accumulate_grad_hook(lambda p, m=m: self._send_down(p, m))
-
-    def _send_down(self, p, m):
-        if m.grad is None:
-            m.grad = p.grad.detach().to(m.device, torch.float32)
-        else:
-            m.grad += p.grad.detach().to(m.device, torch.float32)
-        p.grad = None
-
-    def step(self):
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                if m.grad is not None:
-                    p.copy_(m)
-                    m.grad = None
-
-    def zero_grad(self, set_to_none=True):
-        for p, m in zip(self.params, self.master):
-            p.grad = None
-            m.grad = None
-'''
-
-# the contract before gradients left during backward: every gradient stays on the model until step() sends it down
-OFFLOAD_AT_STEP = _OFFLOAD_INIT + '''
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                if m.grad is not None:
-                    p.copy_(m)
-                    p.grad = None
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-'''
-
-
-def _offload_edit(old: str, new: str) -> str:
-    assert OFFLOADED.count(old) == 1, old
-    return OFFLOADED.replace(old, new)
-
-
-OFFLOAD_MASTER_IN_MODEL_DTYPE = _offload_edit(  # the "master" keeps the model's bf16: the small updates are lost
-    "p.detach().to(offload_device, torch.float32, copy=True)", "p.detach().to(offload_device, copy=True)").replace(
-    "p.grad.detach().to(m.device, torch.float32)", "p.grad.detach().to(m.device)")
-OFFLOAD_ZERO_GRAD_FOR_MISSING = _offload_edit(  # a parameter without a gradient gets a zero one: weight decay moves it
-    "    def step(self):\n        self.optimizer.step()",
-    "    def step(self):\n        for m in self.master:\n            if m.grad is None:\n"
-    "                m.grad = torch.zeros_like(m)\n        self.optimizer.step()")
-OFFLOAD_OVERWRITES_MICRO_BATCHES = _offload_edit(  # each micro-batch replaces the last: accumulation loses all but one
-    "        if m.grad is None:\n            m.grad = p.grad.detach().to(m.device, torch.float32)\n        else:\n"
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n",
-    "        m.grad = p.grad.detach().to(m.device, torch.float32)\n")
-OFFLOAD_KEEPS_MASTER_GRAD = _offload_edit(  # step() leaves the masters' gradients: the next step adds to the last one's
-    "                    p.copy_(m)\n                    m.grad = None\n", "                    p.copy_(m)\n")
-OFFLOAD_GRAD_LEFT_ON_MODEL = _offload_edit(  # copied down, but never freed: the device still holds every gradient
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n        p.grad = None\n",
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
-
-CALLS_LIBRARY_OFFLOADED = '''
-from course_lib.zero import OffloadedAdamW   # course_lib's
-'''
 
 FULL = {"test_ShardedOptimizer": 3, "test_ShardedOptimizer_state": 3, "test_ShardedOptimizer_hidden": 4,
-        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2, "test_OffloadedAdamW": 3, "test_OffloadedAdamW_hidden": 3}
+        "test_make_ds_config": 2, "test_make_ds_config_hidden": 2}
 NO_SHARDED = dict(test_ShardedOptimizer=0, test_ShardedOptimizer_state=0, test_ShardedOptimizer_hidden=0)
 
 CASES = {
@@ -298,20 +221,6 @@ CASES = {
     "no_clipping": {"cells": {"make_ds_config": NO_CLIPPING}, "scores": {**FULL, "test_make_ds_config": 0}},
     "offload_at_top_level": {"cells": {"make_ds_config": OFFLOAD_AT_TOP_LEVEL},
                              "scores": {**FULL, "test_make_ds_config_hidden": 0}},
-    "offload_master_in_model_dtype": {"cells": {"OffloadedAdamW": OFFLOAD_MASTER_IN_MODEL_DTYPE},
-                                      "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
-    "offload_zero_grad_for_missing": {"cells": {"OffloadedAdamW": OFFLOAD_ZERO_GRAD_FOR_MISSING},  # right until a
-                                      "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},          # layer gets none
-    "offload_at_step": {"cells": {"OffloadedAdamW": OFFLOAD_AT_STEP},
-                        "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
-    "offload_overwrites_micro_batches": {"cells": {"OffloadedAdamW": OFFLOAD_OVERWRITES_MICRO_BATCHES},
-                                         "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},
-    "offload_keeps_master_grad": {"cells": {"OffloadedAdamW": OFFLOAD_KEEPS_MASTER_GRAD},  # zero_grad hides it
-                                  "scores": {**FULL, "test_OffloadedAdamW_hidden": 0}},         # in the visible test
-    "offload_grad_left_on_model": {"cells": {"OffloadedAdamW": OFFLOAD_GRAD_LEFT_ON_MODEL},
-                                   "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
-    "calls_library_OffloadedAdamW": {"cells": {"OffloadedAdamW": CALLS_LIBRARY_OFFLOADED},
-                                     "scores": {**FULL, "test_OffloadedAdamW": 0, "test_OffloadedAdamW_hidden": 0}},
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
                                      "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
 }

@@ -1,0 +1,69 @@
+"""Notebook 10's hidden tests (instructor edition only): OffloadedAdamW with a small learning rate, an fp32 model, a
+frozen and an unused layer, and two micro-batches that add up in the masters (then a step that starts afresh)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from course_lib.checks import register, tensor_data
+from course_lib.checks.nb10 import OFFLOADED, judge_offload, offload_probe, one_thread, tiny_model, twin_grads
+from course_lib.grading import forbid
+
+
+@one_thread
+def accumulation_probe(ns: dict) -> list:
+    """A step of two micro-batches, then a step of one (``step`` alone in between, no ``zero_grad``): per step, what
+    landed in the masters and the gradients a twin without hooks summed over the same micro-batches."""
+    model = tiny_model(torch.float32, False, ns["device"])
+    twin = copy.deepcopy(model)
+    with forbid(*OFFLOADED, namespace=ns):
+        opt = ns["OffloadedAdamW"](model.parameters(), lr=1e-3, weight_decay=0.01, offload_device="cpu")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2)).to(ns["device"])
+    steps = []
+    for micro in (2, 1):
+        twin.load_state_dict(model.state_dict())
+        want = None
+        with forbid(*OFFLOADED, namespace=ns):
+            for part in x.chunk(micro):
+                loss = lambda m, part=part: m(part).pow(2).mean()  # noqa: E731
+                got = twin_grads(twin, loss)
+                want = got if want is None else [a + b for a, b in zip(want, got)]
+                loss(model).backward()
+            steps.append({"want": want, "landed": [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]})
+            opt.step()
+    return steps
+
+
+def judge_accumulation(steps: list) -> None:
+    why = ("two micro-batches of one step must add up in the master's .grad",
+           "a step after step() must start from no gradient: set each master's .grad to None in step()")
+    for (step, reason) in zip(steps, why):
+        for i, (g, w) in enumerate(zip(step["landed"], step["want"])):
+            assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"master {i}: .grad is {g!r:.80}; {reason}"
+            gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+            assert gap < 1e-5, f"master {i}: .grad is {gap:.1e} (relative) from the summed gradients: {reason}"
+
+
+def probe_offload(ns: dict) -> dict:
+    return {"small_lr": offload_probe(ns, "bfloat16", 1e-4, 30), "fp32": offload_probe(ns, "float32", 1e-3, 3),
+            "frozen": offload_probe(ns, "bfloat16", 1e-3, 3, frozen=True, unused=True),
+            "accumulation": accumulation_probe(ns)}
+
+
+def judge_offload_hidden(got: dict) -> str:
+    start = judge_offload(got["small_lr"], "bfloat16", 1e-4, 30)
+    moved = sum((p != s).float().mean().item() for p, s in zip(got["small_lr"]["model"], start)) / len(start)
+    assert moved > 0.9, f"only {moved:.0%} of the bf16 weights moved with lr 1e-4: the small updates were lost"
+    judge_offload(got["fp32"], "float32", 1e-3, 3)
+    start = judge_offload(got["frozen"], "bfloat16", 1e-3, 3, frozen=True)
+    model = got["frozen"]["model"]
+    assert torch.equal(model[1], start[1]), "the frozen bias changed"
+    assert all(torch.equal(p, s) for p, s in zip(model[-2:], start[-2:])), \
+        "a layer that got no gradient changed: give its master .grad = None"
+    judge_accumulation(got["accumulation"])
+    return "a small learning rate, an fp32 model, a frozen bias, a layer without a gradient, two micro-batches"
+
+
+register("test_OffloadedAdamW_hidden", probe_offload, judge_offload_hidden)
