@@ -96,7 +96,8 @@ ALONE = {"test_browser", "test_hub", "test_notebook_13", "test_pp"}
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
 # 15% slower than beside a one-process test. The other modules follow, the longest first, shared out as the
 # workers free up.
-MULTI_RANK_GRADING = {"06_ddp", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism"}
+MULTI_RANK_GRADING = {"06_ddp", "07_ddp_reducer", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism",
+                      "14_context_expert_parallelism"}
 LANES = ["grading with ranks", "grading in one process"]
 LONGEST_FIRST = ["test_notebook_09", "test_notebook_11"]
 

@@ -57,7 +57,7 @@ def test_the_long_measurements_wait_for_long_runs():
     """--long-runs sets each notebook's long_runs parameter; the notebooks with measurements past a slot have one."""
     import json
 
-    for name in ("09_deepspeed_zero", "11_llama_finetune"):
+    for name in ("10_zero_offload", "11_llama_finetune"):
         nb = json.loads((run_all.ROOT / "solutions" / name / f"{name}.ipynb").read_text())
         params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
         assert "long_runs = False" in "".join(params["source"]), name
@@ -74,3 +74,22 @@ def test_a_notebook_that_cannot_start_is_reported_with_its_cause(tmp_path, monke
     assert "## 00_orientation" in (out / "summary.md").read_text() and "Failed." in (out / "summary.md").read_text()
     err = capsys.readouterr().err
     assert "import papermill" in err and "FAILED 00_orientation" in err
+
+
+def test_the_readme_table_gives_every_notebook_its_words_and_cpu_time():
+    """README's table: one row per notebook, in order, with its markdown word count (within 10% of what the notebook
+    holds now) and its CPU-tier time in seconds, within the 3-minute workshop budget."""
+    import re
+
+    rows = {}
+    for line in (run_all.ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\| (\d\d) \| .* \| ([\d,]+) \| (\d+) s \|$", line)
+        if m:
+            rows[m.group(1)] = (int(m.group(2).replace(",", "")), int(m.group(3)))
+    notebooks = run_all.notebooks()
+    assert list(rows) == [nb.stem[:2] for nb in notebooks], "README's table lists the notebooks in order, with words and time"
+    for nb in notebooks:
+        words, seconds = rows[nb.stem[:2]]
+        assert abs(words - run_all.markdown_words(nb)) <= 0.1 * words, (
+            f"{nb.stem} has {run_all.markdown_words(nb)} words of prose; README says {words}: update the table")
+        assert seconds <= run_all.BUDGET_S["cpu"], f"{nb.stem}: {seconds} s on the CPU tier is past the slot's budget"
