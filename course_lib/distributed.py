@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 from course_lib.device import backend_for, default_device
-from course_lib.train import Dims, mean_over_ranks, rank_and_world, worker_result  # noqa: F401 (the workers' names)
+from course_lib.train import Dims, rank_and_world
 
 
 def free_port() -> int:

@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.data import lm_batch
-from course_lib.distributed import rank_and_world, rank_device, worker_result
+from course_lib.distributed import rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
-from course_lib.train import train_step
+from course_lib.train import rank_and_world, train_step, worker_result
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 

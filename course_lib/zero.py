@@ -34,13 +34,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.data import synthetic_images, to_device
-from course_lib.distributed import (CollectiveBytes, mean_over_ranks, param_digest, rank_and_world, rank_device,
-                                    step_batches, worker_result)
+from course_lib.distributed import CollectiveBytes, param_digest, rank_device, step_batches
 from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.throughput import time_interleaved
-from course_lib.train import split_batch, train_step
+from course_lib.train import mean_over_ranks, rank_and_world, split_batch, train_step, worker_result
 
 # torch 2.13 renamed the flat collectives (the old names warn, deprecated): the new names where torch has them
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -545,7 +545,8 @@ import json, sys, types, torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from course_lib import finetune as ft
-from course_lib.distributed import param_digest, rank_and_world
+from course_lib.distributed import param_digest
+from course_lib.train import rank_and_world
 
 result = ft.main(sys.argv[2:])  # the CLI, one rank of an accelerate launch
 # then accelerate's FSDP2 preparation on the same gloo group: rank 1 builds on meta, gets rank 0's weights
