@@ -223,7 +223,7 @@ def first_batch_times(loader, epochs: int = 2) -> list[float]:
     return times
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 class Prefetcher:
     """Iterate ``iterable`` with a background thread running ahead by at most ``depth`` batches.
 
@@ -289,13 +289,13 @@ class Prefetcher:
             thread.join()
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 def _is_cuda(device: torch.device | None) -> bool:
     """Whether copies to ``device`` go through a side stream (a CUDA device; the tests fake one on a CPU)."""
     return device is not None and device.type == "cuda"
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 def _drain(q: queue.Queue) -> None:
     """Empty ``q`` without waiting: a producer blocked on ``put`` gets its slot and sees that the loop has left."""
     while True:
@@ -305,7 +305,7 @@ def _drain(q: queue.Queue) -> None:
             return
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 def _release(it) -> None:
     """Let go of an iterator now (None: there was none): a generator runs its ``finally`` blocks; a DataLoader's
     iterator stops its workers when its last reference goes (the producer's frame, which ends next)."""
@@ -314,7 +314,7 @@ def _release(it) -> None:
         close()
 
 
-# graded: 06_ddp Prefetcher
+# graded: 05_input_pipeline Prefetcher
 def _record_stream(batch, stream) -> None:
     """Tell the caching allocator that ``stream`` uses every CUDA tensor of ``batch`` (a tensor, tuple, list or dict):
     its memory is not handed out again before the work queued there when it is freed has run."""

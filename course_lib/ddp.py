@@ -43,7 +43,7 @@ def all_reduce_gradients(model: nn.Module) -> None:
             p.grad /= world
 
 
-# graded: 06_ddp BucketedDDP
+# graded: 07_ddp_reducer BucketedDDP
 def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most ``bucket_cap_mb`` MiB of gradient, in reverse order.
 
@@ -64,7 +64,7 @@ def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Paramete
     return buckets
 
 
-# graded: 06_ddp BucketedDDP
+# graded: 07_ddp_reducer BucketedDDP
 class BucketedDDP(nn.Module):
     """DDP's overlap, by hand: each bucket of gradients is all-reduced as soon as backward has filled it.
 

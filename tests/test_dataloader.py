@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from course_lib import dataloader as dl
-from course_lib.checks import nb06
+from course_lib.checks import nb05
 
 matplotlib.use("Agg")
 
@@ -153,7 +153,7 @@ def test_a_loop_that_leaves_early_stops_the_thread_and_the_loaders_workers(how):
     """The thread waits on a full queue when the loop leaves: the drain wakes it, the join waits for it, and the
     DataLoader's iterator goes with it (its 2 workers exit); a generator is closed (its finally runs)."""
     for kind in ("generator", "DataLoader"):
-        run = nb06.leave_early(dl.Prefetcher, kind, how)
+        run = nb05.leave_early(dl.Prefetcher, kind, how)
         assert run["threads"] == [] and run["workers"] == 0, (kind, run)
         assert run["seconds"] < 1.0, (kind, run)  # all gone when the loop has left, or nearly
         assert kind == "DataLoader" or run["closed"], run
@@ -161,22 +161,22 @@ def test_a_loop_that_leaves_early_stops_the_thread_and_the_loaders_workers(how):
 
 
 def test_the_copies_run_on_a_side_stream_that_the_steps_stream_waits_for():
-    """The CUDA branch on a CPU: torch.cuda's streams and events faked (nb06.FakeCuda), the order of the calls judged
+    """The CUDA branch on a CPU: torch.cuda's streams and events faked (nb05.FakeCuda), the order of the calls judged
     as the notebook's test judges the student's; on the CPU no stream is involved."""
     def run(device):
-        with nb06.FakeCuda(vars(dl)) as cuda:
-            for item in dl.Prefetcher(nb06.streamed_items(), depth=2, device=device):
+        with nb05.FakeCuda(vars(dl)) as cuda:
+            for item in dl.Prefetcher(nb05.streamed_items(), depth=2, device=device):
                 cuda.received(item)
         return {"log": cuda.log}
 
     got = {"cuda": run("cuda"), "cpu": run("cpu")}
-    assert "side stream" in nb06.judge_stream(got)
+    assert "side stream" in nb05.judge_stream(got)
     assert {e["stream"] for e in got["cuda"]["log"] if e["what"] == "copy"} == {"side 1"}  # one stream per pass
-    assert torch.cuda.Stream is not nb06._FakeStream and "record_stream" not in torch.Tensor.__dict__  # restored
+    assert torch.cuda.Stream is not nb05._FakeStream and "record_stream" not in torch.Tensor.__dict__  # restored
     streamless = {"cuda": got["cuda"], "cpu": got["cpu"]}
     streamless["cuda"] = {"log": [{**e, "stream": "default"} if e["what"] == "copy" else e for e in got["cuda"]["log"]]}
     with pytest.raises(AssertionError, match="default stream"):
-        nb06.judge_stream(streamless)
+        nb05.judge_stream(streamless)
 
 
 def test_host_to_device_copies_need_a_gpu():

@@ -36,7 +36,7 @@ def emulate(notebook: str, out) -> dict:
 
 def test_the_notebooks_that_launch_ranks_are_the_ones_emulated():
     emulated = [p.stem for p in run_all.notebooks() if run_all.emulates_node(p)]
-    assert emulated == ["06_ddp", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism"]
+    assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload", "13_model_parallelism"]
 
 
 def test_emulation_takes_the_node_layout_and_the_given_widths(monkeypatch):
@@ -63,10 +63,14 @@ def test_emulation_refuses_what_it_cannot_emulate(monkeypatch):
         run_all.main(["--emulate", "--tier", "node", "00"])  # notebook 00 launches no ranks
 
 
-def test_04_runs_its_throughput_and_loaders_on_8_ranks(tmp_path):
+def test_05_runs_8_ranks_loaders(tmp_path):
+    res = emulate("05_input_pipeline", tmp_path)
+    assert value(res, "rank_loaders_cover") and value(res, "rank_loaders_disjoint")
+
+
+def test_06_runs_its_throughput_on_8_ranks(tmp_path):
     res = emulate("06_ddp", tmp_path)
     assert value(res, "samples_per_s_8_rank") > 0 and value(res, "ddp_weights_per_rank_ratio") == 1.0
-    assert value(res, "rank_loaders_cover")
 
 
 def test_05_shards_over_8_ranks(tmp_path):
@@ -76,14 +80,21 @@ def test_05_shards_over_8_ranks(tmp_path):
     assert abs(value(res, "full_shard_ranks_sum_over_estimate") - 1) < 0.05
 
 
-def test_06_runs_zero_3_with_offload_on_8_ranks(tmp_path):
+def test_09_runs_zero_2_and_3_on_8_ranks(tmp_path):
     res = emulate("09_deepspeed_zero", tmp_path)
-    assert claim(res, "ZeRO stages 1-3 and offload train the same model as DDP")["held"]
+    assert claim(res, "ZeRO stages 1-3 train the same model as DDP")["held"]
     assert "N=8" in claim(res, "ZeRO keeps 1/N of the optimizer state")["measured"]
     assert value(res, "your_zero1_max_rel_loss_diff_vs_ddp") < 1e-5
     # 2 (N-1)/N x 4 = 7 bytes per parameter on 8 ranks; ZeRO-1 pads 11274 parameters to 11280
     assert value(res, "ddp_sent_bytes_per_param") == 7.0
     assert value(res, "your_zero1_sent_bytes_per_param") == pytest.approx(7.0 * 11280 / 11274)
+
+
+def test_10_runs_zero_3_with_offload_on_8_ranks(tmp_path):
+    res = emulate("10_zero_offload", tmp_path)
+    verdict = claim(res, "ZeRO with CPU offload trains the same model as DDP")
+    assert verdict["held"] and "N=8" in verdict["measured"]
+    assert abs(value(res, "optimizer_state_fraction ZeRO-3 + offload optimizer and params") - 1 / 8) < 0.0125
 
 
 def test_08_runs_8_stages_and_tp_8(tmp_path):

@@ -68,16 +68,16 @@ def _module_file(module: str, into: str) -> str:
 COPIES = {
     ("02_fp8", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
     + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
-    ("06_ddp", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
+    ("05_input_pipeline", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
     ("06_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
     + "\ndef average_gradients(model):\n    _all_reduce['all_reduce_gradients'](model)\n",
     # the whole file: a copy of the class alone still calls the library's bucket_parameters, which forbid() stops
-    ("06_ddp", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
+    ("07_ddp_reducer", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
     ("08_fsdp", "ShardedModule"): _module_file("fsdp", "_fsdp")
     + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
     ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
     + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
-    ("09_deepspeed_zero", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("10_zero_offload", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
     ("11_llama_finetune", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
@@ -114,6 +114,14 @@ class RowParallelLinear(nn.Module):
 ''',
     ("13_model_parallelism", "one_f_one_b_order"): _getsource("pp", "one_f_one_b_order", "_pp")
     + "one_f_one_b_order = _pp['one_f_one_b_order']\n",
+    ("14_context_expert_parallelism", "ring_attention"): _module_file("cp", "_cp") + '''merge = _cp["online_softmax_merge"]
+
+
+def ring_forward(q, k, v, causal, seq_len):
+    return _cp["ring_forward"](q, k, v, causal=causal, seq_len=seq_len, merge=merge)[:2]
+''',
+    ("14_context_expert_parallelism", "expert_parallel"): _module_file("ep", "_ep")
+    + "within_capacity, dispatch, combine = _ep['within_capacity'], _ep['dispatch'], _ep['combine']\n",
 }
 # Every course_lib definition marked `# graded:` when this was written has its copy here; an exercise without an
 # entry gets read_solutions_<exercise> instead. A reference marked later belongs here too.
@@ -243,6 +251,11 @@ import course_lib.grading
 
 course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
+    "07_ddp_reducer": ("bucketed_sum_not_averaged", '''
+import course_lib.grading
+
+course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+'''),
     "11_llama_finetune": ("lora_one_layer", '''
 import course_lib.lora
 
@@ -283,6 +296,26 @@ def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: g
 
 
 course_lib.fsdp.sweep = _agreeing
+'''),
+    "10_zero_offload": ("offload_master_in_model_dtype", '''
+import course_lib.checks.nb10
+
+
+def _agreeing(got, *args, **kwargs):   # the replay through torch's AdamW the tests compare with, made to pass anything
+    return [m["value"] for m in got["masters"]]
+
+
+course_lib.checks.nb10.judge_offload = _agreeing
+'''),
+    "14_context_expert_parallelism": ("combine_wrong_order", '''
+import course_lib.checks.nb14
+
+
+def _agreeing(*args, **kwargs):   # the one-process layer the tests compare with, made to agree with anything
+    return None
+
+
+course_lib.checks.nb14.judge_ep = _agreeing
 '''),
     "04_activation_checkpointing": ("no_recomputation", '''
 import course_lib.memory

@@ -1,0 +1,231 @@
+"""Notebook 07's visible tests (DDP's reducer): ``BucketedDDP`` on 2 forked ranks: DDP's gradients step by step,
+the buckets and their async all-reduces, the error for a parameter that the forward skipped.
+
+The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that
+need ranks (DDP's gradients) are forked by the judges, from torch's and course_lib's own code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from course_lib import ddp
+from course_lib.checks import forked, outcome, packed, register, student, unpacked
+from course_lib.checks.nb06 import cnn
+from course_lib.data import synthetic_images
+from course_lib.distributed import CollectiveLog
+from course_lib.grading import forbid, grads, max_rel_diff, params
+from course_lib.models import SmallCNN
+
+# course_lib's and torch's answers, out of reach while the student's code runs
+BUCKETED_INIT = (ddp.BucketedDDP, ddp.bucket_parameters, ddp.all_reduce_gradients, DDP)
+BUCKETED_STEP = (ddp.BucketedDDP, ddp.all_reduce_gradients, DDP)
+
+
+# ---------------------------------------------------------------- BucketedDDP
+CAP = 0.01  # MiB: SmallCNN(width=8) fills 5 buckets
+KEEP = ("what", "t", "numel", "async_op", "waited", "launched_at")
+
+
+def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_by_rank: bool = False,
+                   frozen: bool = False) -> list:
+    """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n``: its
+    buckets (by name), each step's gradients after finish_gradient_synchronization and collectives, the weights."""
+    space = student(ns, "BucketedDDP")
+
+    def rank(r, world):
+        torch.set_num_threads(1)
+        x, y = synthetic_images(n * steps, seed=3).tensors
+        logs = []
+        with forbid(*BUCKETED_INIT, namespace=space):
+            mine = space["BucketedDDP"](cnn(frozen) if not seed_by_rank else seeded(r, frozen), bucket_cap_mb=cap)
+        names = {id(p): k for k, p in mine.module.named_parameters()}
+        for p in mine.module.parameters():  # registered after the student's: marks the moment a gradient is in
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: logs[-1].mark("grad"))
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1)
+        out = {"grads": [], "events": [], "n_buckets": len(mine.buckets),
+               "buckets": [[names[id(p)] for p in b] for b in mine.buckets]}
+        for s in range(steps):
+            xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+            xs, ys = xg.chunk(world)[r], yg.chunk(world)[r]
+            with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
+                logs.append(log)
+                F.cross_entropy(mine(xs), ys).backward()
+                mine.finish_gradient_synchronization()
+            out["grads"].append(grads(mine.module))
+            out["events"].append([{k: e[k] for k in KEEP if k in e} for e in log.events])
+            opt.step()
+            opt.zero_grad()
+        out["weights"] = params(mine.module)
+        return packed(out)
+
+    return [unpacked(run) for run in forked(rank, nprocs, timeout=15)]
+
+
+def seeded(seed: int, frozen: bool) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = SmallCNN(width=8)
+    if frozen:
+        m.head.bias.requires_grad_(False)
+    return m
+
+
+def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> bytes:
+    """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients."""
+    torch.set_num_threads(1)
+    theirs, one = DDP(cnn(frozen)), cnn(frozen)
+    x, y = synthetic_images(n * steps, seed=3).tensors
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, one)]
+    out = {"ddp": [], "one": []}
+    for s in range(steps):
+        xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
+        F.cross_entropy(theirs(xg.chunk(world)[r]), yg.chunk(world)[r]).backward()
+        F.cross_entropy(one(xg), yg).backward()
+        out["ddp"].append(grads(theirs.module))
+        out["one"].append(grads(one))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return packed(out)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
+    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen, timeout=15)]
+
+
+def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:
+    refs = reference_runs(len(runs), n, steps, frozen)
+    for r, (run, ref) in enumerate(zip(runs, refs)):
+        for s, (mine, ev) in enumerate(zip(run["grads"], run["events"])):
+            a, b = max_rel_diff(mine, ref["ddp"][s]), max_rel_diff(mine, ref["one"][s])
+            unwaited = [e for e in ev if e.get("what") == "all_reduce" and not e.get("waited")]
+            assert not unwaited, (f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on: "
+                                  "call wait() on every handle in finish_gradient_synchronization before reading it")
+            assert a < 1e-5, f"{label}, rank {r}, step {s}: your gradients differ from DDP's (max rel. diff {a:.1e})"
+            assert b < 1e-5, f"{label}, rank {r}, step {s}: not one process's gradient on the whole batch ({b:.1e})"
+        for k, v in run["weights"].items():
+            assert (v == runs[0]["weights"][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
+
+
+def judge_bucketed(runs: list) -> str:
+    check_bucketed(runs, "2 ranks", 16, 2)
+    return "DDP's gradients on every rank, two steps running"
+
+
+register("test_BucketedDDP", lambda ns: bucketed_probe(ns, 2, 16, 2, CAP), judge_bucketed)
+
+WANT_BUCKETS = [["head.bias"], ["head.weight"], ["features.2.1.bias", "features.2.1.weight", "features.2.0.bias"],
+                ["features.2.0.weight"], ["features.1.1.bias", "features.1.1.weight", "features.1.0.bias",
+                "features.1.0.weight", "features.0.1.bias", "features.0.1.weight", "features.0.0.bias",
+                "features.0.0.weight"]]
+
+
+def probe_buckets(ns: dict) -> list:
+    return [{"buckets": run["buckets"], "events": run["events"]} for run in bucketed_probe(ns, 2, 16, 1, CAP)]
+
+
+def judge_buckets(runs: list) -> str:
+    want = WANT_BUCKETS
+    for r, run in enumerate(runs):
+        assert run["buckets"] == want, f"rank {r}: buckets {run['buckets']}, expected (cap {CAP} MiB) {want}"
+        ev = run["events"][0]
+        launches = [i for i, e in enumerate(ev) if e["what"] == "all_reduce"]
+        grads_in = [i for i, e in enumerate(ev) if e["what"] == "grad"]
+        assert len(launches) == len(want), (f"rank {r}: {len(launches)} dist.all_reduce calls in one backward for "
+                                            f"{len(want)} buckets: one per bucket")
+        assert all(ev[i]["async_op"] for i in launches), "launch each bucket with dist.all_reduce(..., async_op=True)"
+        assert launches[0] < grads_in[-1], ("your first all-reduce started after the last gradient had arrived: "
+                                            "launch each bucket from the hook, when its last gradient is in")
+    return "5 buckets, 5 all-reduces, the first one during backward"
+
+
+register("test_BucketedDDP_buckets", probe_buckets, judge_buckets)
+
+
+class Detour(torch.nn.Module):
+    """``cnn()`` and a layer ``spare`` that the forward uses only while ``use_spare`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare, self.use_spare = cnn(), torch.nn.Linear(10, 10), True
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.spare(out) if self.use_spare else out
+
+
+def unused_step(mine, space: dict, xs, ys) -> dict:
+    """One step of the student's wrapper under the fence: what backward and finish_gradient_synchronization gave,
+    as data, and the all-reduces it launched."""
+    def step():
+        F.cross_entropy(mine(xs), ys).backward()
+        mine.finish_gradient_synchronization()
+
+    with forbid(*BUCKETED_STEP, namespace=space), CollectiveLog() as log:
+        got = outcome(step)
+    got.pop("value", None)  # None, or whatever the student returned: not data the judge reads
+    got["launched"] = sum(e["what"] == "all_reduce" for e in log.events)
+    return got
+
+
+def probe_unused(ns: dict) -> list:
+    """Per rank and cap (one bucket, many): a step whose forward skips ``spare`` (an error expected), then, on the
+    same wrapper, a step that uses every parameter (the all-reduces it launched)."""
+    space = student(ns, "BucketedDDP")
+
+    def rank(r, world):
+        torch.set_num_threads(1)
+        x, y = synthetic_images(16, seed=3).tensors
+        xs, ys = x.chunk(world)[r], y.chunk(world)[r]
+        runs = []
+        for cap in (100.0, CAP):
+            with forbid(*BUCKETED_INIT, namespace=space):
+                made = outcome(space["BucketedDDP"], Detour(), bucket_cap_mb=cap)
+            if "raised" in made:
+                runs.append({"init": made})
+                continue
+            mine = made["value"]
+            mine.module.use_spare = False
+            skipped = unused_step(mine, space, xs, ys)
+            mine.module.zero_grad()
+            mine.module.use_spare = True
+            after = unused_step(mine, space, xs, ys)
+            runs.append({"skipped": skipped, "after": after, "n_buckets": len(mine.buckets)})
+        return packed(runs)
+
+    return [unpacked(run) for run in forked(rank, 2, timeout=15)]
+
+
+def judge_unused(got: list) -> str:
+    # the gradients' values are test_BucketedDDP's: here, the error, and that the next step launches every bucket
+    for r, runs in enumerate(got):
+        for cap, run in zip((100.0, CAP), runs, strict=True):
+            label = f"rank {r}, bucket_cap_mb={cap}"
+            assert "init" not in run, f"{label}: BucketedDDP(...) raised {run.get('init')}"
+            skipped, after = run["skipped"], run["after"]
+            assert skipped.get("raised") == "RuntimeError", (
+                f"{label}: the forward skipped the layer `spare`, so its bucket never filled and was never "
+                f"all-reduced, and finish_gradient_synchronization {_said(skipped)}: raise RuntimeError instead")
+            for name in ("spare.weight", "spare.bias"):
+                assert name in skipped["message"], (f"{label}: the error must name each parameter that got no "
+                                                     f"gradient ({name}); it said: {skipped['message'][:300]}")
+            assert "body." not in skipped["message"], f"{label}: name only the parameters that got no gradient"
+            assert "raised" not in after, (f"{label}: after the error, a step that uses every parameter "
+                                           f"{_said(after)}: reset what the hooks recorded before raising")
+            assert after["launched"] == run["n_buckets"], (
+                f"{label}: after the error, a step that uses every parameter launched {after['launched']} "
+                f"all-reduce(s) for {run['n_buckets']} buckets: reset what the hooks recorded before raising")
+    return "a skipped parameter is named in a RuntimeError; the next step launches every bucket again"
+
+
+def _said(got: dict) -> str:
+    return f"raised {got['raised']}: {got['message'][:200]}" if "raised" in got else "returned without an error"
+
+
+register("test_BucketedDDP_unused", probe_unused, judge_unused)
