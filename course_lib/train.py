@@ -240,14 +240,16 @@ def _batch_source(batches: Iterable | Callable[[int], object]) -> Callable[[int]
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | Callable[[int], object], steps: int, *,
         start: int = 0, dims: Dims | None = None, step_context: Callable[[int], ContextManager] | None = None,
-        after_step: Callable[[int, dict], bool] | None = None, progress: bool = True, desc: str = "train",
-        **step_kwargs) -> list[dict]:
+        after_step: Callable[[int, dict], bool] | None = None, step: Callable[[object], dict] | None = None,
+        progress: bool = True, desc: str = "train", **step_kwargs) -> list[dict]:
     """The course's one training loop: ``train_step`` for steps ``start .. steps-1``; returns one record per step.
 
     ``batches``: this rank's batch of each step, as an iterable (cycled) or a function of the step (a resumed
     run asks for step ``start`` first). ``dims`` gives the accumulation (``step_kwargs`` pass the rest to
     ``train_step``). ``step_context(step)`` wraps a step (a byte counter on the last one); ``after_step(step,
-    record)`` returning True stops the run (a checkpoint saved mid-run). Each record is ``train_step``'s, with
+    record)`` returning True stops the run (a checkpoint saved mid-run). ``step(batch)`` replaces ``train_step``
+    where an engine owns backward and the optimizer step (DeepSpeed's); it returns a record with ``loss``.
+    Each record is ``train_step``'s, with
     ``loss`` the mean over ranks (the global batch's, with equal shards), ``step``, and ``seconds`` (wall time,
     the device synchronised: a GPU runs ahead of the clock otherwise).
     """
@@ -256,17 +258,18 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | 
     device = next(model.parameters()).device
     batch_for, history = _batch_source(batches), []
     bar = tqdm(range(start, steps), desc=desc, disable=not progress, leave=False)
-    for step in bar:
-        batch = batch_for(step)
+    one_step = step or (lambda batch: train_step(model, optimizer, batch, **step_kwargs))
+    for i in bar:
+        batch = batch_for(i)
         synchronize(device)
         began = time.perf_counter()
-        with step_context(step) if step_context else contextlib.nullcontext():
-            record = train_step(model, optimizer, batch, **step_kwargs)
+        with step_context(i) if step_context else contextlib.nullcontext():
+            record = one_step(batch)
         synchronize(device)
-        record.update(step=step, seconds=time.perf_counter() - began, loss=mean_over_ranks(record["loss"], device))
+        record.update(step=i, seconds=time.perf_counter() - began, loss=mean_over_ranks(record["loss"], device))
         history.append(record)
         bar.set_postfix(loss=f"{record['loss']:.3f}")
-        if after_step is not None and after_step(step, record):
+        if after_step is not None and after_step(i, record):
             break
     return history
 

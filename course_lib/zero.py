@@ -39,7 +39,7 @@ from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.throughput import time_interleaved
-from course_lib.train import mean_over_ranks, rank_and_world, split_batch, train_step, worker_result
+from course_lib.train import fit, rank_and_world, split_batch, train_step, worker_result
 
 # torch 2.13 renamed the flat collectives (the old names warn, deprecated): the new names where torch has them
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -160,7 +160,7 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
             raise ValueError("clip_norm needs the optimizer's own clip_grad_norm_ under engine='zero1' (each rank "
                              "holds a slice of the averaged gradients): give it one, or pass clip_norm=0.0")
         step_fn = lambda b: train_step(net, optimizer, b, accum_steps=accum_steps, clip_norm=clip_norm,  # noqa: E731
-                                       clip_grad_norm=lambda ps, c: clip(c) if engine == "zero1" else clip(ps, c))["loss"]
+                                       clip_grad_norm=lambda ps, c: clip(c) if engine == "zero1" else clip(ps, c))
     else:
         import deepspeed  # heavy: only when it is the engine
 
@@ -168,16 +168,19 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
                            offload_optimizer=offload_optimizer, offload_param=offload_param, clip_norm=clip_norm,
                            nvme_path=nvme_path)
         net, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        step_fn = lambda b: deepspeed_step(net, b, accum_steps)  # noqa: E731
+        step_fn = lambda b: {"loss": deepspeed_step(net, b, accum_steps)}  # noqa: E731 (the engine steps itself)
     start = net.load_checkpoint(checkpoint_dir)[1]["step"] if resume else 0  # the tag in the "latest" file
-    losses = []
-    for step in range(start, steps):
-        losses.append(mean_over_ranks(step_fn(to_device(batches[step], device)), device))
+
+    def stop_here(step: int, record: dict) -> bool:  # save after step ``stop_after`` and stop there
         if stop_after is not None and step + 1 == stop_after:
             net.save_checkpoint(checkpoint_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
-            break
+            return True
+        return False
+
+    history = fit(net, optimizer, lambda step: to_device(batches[step], device), steps, start=start, step=step_fn,
+                  after_step=stop_here, progress=False)
     module = getattr(net, "module", net)
-    return worker_result(losses, start_step=start, digest=_full_digest(module, stage if engine == "deepspeed" else 0),
+    return worker_result([r["loss"] for r in history], start_step=start, digest=_full_digest(module, stage if engine == "deepspeed" else 0),
                          optimizer_state_bytes=optimizer_state_bytes(optimizer), device=str(device),
                          placement=engine_placement(net) if engine == "deepspeed" else None,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
@@ -222,11 +225,12 @@ def train_with_config(config: dict, steps: int = 4, width: int = 8, seed: int = 
     torch.manual_seed(seed)
     model = SmallCNN(width=width)
     net, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses, device = [], rank_device()
-    for batch in step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed):
-        losses.append(mean_over_ranks(deepspeed_step(net, to_device(batch, device),
-                                                     config.get("gradient_accumulation_steps", 1)), device))
-    return worker_result(losses, micro_batch=config["train_micro_batch_size_per_gpu"], global_steps=net.global_steps)
+    device, accum_steps = rank_device(), config.get("gradient_accumulation_steps", 1)
+    batches = step_batches(synthetic_images(max(n_samples, global_batch), seed=seed), global_batch, steps, seed)
+    history = fit(net, None, (to_device(b, device) for b in batches), steps, progress=False,
+                  step=lambda b: {"loss": deepspeed_step(net, b, accum_steps)})  # the engine steps itself
+    return worker_result([r["loss"] for r in history], micro_batch=config["train_micro_batch_size_per_gpu"],
+                         global_steps=net.global_steps)
 
 
 # graded: 09_deepspeed_zero ShardedOptimizer

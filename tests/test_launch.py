@@ -1,7 +1,7 @@
 """Launching worker processes from a notebook: real torchrun, real gloo, several processes.
 
 What the launched techniques compute (DDP, FSDP and ZeRO against one process) is tested where the
-notebooks measure it (tests/test_notebook_06.py to 06): here, the launcher itself.
+notebooks measure it (tests/test_notebook_06.py to test_notebook_10.py): here, the launcher itself.
 """
 
 import os

@@ -73,7 +73,7 @@ def test_06_runs_its_throughput_on_8_ranks(tmp_path):
     assert value(res, "samples_per_s_8_rank") > 0 and value(res, "ddp_weights_per_rank_ratio") == 1.0
 
 
-def test_05_shards_over_8_ranks(tmp_path):
+def test_08_shards_over_8_ranks(tmp_path):
     res = emulate("08_fsdp", tmp_path)
     assert value(res, "mesh_shapes")[0] == [8]
     assert claim(res, "every strategy trains like one process")["held"]
@@ -97,7 +97,7 @@ def test_10_runs_zero_3_with_offload_on_8_ranks(tmp_path):
     assert abs(value(res, "optimizer_state_fraction ZeRO-3 + offload optimizer and params") - 1 / 8) < 0.0125
 
 
-def test_08_runs_8_stages_and_tp_8(tmp_path):
+def test_13_runs_8_stages_and_tp_8(tmp_path):
     res = emulate("13_model_parallelism", tmp_path)
     assert "8 ranks" in claim(res, "tensor parallelism trains the same model")["claim"]
     assert claim(res, "every pipeline schedule trains the same model as one process")["held"]
