@@ -38,7 +38,6 @@ import importlib.util
 import logging
 import math
 import tempfile
-import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -48,8 +47,7 @@ from course_lib.data import lm_batch
 from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama, llama_num_parameters
-from course_lib.throughput import synchronize
-from course_lib.train import train_step
+from course_lib.train import fit, tokens_per_second
 
 # The quantile of the outermost levels: halfway between 1 - 1/(2·15) and 1 - 1/(2·16), the paper's choice
 # (bitsandbytes' create_normal_map(offset=0.9677083)). N(0,1)'s quantile at 1 itself would be infinite.
@@ -522,20 +520,14 @@ def lora_run(path: str, *, quantize: bool, steps: int, batch: int, seq: int, dev
         model = load_lora_model(path, quantize=quantize, device=device, seed=seed, **lora)
         weights = torch.cuda.memory_allocated(device) - before if before is not None else None
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=device.type == "cuda")
-        vocab, losses, seconds = model.config.vocab_size, [], []
-        for step in range(steps):
-            tokens = lm_batch(step, batch, seq, vocab, seed).to(device)
-            synchronize(device)
-            start = time.perf_counter()
-            losses.append(train_step(model, opt, tokens, amp_dtype=torch.bfloat16)["loss"])
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
+        vocab = model.config.vocab_size
+        history = fit(model, opt, lambda step: lm_batch(step, batch, seq, vocab, seed).to(device), steps,
+                      amp_dtype=torch.bfloat16, progress=False)
         del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    timed = seconds[warmup:]
-    return {"losses": losses, "tokens_per_s": batch * seq * len(timed) / sum(timed), "weights_bytes": weights,
-            "peak_bytes": peak.peak, "quantized": quantize}
+    return {"losses": [r["loss"] for r in history], "tokens_per_s": tokens_per_second(history, batch * seq, warmup),
+            "weights_bytes": weights, "peak_bytes": peak.peak, "quantized": quantize}
 
 
 def compare_qlora(model_name: str | None = None, *, preset: str = "1b", steps: int, batch: int, seq: int,

@@ -49,7 +49,7 @@ from course_lib.distributed import rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
-from course_lib.train import rank_and_world, train_step, worker_result
+from course_lib.train import fit, rank_and_world, worker_result
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 
@@ -608,8 +608,9 @@ def reference_losses(steps: int = 5, preset: str = "tiny", layers: int | None = 
     overrides = {"num_hidden_layers": layers} if layers else {}
     model = build_llama(preset, seed=seed, device=device, **overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    return [train_step(model, opt, lm_batch(step, batch, seq, model.config.vocab_size, seed), loss_fn=forward_loss)["loss"]
-            for step in range(steps)]
+    history = fit(model, opt, lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
+                  loss_fn=forward_loss, progress=False)
+    return [r["loss"] for r in history]
 
 
 def sweep(runs: list[dict] = ()) -> dict:
