@@ -85,6 +85,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return _probabilities(s, lse) @ v.to(s.dtype), lse
 
 
+# graded: 14_context_expert_parallelism ring_attention
 def online_softmax_merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention results over disjoint key blocks into the result over both, exactly.
@@ -364,13 +365,13 @@ def ring_llama(seed: int = 0, preset: str = "tiny"):
     return build_llama(preset, attn_implementation=IMPLEMENTATION, seed=seed)
 
 
-def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False) -> torch.Tensor:
+def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False, merge=None) -> torch.Tensor:
     """This rank's share of the next-token loss of ``tokens`` (the whole batch, batch x S, on every rank).
 
     Each rank keeps its part of the sequence: input ids, their global positions (the rotary embedding needs
     them) and the targets, shifted *before* the split (the target of the last local token lives on the next
     rank). Its loss is its tokens' summed cross-entropy over the whole batch's count: the ranks' losses
-    sum to the mean, and so do their gradients.
+    sum to the mean, and so do their gradients. ``merge``: the ring's online-softmax merge (the student's).
     """
     rank, world = _rank_world(group)
     seq = tokens.shape[-1]
@@ -378,7 +379,7 @@ def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = F
     ids, labels = (split_sequence(t, world, dim=-1, zigzag=zigzag)[rank] for t in (tokens, targets))
     positions = local_positions(rank, world, ids.shape[1], zigzag, tokens.device)
     labels = torch.where(positions < seq, labels, IGNORE_INDEX)  # the padding scores nothing
-    _RING.update(seq_len=seq, zigzag=zigzag, group=group)
+    _RING.update(seq_len=seq, zigzag=zigzag, group=group, merge=merge or online_softmax_merge)
     logits = model(input_ids=ids, position_ids=positions.expand(len(ids), -1)).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
@@ -386,7 +387,7 @@ def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = F
 
 
 def train_ring_llama(rank: int, world: int, steps: int = 3, zigzag: bool = False, *, seq: int = 30, batch: int = 2,
-                     lr: float = 1e-3, seed: int = 0) -> list[float]:
+                     lr: float = 1e-3, seed: int = 0, merge=None) -> list[float]:
     """Train the tiny Llama with context parallelism by hand (for ``launch.run_forked``): the losses per step.
 
     Every rank holds the whole model and its part of every sequence; the gradients are summed over the
@@ -397,7 +398,7 @@ def train_ring_llama(rank: int, world: int, steps: int = 3, zigzag: bool = False
     losses = []
     for step in range(steps):
         tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed)
-        loss = ring_llama_loss(model, tokens, zigzag=zigzag)
+        loss = ring_llama_loss(model, tokens, zigzag=zigzag, merge=merge)
         loss.backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
@@ -496,14 +497,16 @@ def longest_sequence(config, budget_bytes: int, world: int = 1, *, batch: int = 
 
 def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = True, batch: int = 1, group=None,
                         dtype: torch.dtype = torch.float32, zigzag: bool = False, seed: int = 0,
-                        device: torch.device | str = "cpu") -> int:
-    """Bytes this rank's ring attention keeps for backward, measured with ``SavedTensorMeter`` (call on every rank)."""
+                        device: torch.device | str = "cpu", merge=None) -> int:
+    """Bytes this rank's ring attention keeps for backward, measured with ``SavedTensorMeter`` (call on every rank);
+    ``merge``: the online-softmax merge the ring uses (the notebook passes the student's)."""
     rank, world = _rank_world(group)
     torch.manual_seed(seed)
     full = torch.randn(3, batch, heads, seq, head_dim, dtype=dtype, device=device)  # the same q, k, v on every rank
     q, k, v = (split_sequence(t, world, zigzag=zigzag)[rank].requires_grad_() for t in full)
     with SavedTensorMeter() as meter:
-        out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag)
+        out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag,
+                             merge=merge or online_softmax_merge)
     out.sum().backward()  # every rank runs the backward ring, so no peer is left waiting
     return meter.bytes
 

@@ -63,6 +63,14 @@ class Routing:
     aux_loss: torch.Tensor  # the Switch load-balancing loss of the group
 
 
+def within_capacity(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    """Which choices fit: ``expert`` (choices,) in queue order -> True where fewer than ``cap`` of the same
+    expert's choices queued before it (GShard's priority: the queue holds every first choice first)."""
+    onehot = F.one_hot(expert, n_experts)
+    place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # how many choices of this expert queued before this one
+    return place < cap
+
+
 def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int:
     """Tokens one expert takes from a group of ``tokens``: ceil(factor x tokens x k / E); all of them if None."""
     if capacity_factor is None:
@@ -90,28 +98,31 @@ class MoE(nn.Module):
             self.experts = nn.ModuleList(Expert(d_model, hidden or 2 * d_model) for _ in range(n_experts))
         self.aux_loss, self.dropped = torch.zeros(()), 0
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """Route one group of tokens ``x`` (tokens, d_model): top-k, then capacity, then the balance loss."""
+    def route(self, x: torch.Tensor, keep=None) -> Routing:
+        """Route one group of tokens ``x`` (tokens, d_model): top-k, then capacity, then the balance loss.
+
+        ``keep``: the capacity rule, ``within_capacity``'s signature (the notebook passes the student's)."""
         probs = F.softmax(self.router(x).float(), dim=-1)  # float32: the gates weight every expert output
         gate, expert = probs.topk(self.top_k, dim=-1)  # (tokens, k)
         # queue order: all first choices (in token order), then all second choices, ...
         expert, gate = expert.t().reshape(-1), gate.t().reshape(-1)
         token = torch.arange(len(x), device=x.device).repeat(self.top_k)
         onehot = F.one_hot(expert, self.n_experts)
-        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # how many choices of this expert queued before this one
-        keep = place < capacity(len(x), self.n_experts, self.top_k, self.capacity_factor)
+        keep = (keep or within_capacity)(expert, self.n_experts,
+                                         capacity(len(x), self.n_experts, self.top_k, self.capacity_factor))
         # Switch: E x sum_e (share of choices sent to e) x (mean probability of e); 1 when perfectly balanced.
         # The share has no gradient; the mean probability carries it to the router.
         aux = self.n_experts * (onehot.float().mean(0) * probs.mean(0)).sum()
         return Routing(token[keep], expert[keep], gate[keep], int((~keep).sum()), aux)
 
-    def forward(self, x: torch.Tensor, groups: int | list[int] = 1) -> torch.Tensor:
-        """x (..., d_model); ``groups``: equal groups routed apart, or their token counts (see the module's text)."""
+    def forward(self, x: torch.Tensor, groups: int | list[int] = 1, keep=None) -> torch.Tensor:
+        """x (..., d_model); ``groups``: equal groups routed apart, or their token counts (see the module's text);
+        ``keep``: the capacity rule (``route``)."""
         tokens = x.reshape(-1, x.shape[-1])
         sizes = _group_sizes(len(tokens), groups)
         out, routings = torch.zeros_like(tokens), []
         for start, size in zip(accumulate([0, *sizes]), sizes):
-            r = self.route(tokens[start:start + size])
+            r = self.route(tokens[start:start + size], keep)
             for e in range(self.n_experts):  # each expert runs once on every token of the group sent to it
                 rows = start + r.token[r.expert == e]
                 y = self.experts[e](tokens[rows])
@@ -175,6 +186,7 @@ class Plan:
     recv_counts: torch.Tensor  # (world, local experts): rows each rank sent to each of this rank's experts
 
 
+# graded: 14_context_expert_parallelism expert_parallel
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """counts (E,): the rows this rank sends to each expert -> (world, E/world): the rows every rank sends here.
 
@@ -187,6 +199,7 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     return received.view(world, -1)
 
 
+# graded: 14_context_expert_parallelism expert_parallel
 def dispatch(tokens: torch.Tensor, routing: Routing, n_experts: int, group=None) -> tuple[torch.Tensor, Plan]:
     """Send every kept (token, expert) choice's row to the rank that owns the expert: (rows received, plan)."""
     _, world = _rank_world(group)
@@ -212,6 +225,7 @@ def run_local_experts(moe: MoE, received: torch.Tensor, plan: Plan, rank: int) -
     return out
 
 
+# graded: 14_context_expert_parallelism expert_parallel
 def combine(expert_out: torch.Tensor, routing: Routing, plan: Plan, n_tokens: int, group=None) -> torch.Tensor:
     """Send the outputs back (the dispatch's all-to-all reversed) and sum each token's with its gate weights."""
     back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)  # rows return in the order sent
@@ -220,12 +234,15 @@ def combine(expert_out: torch.Tensor, routing: Routing, plan: Plan, n_tokens: in
     return out.index_add(0, token, (gate[:, None] * back).to(back.dtype))
 
 
-def expert_parallel_forward(moe: MoE, x: torch.Tensor, group=None) -> torch.Tensor:
+def expert_parallel_forward(moe: MoE, x: torch.Tensor, group=None, *, dispatch_fn=None, combine_fn=None,
+                            keep_fn=None) -> torch.Tensor:
     """``moe`` on this rank's tokens ``x`` (..., d_model), its experts spread over ``group``'s ranks.
 
     Rank r runs experts r*E/N ... (r+1)*E/N - 1 (every rank holds the whole layer here, which is small; only
     its own experts and the router get gradients on it). Equals ``moe(cat of every rank's tokens, groups=
-    their counts)``: output, and gradients once the router's are summed over ranks. Sets ``moe.aux_loss``
+    their counts)``: output, and gradients once the router's are summed over ranks. ``dispatch_fn``,
+    ``combine_fn``, ``keep_fn``: ``dispatch``, ``combine`` and ``within_capacity`` to use (the notebook passes
+    the student's). Sets ``moe.aux_loss``
     and ``moe.dropped`` for this rank's group, and ``moe.traffic``: the rows this rank dispatched and
     received, and the splits.
     """
@@ -234,9 +251,9 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, group=None) -> torch.Tens
         raise ValueError(f"{moe.n_experts} experts do not split over {world} ranks: "
                          f"use a number of experts that is a multiple of the world size")
     tokens = x.reshape(-1, x.shape[-1])
-    routing = moe.route(tokens)  # no exchange: each rank routes (and applies capacity to) its own tokens
-    received, plan = dispatch(tokens, routing, moe.n_experts, group)
-    out = combine(run_local_experts(moe, received, plan, rank), routing, plan, len(tokens), group)
+    routing = moe.route(tokens, keep_fn)  # no exchange: each rank routes (and applies capacity to) its own tokens
+    received, plan = (dispatch_fn or dispatch)(tokens, routing, moe.n_experts, group)
+    out = (combine_fn or combine)(run_local_experts(moe, received, plan, rank), routing, plan, len(tokens), group)
     moe.aux_loss, moe.dropped = routing.aux_loss, routing.dropped
     moe.traffic = {"dispatched": sum(plan.send_splits), "received": sum(plan.recv_splits),
                    "send_splits": plan.send_splits, "recv_splits": plan.recv_splits}

@@ -1,0 +1,265 @@
+"""Notebook 14's visible tests: the online-softmax merge (one process), the student's ring on 2 forked ranks against
+attention over the whole sequence (output, log-sum-exp, the bytes it sends), and the student's expert-parallel
+dispatch and combine on 2 forked ranks against the one-process mixture of experts (output, gradients, drops, bytes)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import course_lib.cp as cp
+import course_lib.ep as ep
+from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
+from course_lib.distributed import CollectiveBytes
+from course_lib.grading import forbid
+from course_lib.launch import fork_is_safe
+
+# What each exercise builds, out of reach while the student's code runs. (cp.block_attention, cp.ring_pass,
+# ep.all_to_all, ep.Plan and ep.Routing are the helpers the exercises may use.)
+CP_ANSWERS = (cp.online_softmax_merge, cp.ring_forward, cp.ring_backward, cp.RingAttention, cp.ring_attention,
+              cp.tile_mask, cp._tiles, F.scaled_dot_product_attention)
+EP_ANSWERS = (ep.exchange_counts, ep.dispatch, ep.combine, ep.within_capacity)
+RING = ("merge", "ring_forward")
+EXPERTS = ("within_capacity", "dispatch", "combine")
+B, H, D = 2, 2, 8
+
+
+def in_ranks(ns: dict, names: tuple, fn, nprocs: int, *args, timeout: float = 45) -> list:
+    """``fn(rank, world, *args, ns=...)`` on forked ranks (the whole namespace), or spawned ones with the student's
+    definitions only, by value, where forking is not safe."""
+    space = ns if fork_is_safe() else {k: ns[k] for k in names if k in ns}
+    return [unpacked(r) for r in forked(functools.partial(fn, ns=space), nprocs, *args, timeout=timeout)]
+
+
+# ---------------------------------------------------------------- ring_attention: the merge
+def blocks(seq: int = 10, cut: int = 3, scale: float = 1.0, seed: int = 0):
+    """q over two disjoint key blocks: each block's (out, lse), and the whole sequence's (the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, seq, D, generator=g) for _ in range(3))
+    q = q * scale
+    a = cp.block_attention(q, k[..., :cut, :], v[..., :cut, :])
+    b = cp.block_attention(q, k[..., cut:, :], v[..., cut:, :])
+    return a, b, cp.block_attention(q, k, v)
+
+
+def merged(ns: dict, a, b) -> dict:
+    try:
+        with forbid(*CP_ANSWERS, namespace=ns):
+            out, lse = ns["merge"](*a, *b)
+        return {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32)}
+    except Exception as err:  # the student's error is data: the judge says which case raised
+        return {"raised": f"{type(err).__name__}: {err}"[:300]}
+
+
+def probe_merge(ns: dict) -> dict:
+    a, b, _ = blocks()
+    empty = cp.block_attention(a[0].new_zeros(B, H, 10, D), torch.zeros(B, H, 3, D), torch.zeros(B, H, 3, D),
+                               mask=torch.zeros(10, 3, dtype=torch.bool))  # a block no row may see: lse = -inf
+    return {"a, b": merged(ns, a, b), "b, a": merged(ns, b, a), "a, nothing": merged(ns, a, empty),
+            "nothing, nothing": merged(ns, empty, empty)}
+
+
+def judge_merged(got: dict, want, label: str) -> None:
+    assert "raised" not in got, f"{label}: your merge raised {got.get('raised')}"
+    for name, ref in zip(("out", "lse"), want):
+        t = got[name]
+        assert isinstance(t, torch.Tensor) and t.shape == ref.shape, \
+            f"{label}: {name} is {t if not isinstance(t, torch.Tensor) else tuple(t.shape)}, expected shape {tuple(ref.shape)}"
+        assert not torch.isnan(t).any(), f"{label}: {name} has NaN (a row that sees no key must stay 0 / -inf)"
+        ok = torch.allclose(t, ref, atol=1e-5, rtol=1e-5, equal_nan=False) if name == "out" else \
+            bool(((t == ref) | torch.isclose(t, ref, atol=1e-5)).all())
+        assert ok, (f"{label}: {name} differs from attention over both blocks by {float((t - ref).abs().max()):.1e}: "
+                    "is each part's mean reweighted by exp(its lse - the larger lse) and divided by their sum?")
+
+
+def judge_merge(got: dict) -> str:
+    a, b, whole = blocks()
+    judge_merged(got["a, b"], whole, "keys 0-2 then 3-9")
+    judge_merged(got["b, a"], whole, "keys 3-9 then 0-2")
+    judge_merged(got["a, nothing"], a, "a block merged with one no row sees (lse = -inf)")
+    nothing = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))
+    judge_merged(got["nothing, nothing"], nothing, "two blocks no row sees")
+    return "exact in either order; a block no row sees adds nothing, and no NaN"
+
+
+register("test_online_softmax_merge", probe_merge, judge_merge)
+
+
+# ---------------------------------------------------------------- ring_attention: the ring
+def qkv(seq: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, seq, D, generator=g) for _ in range(3)]
+
+
+def ring_rank(rank: int, world: int, seq: int, causal: bool, ns: dict) -> bytes:
+    """One rank: the student's ring_forward on its block of the sequence (padded where seq does not divide)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    q, k, v = (cp.split_sequence(t, world)[rank] for t in qkv(seq))
+    try:
+        with forbid(*CP_ANSWERS, namespace=ns):
+            with CollectiveBytes() as comm:
+                out, lse = ns["ring_forward"](q, k, v, causal, seq)
+        got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
+               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}
+    except Exception as err:
+        got = {"raised": f"{type(err).__name__}: {err}"[:300]}
+    return packed(plain(got))
+
+
+def ring_runs(ns: dict, world: int, seq: int, causal: bool) -> list:
+    return in_ranks(ns, RING, ring_rank, world, seq, causal)
+
+
+def reference(seq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the whole sequence in one process, float64: output and log-sum-exp."""
+    q, k, v = (t.double() for t in qkv(seq))
+    s = (q @ k.transpose(-2, -1)) * D ** -0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, -1) @ v).float(), torch.logsumexp(s, -1).float()
+
+
+def judge_ring(runs: list, world: int, seq: int, causal: bool) -> None:
+    label = f"{world} ranks, {seq} tokens, causal={causal}"
+    assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
+    for r, run in enumerate(runs):
+        assert "raised" not in run, f"{label}, rank {r}: your ring raised {run.get('raised')}"
+        assert isinstance(run["out"], torch.Tensor) and isinstance(run["lse"], torch.Tensor), \
+            f"{label}, rank {r}: ring_forward must return (out, lse) tensors, got {run['out']}, {run['lse']}"
+    out, lse = reference(seq, causal)
+    got = cp.merge_sequence([run["out"] for run in runs], seq)
+    assert got.shape == out.shape, f"{label}: the ranks' outputs make {tuple(got.shape)}, expected {tuple(out.shape)}"
+    gap = float((got - out).abs().max())
+    hint = ("a causal ring: a block from an earlier rank is whole, the rank's own block is the triangle, a later "
+            "rank's block is skipped; the padded keys (position >= seq_len) are never seen" if causal else
+            "the padded keys (position >= seq_len) are never seen")
+    assert gap < 1e-4, f"{label}: the output differs from attention over the whole sequence by {gap:.1e} ({hint})"
+    got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq).squeeze(-1)
+    assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
+        f"{float((got_lse - lse).abs().max()):.1e}: return the merged lse over every key the row sees"
+    want = cp.ring_bytes_per_rank(seq, H, D, world, 4, batch=B)
+    for r, run in enumerate(runs):
+        assert run["bytes"] == {"send": want, "recv": want}, (
+            f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
+            f"V block N-1 times, and nothing else: {{'send': {want}, 'recv': {want}}}")
+
+
+def probe_ring(ns: dict) -> dict:
+    return {causal: ring_runs(ns, 2, 8, causal) for causal in (True, False)}
+
+
+def judge_ring_visible(got: dict) -> str:
+    for causal in (True, False):
+        judge_ring(got[causal], 2, 8, causal)
+    return "2 ranks, causal and not: full attention's output and lse, and K/V sent N-1 times"
+
+
+register("test_ring_attention", probe_ring, judge_ring_visible)
+
+
+# ---------------------------------------------------------------- expert_parallel
+EP_D, TOP_K, AUX = 8, 2, 0.1
+
+
+def sizes_of(world: int) -> list[int]:
+    return [5 + 2 * r for r in range(world)]  # every rank a different number of tokens: the split sizes differ
+
+
+def ep_data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    n = sum(sizes_of(world))
+    return torch.randn(n, EP_D, generator=g), torch.randn(n, EP_D, generator=g)  # tokens, the loss's weights
+
+
+def ep_rank(rank: int, world: int, n_experts: int, factor, ns: dict) -> bytes:
+    """One rank: the layer's experts spread over the ranks with the student's capacity rule, dispatch and combine."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
+    x, w = ep_data(world)
+    start = sum(sizes_of(world)[:rank])
+    x, w = (t[start:start + sizes_of(world)[rank]] for t in (x, w))
+    x.requires_grad_()
+    try:
+        with forbid(*EP_ANSWERS, namespace=ns):
+            with CollectiveBytes() as comm:
+                out = ep.expert_parallel_forward(moe, x, dispatch_fn=ns["dispatch"], combine_fn=ns["combine"],
+                                                 keep_fn=ns["within_capacity"])
+                ((out * w).sum() + AUX * moe.aux_loss / world).backward()
+        grads = {n: tensor_data(p.grad) for n, p in moe.named_parameters() if p.grad is not None}
+        got = {"out": tensor_data(out, torch.float32), "dx": tensor_data(x.grad), "grads": grads,
+               "dropped": number(moe.dropped), "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}
+    except Exception as err:
+        got = {"raised": f"{type(err).__name__}: {err}"[:300]}
+    return packed(plain(got))
+
+
+def ep_runs(ns: dict, world: int, n_experts: int, factor) -> list:
+    return in_ranks(ns, EXPERTS, ep_rank, world, n_experts, factor, timeout=30)
+
+
+def ep_reference(world: int, n_experts: int, factor) -> dict:
+    """One process, the same groups of tokens: output, input and parameter gradients, drops, and each rank's bytes."""
+    moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
+    x, w = ep_data(world)
+    x.requires_grad_()
+    out = moe(x, groups=sizes_of(world))
+    ((out * w).sum() + AUX * moe.aux_loss).backward()
+    local, kept, received = n_experts // world, [], [0] * world
+    for start, size in zip([sum(sizes_of(world)[:r]) for r in range(world)], sizes_of(world)):
+        routing = moe.route(x.detach()[start:start + size])
+        kept.append(len(routing.expert))
+        for r in range(world):
+            received[r] += int(((routing.expert // local) == r).sum())
+    step = [ep.ep_bytes_per_rank(kept[r], received[r], EP_D, 4, n_experts)["step"] for r in range(world)]
+    return {"out": out.detach(), "dx": x.grad, "dropped": moe.dropped, "step bytes": step,
+            "grads": {n: p.grad for n, p in moe.named_parameters()}}
+
+
+def judge_ep(runs: list, world: int, n_experts: int, factor) -> None:
+    label = f"{world} ranks, {n_experts} experts, capacity factor {factor}"
+    assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
+    for r, run in enumerate(runs):
+        assert "raised" not in run, f"{label}, rank {r}: your code raised {run.get('raised')}"
+    want = ep_reference(world, n_experts, factor)
+    for name in ("out", "dx"):
+        parts = [run[name] for run in runs]
+        assert all(isinstance(p, torch.Tensor) for p in parts), f"{label}: {name} is not a tensor on every rank"
+        got = torch.cat(parts)
+        assert got.shape == want[name].shape and torch.allclose(got, want[name], atol=1e-5, rtol=1e-4), (
+            f"{label}: {'the output' if name == 'out' else 'the input gradient'} differs from the one-process layer's"
+            f"{'' if got.shape != want[name].shape else f' by {float((got - want[name]).abs().max()):.1e}'}: are the "
+            "returned rows summed into the tokens they came from (the order you sent them in), with their gate weights?")
+    dropped = sum(run["dropped"] for run in runs if isinstance(run["dropped"], int))
+    assert dropped == want["dropped"], (f"{label}: {dropped} choices dropped, the one-process layer drops "
+                                        f"{want['dropped']}: each expert keeps the first `cap` choices of its queue")
+    router = sum(run["grads"].get("router.weight", 0) for run in runs)
+    assert isinstance(router, torch.Tensor) and torch.allclose(router, want["grads"]["router.weight"], atol=1e-5), \
+        f"{label}: the router's gradient (summed over ranks) differs: do the gate weights multiply the returned rows?"
+    local = n_experts // world
+    for name, g in want["grads"].items():
+        if name.startswith("experts."):
+            mine = runs[int(name.split(".")[1]) // local]["grads"].get(name)
+            assert isinstance(mine, torch.Tensor) and torch.allclose(mine, g, atol=1e-5, rtol=1e-4), \
+                f"{label}: {name}'s gradient on its owner differs from the one-process layer's"
+    for r, run in enumerate(runs):
+        assert run["bytes"] == {"all_to_all": want["step bytes"][r]}, (
+            f"{label}, rank {r}: your step moved {run['bytes']} (bytes by kind); expected "
+            f"{{'all_to_all': {want['step bytes'][r]}}}: the counts, the tokens, the results back, and backward")
+
+
+def probe_ep(ns: dict) -> dict:
+    return {factor: ep_runs(ns, 2, 4, factor) for factor in (None, 1.0)}
+
+
+def judge_ep_visible(got: dict) -> str:
+    for factor in (None, 1.0):
+        judge_ep(got[factor], 2, 4, factor)
+    return "2 ranks, 4 experts, with and without dropping: the one-process layer's output, gradients, drops; bytes"
+
+
+register("test_expert_parallel", probe_ep, judge_ep_visible)

@@ -1,0 +1,153 @@
+"""Known submissions of 14_context_expert_parallelism and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+# The reference merge and ring of the solution notebook; each mistake below changes it in one or two places.
+RING_SOLUTION = '''
+def merge(out_a, lse_a, out_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isfinite(top), top, 0.0)  # both parts empty: keep zeros, not NaN
+    sum_a, sum_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # each part's softmax sum, rescaled
+    total = sum_a + sum_b
+    out = (sum_a.unsqueeze(-1) * out_a + sum_b.unsqueeze(-1) * out_b) / total.clamp_min(1e-30).unsqueeze(-1)
+    return out, top + torch.log(total)
+
+
+def ring_forward(q, k, v, causal, seq_len):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = q.shape[-2]
+    q_pos = rank * local + torch.arange(local)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1])
+    lse = torch.full(q.shape[:-1], float("-inf"))
+    kv = torch.stack([k, v])  # K and V travel as one message
+    for step in range(world):
+        incoming = torch.empty_like(kv)
+        pending = cp.ring_pass(kv, incoming) if step < world - 1 else []  # the next block fills while we compute
+        k_pos = ((rank - step) % world) * local + torch.arange(local)
+        mask = (k_pos < seq_len).expand(local, -1)  # padding is never seen
+        if causal:
+            mask = mask & (k_pos[None, :] <= q_pos[:, None])  # a key at or before the query
+        if mask.any():  # a later rank's block: no query sees it, skip it
+            o, l = cp.block_attention(q, kv[0], kv[1], None if mask.all() else mask)
+            out, lse = merge(out, lse, o, l)
+        for p in pending:
+            p.wait()
+        kv = incoming
+    return out, lse
+'''
+
+# The reference capacity rule, dispatch and combine; each mistake below changes them in one place.
+EXPERT_SOLUTION = '''
+def within_capacity(expert, n_experts, cap):
+    onehot = F.one_hot(expert, n_experts)
+    place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # how many choices of this expert queued before this one
+    return place < cap
+
+
+def dispatch(tokens, routing, n_experts, group=None):
+    world = dist.get_world_size(group)
+    order = torch.argsort(routing.expert, stable=True)  # by expert, hence by the rank that owns it
+    counts = torch.bincount(routing.expert, minlength=n_experts)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # the split sizes first: receive buffers need their sizes
+    recv_counts = recv_counts.view(world, -1)
+    send_splits = counts.view(world, -1).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = ep.all_to_all(tokens[routing.token[order]], send_splits, recv_splits, group)
+    return received, ep.Plan(order, send_splits, recv_splits, recv_counts)
+
+
+def combine(expert_out, routing, plan, n_tokens, group=None):
+    back = ep.all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)  # rows return in the order sent
+    token, gate = routing.token[plan.order], routing.gate[plan.order]  # ... which is the order sorted by expert
+    out = back.new_zeros(n_tokens, back.shape[-1])
+    return out.index_add(0, token, (gate[:, None] * back).to(back.dtype))
+'''
+
+
+def changed(*edits: tuple[str, str], reference: str = RING_SOLUTION) -> str:
+    """``reference`` with each (old, new) edit made (every old text found exactly once)."""
+    out = reference
+    for old, new in edits:
+        assert out.count(old) == 1, old
+        out = out.replace(old, new)
+    return out
+
+
+# the partial outputs averaged, never reweighted by their softmax sums
+MERGE_NO_RESCALE = changed(("""    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isfinite(top), top, 0.0)  # both parts empty: keep zeros, not NaN
+    sum_a, sum_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # each part's softmax sum, rescaled
+    total = sum_a + sum_b
+    out = (sum_a.unsqueeze(-1) * out_a + sum_b.unsqueeze(-1) * out_b) / total.clamp_min(1e-30).unsqueeze(-1)
+    return out, top + torch.log(total)""", """    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)  # wrong: no reweighting"""))
+
+# the right formula without FlashAttention's max: exp(lse) overflows float32 once scores pass ~88 (hidden test)
+MERGE_OVERFLOWS = changed(("""    top = torch.where(torch.isfinite(top), top, 0.0)  # both parts empty: keep zeros, not NaN""",
+                           """    top = torch.zeros_like(top)  # wrong: exp(lse) unscaled overflows on large scores"""))
+
+# the causal mask on the wrong side: later keys seen, earlier ones hidden
+CAUSAL_WRONG_BLOCKS = changed(("mask = mask & (k_pos[None, :] <= q_pos[:, None])", "mask = mask & (k_pos[None, :] >= q_pos[:, None])"))
+
+# the padded keys seen: right wherever the length divides (the visible test), wrong where it does not (hidden)
+PADDING_SEEN = changed(("mask = (k_pos < seq_len).expand(local, -1)  # padding is never seen",
+                        "mask = torch.ones(local, local, dtype=torch.bool)  # wrong: the padded keys are seen"))
+
+CALLS_LIBRARY_RING = '''
+import course_lib.cp as _cp
+
+merge = _cp.online_softmax_merge
+
+
+def ring_forward(q, k, v, causal, seq_len):
+    return _cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, merge=merge)[:2]
+'''
+
+# each rank expects to receive what it sends: the ranks' different token counts make gloo fail the all-to-all
+SPLITS_NOT_EXCHANGED = changed(("""    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # the split sizes first: receive buffers need their sizes
+    recv_counts = recv_counts.view(world, -1)""", """    recv_counts = counts.view(world, -1)  # wrong: the split sizes are never exchanged"""), reference=EXPERT_SOLUTION)
+
+# the returned rows summed in token order, not in the (sorted) order they were sent
+COMBINE_WRONG_ORDER = changed(("    token, gate = routing.token[plan.order], routing.gate[plan.order]",
+                               "    token, gate = routing.token, routing.gate  # wrong: not the order the rows were sent in"),
+                              reference=EXPERT_SOLUTION)
+
+CAPACITY_IGNORED = changed(("    return place < cap", "    return torch.ones_like(place, dtype=torch.bool)  # wrong: capacity ignored"),
+                           reference=EXPERT_SOLUTION)
+
+CALLS_LIBRARY_EXPERTS = '''
+import course_lib.ep as _ep
+
+within_capacity, dispatch, combine = _ep.within_capacity, _ep.dispatch, _ep.combine
+'''
+
+FULL = {"test_online_softmax_merge": 2, "test_ring_attention": 3, "test_ring_attention_hidden": 4,
+        "test_expert_parallel": 3, "test_expert_parallel_hidden": 4}
+RING = ("test_online_softmax_merge", "test_ring_attention", "test_ring_attention_hidden")
+EXPERTS = ("test_expert_parallel", "test_expert_parallel_hidden")
+
+
+def scores(*lost) -> dict:
+    """Full marks except the named test cells, which score 0."""
+    return {**FULL, **{k: 0 for k in lost}}
+
+
+CASES = {
+    "merge_no_rescale": {"cells": {"ring_attention": MERGE_NO_RESCALE}, "scores": scores(*RING)},
+    "merge_overflows": {"cells": {"ring_attention": MERGE_OVERFLOWS}, "scores": scores("test_ring_attention_hidden")},
+    "causal_wrong_blocks": {"cells": {"ring_attention": CAUSAL_WRONG_BLOCKS},
+                            "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "padding_seen": {"cells": {"ring_attention": PADDING_SEEN}, "scores": scores("test_ring_attention_hidden")},
+    "calls_library_ring_attention": {"cells": {"ring_attention": CALLS_LIBRARY_RING}, "scores": scores(*RING)},
+    "splits_not_exchanged": {"cells": {"expert_parallel": SPLITS_NOT_EXCHANGED}, "scores": scores(*EXPERTS)},
+    "combine_wrong_order": {"cells": {"expert_parallel": COMBINE_WRONG_ORDER}, "scores": scores(*EXPERTS)},
+    "capacity_ignored": {"cells": {"expert_parallel": CAPACITY_IGNORED}, "scores": scores(*EXPERTS)},
+    "calls_library_expert_parallel": {"cells": {"expert_parallel": CALLS_LIBRARY_EXPERTS}, "scores": scores(*EXPERTS)},
+}
+
+# The submission that loops forever in one exercise, and the one that edits a test cell.
+LOOP_CELL = "expert_parallel"
+CELL_TIMEOUT = 150  # test cells fork 2 to 4 ranks: a few seconds each, many times that beside another test worker
