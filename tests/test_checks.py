@@ -78,7 +78,8 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
 # One multi-rank check of each notebook whose tests start ranks: on a machine with GPUs, run_forked spawns its
 # ranks and a probe sends them the student's definitions by value (cloudpickle), not the forked namespace.
 SPAWNED = {"06_ddp": "test_average_gradients", "07_ddp_reducer": "test_BucketedDDP", "08_fsdp": "test_ShardedModule",
-           "09_deepspeed_zero": "test_ShardedOptimizer", "13_model_parallelism": "test_tensor_parallel_pair"}
+           "09_deepspeed_zero": "test_ShardedOptimizer", "13_model_parallelism": "test_tensor_parallel_pair",
+           "14_context_expert_parallelism": "test_ring_attention"}
 
 
 @pytest.mark.parametrize("assignment", sorted(SPAWNED))
