@@ -63,6 +63,7 @@ class Routing:
     aux_loss: torch.Tensor  # the Switch load-balancing loss of the group
 
 
+# graded: 14_context_expert_parallelism expert_parallel
 def within_capacity(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
     """Which choices fit: ``expert`` (choices,) in queue order -> True where fewer than ``cap`` of the same
     expert's choices queued before it (GShard's priority: the queue holds every first choice first)."""
@@ -107,12 +108,12 @@ class MoE(nn.Module):
         # queue order: all first choices (in token order), then all second choices, ...
         expert, gate = expert.t().reshape(-1), gate.t().reshape(-1)
         token = torch.arange(len(x), device=x.device).repeat(self.top_k)
-        onehot = F.one_hot(expert, self.n_experts)
+        chosen = F.one_hot(expert, self.n_experts)  # for the balance loss: which expert each choice went to
         keep = (keep or within_capacity)(expert, self.n_experts,
                                          capacity(len(x), self.n_experts, self.top_k, self.capacity_factor))
         # Switch: E x sum_e (share of choices sent to e) x (mean probability of e); 1 when perfectly balanced.
         # The share has no gradient; the mean probability carries it to the router.
-        aux = self.n_experts * (onehot.float().mean(0) * probs.mean(0)).sum()
+        aux = self.n_experts * (chosen.float().mean(0) * probs.mean(0)).sum()
         return Routing(token[keep], expert[keep], gate[keep], int((~keep).sum()), aux)
 
     def forward(self, x: torch.Tensor, groups: int | list[int] = 1, keep=None) -> torch.Tensor:
