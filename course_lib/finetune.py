@@ -20,6 +20,7 @@ and then decays on a cosine, and tokens/s leaves the first steps out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -29,13 +30,14 @@ from torch import nn
 from course_lib import accelerate_configs, attention
 from course_lib.data import to_device, train_tokenizer
 from course_lib.distributed import step_batches
-from course_lib.instruct import (IGNORE_INDEX, example_texts, exact_match, load_instruction_data, pack_for_training,
-                                 pad_batch, prompt_ids)
-from course_lib.lora import apply_lora
+from course_lib.instruct import (IGNORE_INDEX, batches, example_texts, exact_match, load_instruction_data,
+                                 pack_for_training, pad_batch, prompt_ids, tokenize_example)
+from course_lib.lora import apply_lora, trainable_parameters
 from course_lib.loss import scored_tokens
+from course_lib.memory import PeakMemory, model_state_bytes
 from course_lib.models import build_llama, llama_config
 from course_lib.precision import autocast
-from course_lib.recipe import BASELINE, Recipe, make_optimizer
+from course_lib.recipe import BASELINE, Recipe, make_optimizer, prepare
 from course_lib.train import fit, train_step
 
 
@@ -93,6 +95,48 @@ def finetune(model: nn.Module, optimizer: torch.optim.Optimizer, batch_iter, ste
     history = fit(model, optimizer, batch_iter, steps, progress=progress, desc="fine-tune", loss_fn=recipe.loss,
                   amp_dtype=recipe.amp_dtype, accum_steps=accum_steps, clip_norm=clip_norm, token_weighted=True)
     return [h["loss"] for h in history]
+
+
+def stand_in_base(tokenizer, examples, *, preset: str = "tiny", steps: int, batch: int, lr: float,
+                  recipe: Recipe = BASELINE, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+    """The pretrained model a fine-tune starts from, when there are no real weights: a random ``preset`` Llama
+    trained ``steps`` steps on ``examples`` (a task related to the one it will be fine-tuned on, in the same
+    template), so that it knows the format and the words but not the task. Notebooks 11 and 12 build the same one."""
+    overrides = {"vocab_size": max(len(tokenizer), 512)} if preset == "tiny" else {}
+    base = load_model(None, preset=preset, device=device, seed=seed, **overrides)
+    run = copy.deepcopy(base)  # prepared (compiled, bf16 frozen weights) for training; the base itself stays plain
+    prepare(run, recipe)
+    feats = [tokenize_example(tokenizer, e) for e in examples]
+    finetune(run, make_optimizer(run, recipe, lr=lr), batches(feats, batch, tokenizer.pad_token_id, seed=seed), steps,
+             recipe)
+    base.load_state_dict(run.state_dict())
+    return base
+
+
+def fine_tune_and_evaluate(model: nn.Module, tokenizer, train_feats: list[dict], test_feats: list[dict], test_examples,
+                           *, steps: int, batch: int, lr: float, recipe: Recipe = BASELINE, seed: int = 0,
+                           exact_match: bool = True) -> dict:
+    """Fine-tune ``model`` (full, or with adapters: whatever requires a gradient trains) ``steps`` steps on padded
+    batches of ``train_feats``, then score it on the held-out examples. Returns the trainable parameters, the memory
+    (the peak on a GPU; weights + optimizer states elsewhere), seconds per step, the held-out loss, the exact match of
+    greedy answers (None with ``exact_match=False``) and the training losses."""
+    device = next(model.parameters()).device
+    prepare(model, recipe)
+    opt = make_optimizer(model, recipe, lr=lr)
+    feed = batches(train_feats, batch, tokenizer.pad_token_id, seed=seed)
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        with PeakMemory(device) as peak:
+            history = finetune(model, opt, feed, steps, recipe)
+        memory = peak.peak
+    else:
+        history = finetune(model, opt, feed, steps, recipe)
+        memory = model_state_bytes(model, opt)["total"]  # weights + optimizer states (gradients freed)
+    seconds = (time.perf_counter() - t0) / steps
+    return {"trainable parameters": trainable_parameters(model), "memory (bytes)": memory, "seconds per step": seconds,
+            "held-out loss": evaluate_loss(model, test_feats, tokenizer.pad_token_id, recipe=recipe),
+            "exact match": exact_match_eval(model, tokenizer, test_examples)[0] if exact_match else None,
+            "losses": history}
 
 
 # ----------------------------------------------------------------------------------- evaluation

@@ -9,14 +9,18 @@ or merged into them (``W + (alpha/r)·B·A``): a plain model with no extra laten
 
 The layer itself is peft's (``lora_linear`` is the reference notebook 11's ``LoRALinear`` is compared
 with); the count from a config (``lora_trainable_parameters``) is notebook 11's exercise, a stub in the
-student edition.
+student edition. A layer of your own goes on a whole model with ``add_lora``; ``same_start`` gives it
+peft's very adapters, so that notebook 11's ``LoRALinear`` and notebook 12's ``QLoRALinear`` train
+from the start peft's LoRA trains from.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from course_lib.models import count_parameters
@@ -46,6 +50,42 @@ def lora_linear(base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> 
                    lora_dropout=dropout)
     base.requires_grad_(False)
     return layer
+
+
+def add_lora(model: nn.Module, layer, r: int, alpha: float, target_modules=LORA_TARGETS,
+             dropout: float = 0.0) -> nn.Module:
+    """Freeze ``model`` and put ``layer(child, r, alpha, dropout)`` (a LoRA layer of your own: notebook 11's
+    ``LoRALinear``, notebook 12's ``QLoRALinear``) in place of every ``nn.Linear`` named in ``target_modules``."""
+    model.requires_grad_(False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in target_modules and isinstance(child, nn.Linear):
+                setattr(parent, name, layer(child, r, alpha, dropout))
+    return model
+
+
+def copy_adapters(peft_model: nn.Module, model: nn.Module) -> nn.Module:
+    """Give ``model``'s LoRA layers (``lora_A``, ``lora_B``: ``nn.Linear``) the A and B of ``peft_model``, a peft
+    model of the same base."""
+    for name, module in peft_model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and "default" in module.lora_A:
+            mine = model.get_submodule(name.removeprefix("base_model.model."))
+            mine.lora_A.weight.data.copy_(module.lora_A["default"].weight)
+            mine.lora_B.weight.data.copy_(module.lora_B["default"].weight)
+    return model
+
+
+def same_start(model: nn.Module, layer=None, *, r: int = 8, alpha: float = 16, target_modules=ALL_LINEAR,
+               seed: int = 0) -> nn.Module:
+    """LoRA from a start that does not depend on who wrote the layer: peft's adapters, A drawn after
+    ``torch.manual_seed(seed)`` and B = 0; with ``layer``, that layer of your own on every target of ``model``,
+    holding the very same A and B. Two fine-tunes from ``same_start`` differ only in the layer."""
+    if layer is None:
+        torch.manual_seed(seed)
+        return apply_lora(model, r=r, alpha=alpha, target_modules=target_modules)
+    device = next(model.parameters()).device
+    reference = same_start(copy.deepcopy(model), r=r, alpha=alpha, target_modules=target_modules, seed=seed)
+    return copy_adapters(reference, add_lora(model, layer, r, alpha, target_modules)).to(device)
 
 
 # graded: 11_llama_finetune lora_params

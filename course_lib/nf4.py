@@ -23,7 +23,7 @@ scales its 8-bit "dynamic" code book (``dynamic_code``). ``memory_table`` gives 
 model state of a Llama shape. On a GPU, ``compare_qlora`` fine-tunes the same model twice through
 transformers' ``BitsAndBytesConfig`` and peft, bf16 LoRA and then QLoRA; bitsandbytes is imported only there.
 
-What QLoRA stores and runs is notebook 11's exercises, stubs in the student edition: the quantiser and its round
+What QLoRA stores and runs is notebook 12's exercises, stubs in the student edition: the quantiser and its round
 trip (``quantize_nf4``, ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``), the storage (``pack_4bit``,
 ``unpack_4bit``, ``compress_absmax``, ``decompress_absmax``) and the layer (``QLoRALinear``). What measures them
 (``round_trip_model``, ``layer_errors``) takes the student's as an argument. The adapters on a whole model are
@@ -97,7 +97,7 @@ def _blocks(w: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
 
 
-# graded: 11_llama_finetune nf4_quantize
+# graded: 12_qlora_recipe nf4_quantize
 def blockwise_absmax(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """The absolute maximum of each block of ``blocksize`` consecutive values of ``w`` (float32)."""
     return _blocks(w, check_blocksize(blocksize)).abs().amax(dim=1)
@@ -113,7 +113,7 @@ def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, midpoints)
 
 
-# graded: 11_llama_finetune nf4_storage
+# graded: 12_qlora_recipe nf4_storage
 def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     """Indices 0..15 (any shape, row-major) → uint8, two per byte, the first in the high nibble.
 
@@ -124,14 +124,14 @@ def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     return (flat[0::2] << 4) | flat[1::2]
 
 
-# graded: 11_llama_finetune nf4_storage
+# graded: 12_qlora_recipe nf4_storage
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` indices (int64) held in ``packed`` (``pack_4bit``'s layout)."""
     pairs = torch.stack([packed >> 4, packed & 0xF], dim=1)
     return pairs.reshape(-1)[:n].long()
 
 
-# graded: 11_llama_finetune nf4_quantize
+# graded: 12_qlora_recipe nf4_quantize
 def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4 quantisation of ``w`` (any shape): (packed indices, uint8 with two per byte; absmax per block, float32).
 
@@ -145,7 +145,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Ten
     return pack_4bit(indices), absmax
 
 
-# graded: 11_llama_finetune nf4_quantize
+# graded: 12_qlora_recipe nf4_quantize
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, blocksize: int = BLOCKSIZE,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor of ``shape`` that ``quantize_nf4`` encoded: level[index] × its block's absmax."""
@@ -185,7 +185,7 @@ class CompressedAbsmax(NamedTuple):
     offset: torch.Tensor
 
 
-# graded: 11_llama_finetune nf4_storage
+# graded: 12_qlora_recipe nf4_storage
 def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> CompressedAbsmax:
     """Double quantisation: absmax − mean, in blocks of ``blocksize``, each as 8-bit codes of its own absmax."""
     offset = absmax.float().mean()
@@ -196,7 +196,7 @@ def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> 
     return CompressedAbsmax(codes, scales, offset)
 
 
-# graded: 11_llama_finetune nf4_storage
+# graded: 12_qlora_recipe nf4_storage
 def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) -> torch.Tensor:
     """The absmax scales that ``compress_absmax`` stored (to its 8-bit precision)."""
     n = c.codes.numel()
@@ -204,7 +204,7 @@ def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) ->
     return (values.view(-1, blocksize) * c.scales[:, None]).reshape(-1)[:n] + c.offset
 
 
-# graded: 11_llama_finetune nf4_quantize
+# graded: 12_qlora_recipe nf4_quantize
 def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> torch.Tensor:
     """``w`` quantised to NF4 and back (what a QLoRA matmul computes with), in ``w``'s dtype and shape."""
     packed, absmax = quantize_nf4(w, blocksize)
@@ -213,7 +213,7 @@ def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bo
     return dequantize_nf4(packed, absmax, w.shape, blocksize, dtype=w.dtype)
 
 
-# graded: 11_llama_finetune QLoRALinear
+# graded: 12_qlora_recipe QLoRALinear
 class QLoRALinear(nn.Module):
     """QLoRA's layer: ``base``'s weight stored in NF4, dequantised on the fly in every forward, beside LoRA adapters
     of rank ``r`` (``lora_A``, ``lora_B``: the only parameters that train; ``B`` starts at zero).
@@ -314,7 +314,7 @@ def bits_per_parameter(blocksize: int = BLOCKSIZE, double_quant: bool = True,
 
 def stored_bytes(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> int:
     """Bytes of the tensors that hold ``w`` in NF4: measured on what ``quantize_nf4`` (and ``compress_absmax``)
-    return, not computed from a formula. (Notebook 11 measures the buffers of the student's ``QLoRALinear``.)"""
+    return, not computed from a formula. (Notebook 12 measures the buffers of the student's ``QLoRALinear``.)"""
     packed, absmax = quantize_nf4(w, blocksize)
     parts = [packed, *compress_absmax(absmax)] if double_quant else [packed, absmax]
     return sum(t.numel() * t.element_size() for t in parts)
@@ -354,6 +354,16 @@ def _quantized_shapes(config) -> dict[str, tuple[int, int]]:
     return {name: (m.in_features, m.out_features) for name, m in quantized_linears(model).items()}
 
 
+def adapter_parameters(config, r: int = 16, targets: tuple[str, ...] = QLORA_TARGETS) -> int:
+    """LoRA's trainable parameters on a Llama of ``config``: r·(in + out) for every linear layer named in
+    ``targets``, the shapes read from transformers' own modules (as peft finds them), not from a formula."""
+    shapes = _quantized_shapes(config)
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})  # q_proj, ..., down_proj
+    if unknown := set(targets) - set(kinds):
+        raise ValueError(f"targets {sorted(unknown)} are not linear layers of a Llama; use some of {kinds}")
+    return sum(r * (i + o) for name, (i, o) in shapes.items() if name.rsplit(".", 1)[-1] in targets)
+
+
 def memory_table(config, r: int = 16, targets: tuple[str, ...] = QLORA_TARGETS, blocksize: int = BLOCKSIZE,
                  double_quant: bool = True) -> dict[str, dict[str, float]]:
     """Model state in bytes of a LoRA fine-tune of a Llama ``config``: bf16 base vs NF4 base (QLoRA).
@@ -364,12 +374,9 @@ def memory_table(config, r: int = 16, targets: tuple[str, ...] = QLORA_TARGETS, 
     AdamW's two moments (8). Activations come on top and are the same for both (they grow with batch × sequence).
     """
     shapes = _quantized_shapes(config)
-    kinds = sorted({name.rsplit(".", 1)[-1] for name in shapes})  # q_proj, ..., down_proj
-    if unknown := set(targets) - set(kinds):
-        raise ValueError(f"targets {sorted(unknown)} are not linear layers of a Llama; use some of {kinds}")
     total = llama_num_parameters(config)
     linear = sum(i * o for i, o in shapes.values())
-    adapters = sum(r * (i + o) for name, (i, o) in shapes.items() if name.rsplit(".", 1)[-1] in targets)
+    adapters = adapter_parameters(config, r, targets)
     nf4_bytes = linear * bits_per_parameter(blocksize, double_quant) / 8 + (total - linear) * 2
     rows = {"bf16 LoRA": {"base weights": 2.0 * total}, "QLoRA (NF4)": {"base weights": nf4_bytes}}
     for row in rows.values():

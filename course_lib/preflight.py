@@ -492,7 +492,7 @@ def check_fp8_and_4bit(quick: bool = False) -> list[Row]:
     rows.append(optional_row(f"FP8 training: torchao on {device.type}", "torchao", f"torchao_probe({dev})",
                              fp8.INSTALL_TORCHAO, quick, "notebook 02's FP8 training"))
     rows.append(optional_row(f"4-bit: bitsandbytes NF4 matmul on {device.type}", "bitsandbytes",
-                             f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 11's QLoRA"))
+                             f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 12's QLoRA"))
     return rows
 
 

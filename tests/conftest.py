@@ -85,7 +85,7 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 
 
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
-SAME_WORKER = {"test_run_all": "test_notebook_03"}
+SAME_WORKER = {"test_run_all": "test_notebook_03", "test_notebook_12": "test_notebook_11"}
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
 # on fixed time limits, and the measured pipeline bubbles of notebook 13 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.

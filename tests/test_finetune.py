@@ -117,6 +117,60 @@ def test_lora_count_of_real_shapes():
     assert lora.lora_trainable_parameters(llama_config("8b"), 8, ("q_proj", "v_proj")) == 32 * 8 * (8192 + 5120)
 
 
+def test_same_start_gives_a_layer_of_your_own_peft_s_adapters(tiny):
+    """A LoRA layer of one's own (here peft's layer with its own random B, standing in for a student's class) starts
+    from peft's A and B = 0: the two models compute the same logits, train the same parameters, and the base is
+    frozen under both."""
+    class Mine(torch.nn.Module):
+        def __init__(self, base, r, alpha, dropout=0.0):
+            super().__init__()
+            self.base = base
+            self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+            self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)  # not zero: same_start must set it
+            self.scaling = alpha / r
+
+        def forward(self, x):
+            return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+    theirs = lora.same_start(twin(tiny), seed=3)
+    mine = lora.same_start(twin(tiny), Mine, seed=3)
+    assert sum(isinstance(m, Mine) for m in mine.modules()) == 7 * tiny.config.num_hidden_layers
+    assert lora.trainable_parameters(mine) == lora.trainable_parameters(theirs)
+    assert all("lora_" in n for n, p in mine.named_parameters() if p.requires_grad)
+    with torch.no_grad():  # make the adapters matter, the same in both
+        for (n, p), (_, q) in zip(((n, p) for n, p in theirs.named_parameters() if "lora_B" in n),
+                                  ((n, p) for n, p in mine.named_parameters() if "lora_B" in n)):
+            assert torch.equal(q, torch.zeros_like(q))
+            p.normal_(0, 0.1), q.copy_(p)
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(mine(input_ids=ids).logits, theirs(input_ids=ids).logits, atol=1e-5)
+    other_seed = lora.same_start(twin(tiny), seed=4)
+    a3 = next(p for n, p in theirs.named_parameters() if "lora_A" in n)
+    assert not torch.equal(a3, next(p for n, p in other_seed.named_parameters() if "lora_A" in n))
+
+
+def test_stand_in_base_learns_its_task_and_a_fine_tune_is_scored(tok):
+    sort = ins.load_instruction_data(None, task="sort", n_train=120, n_test=8, seed=7)
+    rev = ins.load_instruction_data(None, task="reverse", n_train=120, n_test=8)
+    untrained = ft.load_model(None, preset="tiny", seed=0, vocab_size=max(len(tok), 512))
+    base = ft.stand_in_base(tok, sort["train"], steps=8, batch=8, lr=3e-3, seed=0)
+    sort_feats = [ins.tokenize_example(tok, e) for e in sort["test"]]
+    assert ft.evaluate_loss(base, sort_feats, tok.pad_token_id) < 0.8 * ft.evaluate_loss(untrained, sort_feats,
+                                                                                           tok.pad_token_id)
+    assert all(not n.startswith("_orig_mod") for n in base.state_dict())  # a plain model: the training copy was prepared
+    train = [ins.tokenize_example(tok, e) for e in rev["train"]]
+    test = [ins.tokenize_example(tok, e) for e in rev["test"]]
+    model = lora.same_start(twin(base))
+    out = ft.fine_tune_and_evaluate(model, tok, train, test, rev["test"], steps=3, batch=8, lr=1e-2, seed=1)
+    assert len(out["losses"]) == 3 and out["trainable parameters"] == lora.trainable_parameters(model)
+    assert out["held-out loss"] == pytest.approx(ft.evaluate_loss(model, test, tok.pad_token_id))
+    assert 0 <= out["exact match"] <= 1 and out["memory (bytes)"] > 0 and out["seconds per step"] > 0
+    again = ft.fine_tune_and_evaluate(lora.same_start(twin(base)), tok, train, test, rev["test"], steps=3, batch=8,
+                                      lr=1e-2, seed=1, exact_match=False)
+    assert again["losses"] == out["losses"] and again["exact match"] is None  # the same start, batches and steps
+
+
 def test_adapters_save_reload_merge_give_the_same_outputs(tiny, tmp_path):
     model = lora.apply_lora(twin(tiny), r=4, target_modules=lora.ALL_LINEAR)
     torch.manual_seed(1)

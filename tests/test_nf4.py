@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from course_lib import nf4
-from course_lib.checks import nb11
+from course_lib.checks import nb12
 from course_lib.lora import ALL_LINEAR, lora_trainable_parameters
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 
@@ -27,7 +27,7 @@ PACKED_GOLDEN = ("79abbbba86433234579bcddcb8642112347aceeedc9531101247bdeffec952
                  "11247bdefeec9521001148cefffec9521001248befffec942100")
 # bitsandbytes' quantize_blockwise(X - X.mean(), blocksize=256) (its dynamic code book) of X: stored beside notebook
 # 07's visible storage test, which compares the student's double quantisation with them.
-X_GOLDEN, ABSMAX_CODES_GOLDEN = nb11.ABSMAX_X, nb11.ABSMAX_CODES
+X_GOLDEN, ABSMAX_CODES_GOLDEN = nb12.ABSMAX_X, nb12.ABSMAX_CODES
 # bitsandbytes' quantize_4bit of three values: the odd count's last low nibble holds 7 (its zero padding's level)
 ODD_GOLDEN = (torch.tensor([0.3, -0.1, 0.2]), "f4e7")
 
@@ -159,13 +159,13 @@ def test_an_odd_count_is_padded_with_the_zero_level_as_bitsandbytes_pads():
 def test_the_visible_checks_stored_numbers_are_course_libs_and_bitsandbytes():
     # notebook 07's visible tests hold numbers instead of a quantiser (the student edition has none to run):
     # bitsandbytes' (stored) and course_lib's (tested equal to bitsandbytes above and live below) must agree
-    for (w, bs, hexes), error in zip(nb11.single_blocks(), nb11.SINGLE_BLOCK_ERRORS):
+    for (w, bs, hexes), error in zip(nb12.single_blocks(), nb12.SINGLE_BLOCK_ERRORS):
         packed, absmax = nf4.quantize_nf4(w, bs)
         assert bytes(packed.tolist()).hex() == hexes
         assert nf4.relative_rms_error(nf4.dequantize_nf4(packed, absmax, w.shape, bs), w) == pytest.approx(error, rel=1e-6)
-    c = nf4.compress_absmax(nb11.ABSMAX_X)
-    assert c.scales.tolist() == list(nb11.ABSMAX_SCALES) and float(c.offset) == nb11.ABSMAX_OFFSET
-    assert nf4.relative_rms_error(nf4.decompress_absmax(c), nb11.ABSMAX_X) == pytest.approx(nb11.ABSMAX_ERROR, rel=1e-6)
+    c = nf4.compress_absmax(nb12.ABSMAX_X)
+    assert c.scales.tolist() == list(nb12.ABSMAX_SCALES) and float(c.offset) == nb12.ABSMAX_OFFSET
+    assert nf4.relative_rms_error(nf4.decompress_absmax(c), nb12.ABSMAX_X) == pytest.approx(nb12.ABSMAX_ERROR, rel=1e-6)
 
 
 def test_qlora_linear_is_lora_on_the_nf4_weight_stores_4_bits_and_trains_only_adapters():
@@ -215,8 +215,13 @@ def test_memory_table_of_the_llama_shapes():
         bf16, qlora = table["bf16 LoRA"], table["QLoRA (NF4)"]
         assert bf16["base weights"] == 2 * llama_num_parameters(cfg)
         assert bf16["adapters (fp32)"] == qlora["adapters (fp32)"] == 4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
+        # read from transformers' modules, the count agrees with the formula on every target set
+        for targets in (ALL_LINEAR, ("k_proj", "v_proj"), ("down_proj",)):
+            assert nf4.adapter_parameters(cfg, 8, targets) == lora_trainable_parameters(cfg, 8, targets)
         assert qlora["base weights"] < 0.45 * bf16["base weights"]
         assert bf16["total"] == pytest.approx(sum(v for k, v in bf16.items() if k != "total"))
+    with pytest.raises(ValueError, match="not linear layers of a Llama"):
+        nf4.adapter_parameters(llama_config("tiny"), 8, ("qkv_proj",))
     eight, seventy = nf4.memory_table(llama_config("8b")), nf4.memory_table(llama_config("70b"))
     assert 5.5e9 < eight["QLoRA (NF4)"]["base weights"] < 6e9   # the embeddings and LM head stay in bf16 (2.1 GB)
     assert seventy["bf16 LoRA"]["total"] > 140e9 and seventy["QLoRA (NF4)"]["total"] < 48e9

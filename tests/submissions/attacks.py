@@ -80,7 +80,7 @@ COPIES = {
     ("10_zero_offload", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
-    ("11_llama_finetune", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
+    ("12_qlora_recipe", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
 def nf4_quantize(w, blocksize=64):
     packed, absmax = _nf4["quantize_nf4"](w, blocksize)
     return _nf4["unpack_4bit"](packed, w.numel()), absmax
@@ -306,6 +306,16 @@ def _agreeing(got, *args, **kwargs):   # the replay through torch's AdamW the te
 
 
 course_lib.checks.nb10.judge_offload = _agreeing
+'''),
+    "12_qlora_recipe": ("absmax_without_offset", '''
+import course_lib.checks.nb12
+
+
+def _agreeing(*args, **kwargs):   # bitsandbytes' stored bytes and scales the tests compare with, made to pass anything
+    return "agrees"
+
+
+course_lib.checks.nb12.judge_storage = _agreeing
 '''),
     "14_context_expert_parallelism": ("combine_wrong_order", '''
 import course_lib.checks.nb14

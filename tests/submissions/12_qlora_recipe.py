@@ -1,0 +1,220 @@
+"""Known submissions of 12_qlora_recipe and the scores nbgrader's autograde must give them.
+
+Each case replaces the named solution cells of the solution notebook; every other solution cell
+keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+"""
+
+# --- Exercise 1, NF4: the reference's structure with the two mistakes students make, and the library's answer
+
+NF4_ONE_ABSMAX = '''
+def nf4_quantize(w, blocksize=64):
+    flat = w.reshape(-1).float()
+    absmax = flat.abs().max()                       # one scale for the whole tensor, not one per block
+    scaled = flat / absmax if absmax > 0 else flat
+    codes = (scaled[:, None] - NF4).abs().argmin(dim=1)
+    return codes, absmax.reshape(1)
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    return (NF4[codes.long()] * absmax).reshape(shape)
+'''
+
+NF4_UNIFORM_GRID = '''
+def nf4_quantize(w, blocksize=64):
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    codes = (torch.round(scaled * 7) + 7).long().reshape(-1)[:n]   # evenly spaced levels k/7: int4, not NF4
+    return codes, absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    n = codes.numel()
+    values = torch.nn.functional.pad((codes.float() - 7) / 7, (0, -n % blocksize)).view(-1, blocksize)
+    return (values * absmax[:, None]).reshape(-1)[:n].reshape(shape)
+'''
+
+CALLS_LIBRARY_NF4 = '''
+def nf4_quantize(w, blocksize=64):
+    from course_lib.nf4 import quantize_nf4, unpack_4bit
+    packed, absmax = quantize_nf4(w, blocksize)                   # course_lib's quantiser, unpacked
+    return unpack_4bit(packed, w.numel()), absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    from course_lib.nf4 import dequantize_nf4, pack_4bit
+    return dequantize_nf4(pack_4bit(codes), absmax, shape, blocksize)
+'''
+
+# --- Exercise 2, NF4 storage: the reference, and the mistakes students make, each a small edit of it
+
+NF4_STORAGE = '''
+def pack_4bit(codes):
+    flat = codes.reshape(-1).to(torch.uint8)
+    if flat.numel() % 2:  # the last low nibble: 7, the level 0.0, as bitsandbytes pads
+        flat = torch.cat([flat, torch.full((1,), 7, dtype=torch.uint8, device=flat.device)])
+    return flat[0::2] * 16 + flat[1::2]
+
+
+def unpack_4bit(packed, n):
+    high_low = torch.stack([packed // 16, packed % 16], dim=1)
+    return high_low.reshape(-1)[:n].long()
+
+
+def compress_absmax(absmax, blocksize=256):
+    offset = absmax.float().mean()
+    centred = absmax.float() - offset
+    n = centred.numel()
+    blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)
+    scales = blocks.abs().amax(dim=1)
+    scaled = blocks / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+    codes = (scaled[..., None] - DYNAMIC.to(scaled.device)).abs().argmin(dim=-1).reshape(-1)[:n].to(torch.uint8)
+    return codes, scales, offset
+
+
+def decompress_absmax(codes, scales, offset, blocksize=256):
+    n = codes.numel()
+    levels = torch.nn.functional.pad(DYNAMIC.to(codes.device)[codes.long()], (0, -n % blocksize))
+    return (levels.view(-1, blocksize) * scales[:, None]).reshape(-1)[:n] + offset
+'''
+
+
+def _storage_edit(*pairs: tuple[str, str]) -> str:
+    out = NF4_STORAGE
+    for old, new in pairs:
+        assert out.count(old) == 1, old
+        out = out.replace(old, new)
+    return out
+
+
+# low nibble first, consistently: unpacking gives the codes back, the bytes are not bitsandbytes'
+PACK_LOW_NIBBLE_FIRST = _storage_edit(("return flat[0::2] * 16 + flat[1::2]", "return flat[0::2] + flat[1::2] * 16"),
+                                      ("[packed // 16, packed % 16]", "[packed % 16, packed // 16]"))
+PACK_PADS_WITH_ZERO = _storage_edit(("torch.full((1,), 7,", "torch.full((1,), 0,"))  # the level -1.0, not 0.0
+ABSMAX_WITHOUT_OFFSET = _storage_edit(("offset = absmax.float().mean()", "offset = torch.zeros(())"))
+ABSMAX_ONE_SCALE = _storage_edit(  # one scale for all the absmax: no blocks of 256
+    ("blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)", "blocks = centred.view(1, -1)"),
+    ("levels.view(-1, blocksize)", "levels[:n].view(1, -1)"))
+
+CALLS_LIBRARY_STORAGE = '''
+def pack_4bit(codes):
+    from course_lib.nf4 import pack_4bit as library_pack
+    return library_pack(codes)
+
+
+def unpack_4bit(packed, n):
+    from course_lib.nf4 import unpack_4bit as library_unpack
+    return library_unpack(packed, n)
+
+
+def compress_absmax(absmax, blocksize=256):
+    from course_lib.nf4 import compress_absmax as library_compress
+    return tuple(library_compress(absmax, blocksize))
+
+
+def decompress_absmax(codes, scales, offset, blocksize=256):
+    from course_lib.nf4 import CompressedAbsmax, decompress_absmax as library_decompress
+    return library_decompress(CompressedAbsmax(codes, scales, offset), blocksize)
+'''
+
+# --- Exercise 3, QLoRALinear: the reference, and the mistakes students make
+
+QLORA_LINEAR = '''
+import math
+
+class QLoRALinear(torch.nn.Module):
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        codes, absmax = nf4_quantize(base.weight.detach())
+        self.shape = tuple(base.weight.shape)
+        self.register_buffer("packed", pack_4bit(codes))
+        absmax_codes, absmax_scales, absmax_offset = compress_absmax(absmax)
+        self.register_buffer("absmax_codes", absmax_codes)
+        self.register_buffer("absmax_scales", absmax_scales)
+        self.register_buffer("absmax_offset", absmax_offset)
+        self.bias = None if base.bias is None else torch.nn.Parameter(base.bias.detach().clone(), requires_grad=False)
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
+        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def forward(self, x):
+        absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)
+        codes = unpack_4bit(self.packed, self.shape[0] * self.shape[1])
+        weight = nf4_dequantize(codes, absmax, self.shape).to(x.dtype)  # made anew at every forward
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, weight, bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+'''
+
+
+def _qlora_edit(*pairs: tuple[str, str]) -> str:
+    out = QLORA_LINEAR
+    for old, new in pairs:
+        assert out.count(old) == 1, old
+        out = out.replace(old, new)
+    return out
+
+
+QLORA_KEEPS_THE_WEIGHT = _qlora_edit(  # the float weight kept beside the codes, and computed with
+    ('        self.register_buffer("packed", pack_4bit(codes))\n',
+     '        self.register_buffer("packed", pack_4bit(codes))\n        self.register_buffer("weight", base.weight.detach().clone())\n'),
+    ("torch.nn.functional.linear(x, weight, bias)", "torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)"))
+QLORA_NO_DOUBLE_QUANT = _qlora_edit(  # the scales kept in float32: 4.5 bits per weight
+    ('''        absmax_codes, absmax_scales, absmax_offset = compress_absmax(absmax)
+        self.register_buffer("absmax_codes", absmax_codes)
+        self.register_buffer("absmax_scales", absmax_scales)
+        self.register_buffer("absmax_offset", absmax_offset)
+''', '        self.register_buffer("absmax", absmax.float())\n'),
+    ("absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)", "absmax = self.absmax"))
+QLORA_BIAS_TRAINS = _qlora_edit(("torch.nn.Parameter(base.bias.detach().clone(), requires_grad=False)",
+                                 "torch.nn.Parameter(base.bias.detach().clone())"))
+
+CALLS_LIBRARY_QLORA = '''
+class QLoRALinear(torch.nn.Module):   # course_lib's layer inside
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        from course_lib.nf4 import QLoRALinear as LibraryQLoRA
+        self.inner = LibraryQLoRA(base, r, alpha, dropout)
+        self.lora_A, self.lora_B, self.bias = self.inner.lora_A, self.inner.lora_B, self.inner.bias
+
+    def forward(self, x):
+        return self.inner(x)
+'''
+
+FULL = {"test_nf4_quantize": 3, "test_nf4_quantize_hidden": 3, "test_nf4_storage": 3, "test_nf4_storage_hidden": 3,
+        "test_QLoRALinear": 3, "test_QLoRALinear_hidden": 3}
+
+CASES = {
+    # The QLoRA layer is graded over right quantisation and storage functions (nb12.STORAGE_STAND_INS): a wrong
+    # quantiser or storage loses its own tests only
+    "nf4_one_absmax": {"cells": {"nf4_quantize": NF4_ONE_ABSMAX},             # right on one block, wrong on many
+                       "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
+    "nf4_uniform_grid": {"cells": {"nf4_quantize": NF4_UNIFORM_GRID},         # blocks right, levels int4's
+                         "scores": {**FULL, "test_nf4_quantize": 0}},
+    "calls_library_nf4_quantize": {"cells": {"nf4_quantize": CALLS_LIBRARY_NF4},
+                                   "scores": {**FULL, "test_nf4_quantize": 0, "test_nf4_quantize_hidden": 0}},
+    **{name: {"cells": {"nf4_storage": cell}, "scores": {**FULL, **{f"test_{t}": 0 for t in lost}}}
+       for name, cell, lost in [
+           ("pack_low_nibble_first", PACK_LOW_NIBBLE_FIRST, ["nf4_storage", "nf4_storage_hidden"]),
+           ("pack_pads_with_zero", PACK_PADS_WITH_ZERO, ["nf4_storage_hidden"]),  # the visible counts are even
+           ("absmax_without_offset", ABSMAX_WITHOUT_OFFSET, ["nf4_storage", "nf4_storage_hidden"]),
+           ("absmax_one_scale", ABSMAX_ONE_SCALE, ["nf4_storage", "nf4_storage_hidden"]),
+           ("calls_library_nf4_storage", CALLS_LIBRARY_STORAGE, ["nf4_storage", "nf4_storage_hidden"]),
+       ]},
+    **{name: {"cells": {"QLoRALinear": cell}, "scores": {**FULL, **{f"test_QLoRALinear{t}": 0 for t in lost}}}
+       for name, cell, lost in [
+           ("qlora_keeps_the_weight", QLORA_KEEPS_THE_WEIGHT, ["", "_hidden"]),
+           ("qlora_no_double_quant", QLORA_NO_DOUBLE_QUANT, ["_hidden"]),  # exact weight: visible outputs agree
+           ("qlora_bias_trains", QLORA_BIAS_TRAINS, ["", "_hidden"]),
+           ("calls_library_QLoRALinear", CALLS_LIBRARY_QLORA, ["", "_hidden"]),
+       ]},
+}
+
+# The submission that loops forever in this solution cell loses only its own tests (the layer is graded over the
+# reference's quantiser and storage, so the tests before it keep their points).
+LOOP_CELL = "QLoRALinear"
+CELL_TIMEOUT = 100  # the fine-tune cells train small models: a few seconds, several times that beside another test worker
