@@ -3,6 +3,7 @@
     python -m course_lib.run_all                 # every notebook, tier picked from the hardware
     python -m course_lib.run_all --tier cpu 00 02 # some notebooks, a given tier
     python -m course_lib.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks that launch ranks)
+    python -m course_lib.run_all --tier smoke --jobs 2   # two notebooks at a time: a check that they run, not timings
 
 Executed notebooks go to ``runs/executed/``, each notebook's recorded values and figures
 to ``runs/results/`` and ``runs/figures/``, and ``runs/summary.md`` gathers them: a table
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -119,8 +121,8 @@ def write_summary(run_dir: Path, timings: dict[str, float], tier: str, budget_s:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
+def _parser() -> argparse.ArgumentParser:
+    """run_all's command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("only", nargs="*", help="notebook numbers to run (default: all), e.g. 00 03")
     parser.add_argument("--tier", default="auto", help="auto (default), cpu, gpu or node")
@@ -129,10 +131,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="execute the complete solutions (default) or the student release")
     parser.add_argument("--long-runs", action="store_true",
                         help="also the measurements past a workshop slot (06's size sweep, 07's 8B benchmark on a GPU)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="notebooks executed at once (default 1: each one's time is then its own; more shares the "
+                             "cores, for a run that checks the notebooks, not their timings)")
     parser.add_argument("--emulate", action="store_true",
                         help="with --tier node: the node's layout on CPU ranks at tiny widths, for the notebooks that "
                              "launch ranks (what a GPU node would run, checked on any machine)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m course_lib.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more notebooks at a time")
     if args.emulate:
         if args.tier != "node":
             parser.error("--emulate runs the node tier's layout on CPU ranks: give it with --tier node")
@@ -146,20 +159,30 @@ def main(argv: list[str] | None = None) -> int:
                      f"available: {[p.name[:2] for p in available]}")
     run_dir = Path(args.out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)  # the summary is written even when the first notebook cannot start
-    timings, failed = {}, []
-    bar = tqdm(chosen, desc="course", unit="notebook")
-    for nb in bar:
-        bar.set_postfix_str(nb.stem)
+    params = {"tier": tier, **({"long_runs": True} if args.long_runs else {})}
+
+    def run(nb: Path) -> tuple[float, Exception | None]:
         try:
-            params = {"tier": tier, **({"long_runs": True} if args.long_runs else {})}
-            timings[nb.stem] = execute(nb, run_dir, params, progress=True)
+            return execute(nb, run_dir, params, progress=args.jobs == 1), None
         except Exception as err:  # keep going: the summary says which notebook failed and why
-            timings[nb.stem] = float("nan")
-            failed.append((nb.stem, err))
             if type(err).__name__ != "PapermillExecutionError":  # it never reached a cell: say why in full
                 traceback.print_exc()
-        tqdm.write(f"{nb.stem}: {timings[nb.stem]:.1f} s")
-    budget = None if args.long_runs or args.emulate else BUDGET_S.get(tier)
+            return float("nan"), err
+
+    timings, failed = {}, []
+    bar = tqdm(total=len(chosen), desc="course", unit="notebook")
+    # each notebook's kernel is its own process: threads only wait on them (ranks take free ports, so two notebooks
+    # that launch ranks side by side do not collide); the order of the summary stays the course's
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for nb, (seconds, err) in zip(chosen, pool.map(run, chosen)):
+            timings[nb.stem] = seconds
+            if err is not None:
+                failed.append((nb.stem, err))
+            bar.update(1)
+            bar.set_postfix_str(nb.stem)
+            tqdm.write(f"{nb.stem}: {seconds:.1f} s")
+    bar.close()
+    budget = None if args.long_runs or args.emulate or args.jobs > 1 else BUDGET_S.get(tier)
     summary = write_summary(run_dir, timings, f"{tier} (emulated on CPU ranks)" if args.emulate else tier, budget)
     print(f"\nexecuted notebooks: {run_dir / 'executed'}\nsummary: {summary}")
     for name, seconds in over_budget(timings, budget).items():

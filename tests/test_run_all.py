@@ -93,3 +93,35 @@ def test_the_readme_table_gives_every_notebook_its_words_and_cpu_time():
         assert abs(words - run_all.markdown_words(nb)) <= 0.1 * words, (
             f"{nb.stem} has {run_all.markdown_words(nb)} words of prose; README says {words}: update the table")
         assert seconds <= run_all.BUDGET_S["cpu"], f"{nb.stem}: {seconds} s on the CPU tier is past the slot's budget"
+
+
+def test_jobs_runs_notebooks_side_by_side_and_keeps_the_course_order(tmp_path, monkeypatch):
+    """--jobs 2 (CI's floor runs the smoke tier so): two kernels at once, each notebook executed, the summary in the
+    course's order, and no budget verdict (a shared machine times nothing alone)."""
+    import json
+
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    made = []
+    for name in ("00_first", "01_second"):
+        cells = [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": 'tier = "auto"',
+                  "outputs": [], "execution_count": None},
+                 {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                  "source": f"import time, pathlib\nstart = time.time()\ntime.sleep(4)\n"
+                            f"pathlib.Path({str(stamps / name)!r}).write_text(f'{{start}} {{time.time()}}')"}]
+        nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                          "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+        path = tmp_path / name / f"{name}.ipynb"
+        path.parent.mkdir()
+        path.write_text(json.dumps(nb))
+        made.append(path)
+    monkeypatch.setattr(run_all, "notebooks", lambda source="solutions": made)
+    out = tmp_path / "run"
+    assert run_all.main(["--tier", "cpu", "--jobs", "2", "--out", str(out)]) == 0
+    (a0, a1), (b0, b1) = ([float(x) for x in (stamps / n).read_text().split()] for n in ("00_first", "01_second"))
+    assert a0 < b1 and b0 < a1, "the two notebooks did not run at the same time"
+    text = (out / "summary.md").read_text()
+    assert text.index("## 00_first") < text.index("## 01_second") and "budget" not in text
+    assert (out / "executed" / "01_second.ipynb").exists()
+    with pytest.raises(SystemExit):
+        run_all.main(["--tier", "cpu", "--jobs", "0", "--out", str(out)])
