@@ -254,6 +254,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | 
     the device synchronised: a GPU runs ahead of the clock otherwise).
     """
     if dims is not None:
+        if step_kwargs.get("accum_steps", dims.accum_steps) != dims.accum_steps:
+            raise ValueError(f"fit got dims (accumulation {dims.accum_steps}) and accum_steps={step_kwargs['accum_steps']}: "
+                             "give the accumulation once, in dims")
         step_kwargs["accum_steps"] = dims.accum_steps
     device = next(model.parameters()).device
     batch_for, history = _batch_source(batches), []

@@ -39,7 +39,7 @@ from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.throughput import time_interleaved
-from course_lib.train import fit, rank_and_world, split_batch, train_step, worker_result
+from course_lib.train import Dims, fit, rank_and_world, split_batch, train_step, worker_result
 
 # torch 2.13 renamed the flat collectives (the old names warn, deprecated): the new names where torch has them
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -55,15 +55,6 @@ def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int,
             f"micro_batch to {train_batch / (accum_steps * world_size):g} (it must come out a whole number)")
 
 
-def micro_batch_for(train_batch: int, accum_steps: int, world_size: int) -> int:
-    """The micro-batch per rank that DeepSpeed's rule gives; refused, with the fix, when it is not whole."""
-    if accum_steps < 1 or world_size < 1 or train_batch % (accum_steps * world_size):
-        step = accum_steps * world_size
-        raise ValueError(f"train_batch={train_batch} does not divide by accum_steps {accum_steps} x world_size "
-                         f"{world_size} = {step}: use a multiple of {step} (e.g. {max(step, train_batch // step * step)})")
-    return train_batch // (accum_steps * world_size)
-
-
 def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,
               offload_optimizer: bool = False, offload_param: bool = False, mixed_precision: str | None = None,
               nvme_path: str | None = None, clip_norm: float = 1.0, cpu_adam: bool = False) -> dict:
@@ -75,7 +66,7 @@ def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int
     ``cpu_adam=True`` (with ``offload_optimizer``) lets DeepSpeed step the offloaded states with its
     own CPU Adam, the optimizer ZeRO-Offload's speed rests on, instead of torch's AdamW.
     """
-    micro = micro_batch_for(train_batch, accum_steps, world_size)
+    micro = Dims(train_batch, accum_steps, dp=world_size).micro_batch  # refused, with the fix, if not whole
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0 (plain data parallel), 1, 2 and 3")
     if offload_param and stage != 3:

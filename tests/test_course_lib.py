@@ -68,6 +68,8 @@ def test_fit_resumes_at_a_step_stops_when_asked_and_times_each_step():
     assert asked == [3, 4, 5] == [r["step"] for r in history] == wrapped
     assert all(r["seconds"] > 0 and math.isfinite(r["loss"]) for r in history)
     assert train.tokens_per_second(history, 8) > 0
+    with pytest.raises(ValueError, match=r"dims \(accumulation 2\) and accum_steps=4: give the accumulation once"):
+        train.fit(model, opt, batch_for, 1, dims=train.Dims(8, accum_steps=2), accum_steps=4, progress=False)
 
 
 def test_grading_runs_pick_the_smoke_tier(monkeypatch):
