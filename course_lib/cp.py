@@ -34,12 +34,14 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from course_lib.attention import repeat_kv
 from course_lib.data import lm_batch
 from course_lib.loss import IGNORE_INDEX, next_token_loss
 from course_lib.memory import SavedTensorMeter, llama_activation_bytes
 from course_lib.models import build_llama
+from course_lib.train import fit
 
 SEQ_DIM = -2  # (batch, heads, sequence, head_dim)
 
@@ -390,39 +392,31 @@ def train_ring_llama(rank: int, world: int, steps: int = 3, zigzag: bool = False
                      lr: float = 1e-3, seed: int = 0, merge=None) -> list[float]:
     """Train the tiny Llama with context parallelism by hand (for ``launch.run_forked``): the losses per step.
 
-    Every rank holds the whole model and its part of every sequence; the gradients are summed over the
-    ring's ranks after backward (each rank's holds its tokens' share). Equals ``reference_llama_losses``.
+    Every rank holds the whole model and its part of every sequence (``train.fit``, the course's loop); its loss
+    is its tokens' share of the sequence's mean, so the gradients are summed over the ring's ranks after backward,
+    and the loss of a step is the sum of the shares (``fit`` records their mean). Equals ``reference_llama_losses``.
     """
     model = ring_llama(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed)
-        loss = ring_llama_loss(model, tokens, zigzag=zigzag, merge=merge)
-        loss.backward()
+
+    def sum_gradients(model: nn.Module) -> None:
         for p in model.parameters():
             dist.all_reduce(p.grad)
-        dist.all_reduce(loss.detach_())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+
+    history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                  lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
+                  loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=zigzag, merge=merge),
+                  sync_grads=sum_gradients, progress=False)
+    return [r["loss"] * world for r in history]
 
 
 def reference_llama_losses(steps: int = 3, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,
                            seed: int = 0) -> list[float]:
     """One process, the same model, batches and optimizer, attention over the whole sequence (SDPA)."""
     model = build_llama("tiny", seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed)
-        loss = next_token_loss(model(input_ids=tokens).logits, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                  lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
+                  loss_fn=lambda m, tokens: next_token_loss(m(input_ids=tokens).logits, tokens), progress=False)
+    return [r["loss"] for r in history]
 
 
 # ---------------------------------------------------------------------------------------------------------
