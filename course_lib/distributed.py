@@ -11,8 +11,9 @@
 - **What ranks agree on.** ``param_digest`` (one number for the full weights, sharded ones gathered); the
   loss of the global batch (``mean_over_ranks``) and what a worker returns (``worker_result``) belong to the
   training loop, ``course_lib.train.fit``.
-- **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces;
-  ``CollectiveLog`` records every ``dist.all_reduce`` Python code issues (when, how big, async or
+- **Counting communication.** ``AllReduceCounter`` counts DDP's gradient all-reduces; ``Timeline`` is the
+  course's one recorder of when things happen on a rank (marks and intervals), and ``CollectiveLog``, a timeline,
+  records every ``dist.all_reduce`` Python code issues (when, how big, async or
   not, waited on or not), beside marks of your own (a gradient arriving): the timeline of overlap.
   ``CollectiveBytes`` counts every collective a block runs and its bytes, per kind: ``torch.distributed``
   calls (DDP's reducer and FSDP2 included) and DTensor's functional collectives (``parallelize_module``) alike.
@@ -22,6 +23,7 @@ Byte counting of local shards is ``course_lib.memory.tensor_bytes``: the course'
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import math
@@ -200,7 +202,44 @@ def _counting_allreduce_hook(counter: AllReduceCounter, bucket):
     return allreduce_hook(dist.group.WORLD, bucket)
 
 
-class CollectiveLog:
+class Timeline:
+    """The course's one recorder of when things happen on a rank: point events (``mark``) and intervals (``span``),
+    on one clock that starts at ``t0`` and, on a GPU, waits for the device before it is read.
+
+    ``events`` is a list of plain dicts (picklable), in order: a mark is ``{"what", "t", **info}``, a span
+    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``pp.Recorder`` adds a step
+    origin every rank shares and the forwards and backwards of pipeline stages.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.events: list[dict] = []
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since ``t0``, after the device has finished what it was given."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.t0
+
+    def mark(self, what: str, **info) -> None:
+        """Append an event ``what`` at this moment (returns None: usable as a hook)."""
+        self._event(what, **info)
+
+    def _event(self, what: str, **info) -> dict:
+        event = {"what": what, "t": self.now(), **info}
+        self.events.append(event)
+        return event
+
+    @contextlib.contextmanager
+    def span(self, **info):
+        """Record the block as one interval, ``{**info, "start", "end"}``."""
+        start = self.now()
+        yield
+        self.events.append({**info, "start": start, "end": self.now()})
+
+
+class CollectiveLog(Timeline):
     """Records the ``dist.all_reduce`` calls made while it is active, and marks of your own, on one clock.
 
     ``with CollectiveLog() as log: ...``; ``log.mark("grad", name=...)`` adds an event of your own
@@ -209,19 +248,6 @@ class CollectiveLog:
     synchronous call counts as waited). ``log.events`` is a list of plain dicts (picklable), in order.
     Collectives issued from C++ (DDP's reducer) are not seen: use ``AllReduceCounter`` for those.
     """
-
-    def __init__(self):
-        self.events: list[dict] = []
-        self._start = time.perf_counter()
-
-    def mark(self, what: str, **info) -> None:
-        """Append an event ``what`` with the seconds since the log began (returns None: usable as a hook)."""
-        self._event(what, **info)
-
-    def _event(self, what: str, **info) -> dict:
-        event = {"what": what, "t": time.perf_counter() - self._start, **info}
-        self.events.append(event)
-        return event
 
     def __enter__(self) -> "CollectiveLog":
         self._original = dist.all_reduce

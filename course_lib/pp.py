@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.data import lm_batch
-from course_lib.distributed import rank_device
+from course_lib.distributed import Timeline, rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
@@ -220,24 +220,19 @@ def stage_indices(rank: int, world: int, stages_per_rank: int = 1) -> list[int]:
 
 # ---------------------------------------------------------------- measuring the timeline
 
-class Recorder:
-    """Start and end (seconds since this step's shared t0) of every F and B, on this rank.
+class Recorder(Timeline):
+    """Start and end (seconds since this step's shared t0) of every F and B, on this rank: a ``Timeline``.
 
     ``start_step`` waits at a barrier and reads the clock: every rank leaves the barrier at about the
     same moment, which is the common time base (one host or many). ``wrap(stage)`` times the
-    ``forward_one_chunk`` and ``backward_one_chunk`` of a torch ``PipelineStage``; ``span`` times
+    ``forward_one_chunk`` and ``backward_one_chunk`` of a torch ``PipelineStage``; ``interval`` times
     anything. On a GPU the clock synchronises first, so an interval ends when its kernels have.
     """
 
     def __init__(self, rank: int, device: torch.device):
-        self.rank, self.device, self.events, self.step, self.t0 = rank, device, [], 0, 0.0
+        super().__init__(device)
+        self.rank, self.step = rank, 0
         self.same_host: bool | None = None  # decided at the first step (a collective)
-
-    def now(self) -> float:
-        """Seconds since this step's t0 (after the device has finished what it was given)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - self.t0
 
     def start_step(self, step: int) -> None:
         """Barrier, then t0: the shared origin of this step's intervals.
@@ -257,24 +252,20 @@ class Recorder:
             dist.broadcast(t0, 0)
             self.t0 = float(t0)
 
-    @contextlib.contextmanager
-    def span(self, kind: str, mb: int, stage: int):
+    def interval(self, kind: str, mb: int, stage: int):
         """Record the block as one interval of ``kind`` ("F" or "B") for micro-batch ``mb`` on ``stage``."""
-        start = self.now()
-        yield
-        self.events.append({"step": self.step, "rank": self.rank, "stage": stage, "kind": kind, "mb": mb,
-                            "start": start, "end": self.now()})
+        return self.span(step=self.step, rank=self.rank, stage=stage, kind=kind, mb=mb)
 
     def wrap(self, stage) -> None:
         """Time every forward and backward a torch ``PipelineStage`` runs (its instance methods, wrapped)."""
         fwd, bwd, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
 
         def forward_one_chunk(mb, *args, **kwargs):
-            with self.span("F", mb, index):
+            with self.interval("F", mb, index):
                 return fwd(mb, *args, **kwargs)
 
         def backward_one_chunk(mb, *args, **kwargs):
-            with self.span("B", mb, index):
+            with self.interval("B", mb, index):
                 return bwd(mb, *args, **kwargs)
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
@@ -356,7 +347,7 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
         x = torch.empty(*tokens.shape, stage.config.hidden_size, device=tokens.device)
         dist.recv(x, rank - 1)
         x.requires_grad_()
-    with recorder.span("F", 0, rank):
+    with recorder.interval("F", 0, rank):
         out = stage(x)
         loss = next_token_loss(out, tokens) if last else None
     if not last:
@@ -364,7 +355,7 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
     grad = None if last else torch.empty_like(out)
     if not last:
         dist.recv(grad, rank + 1)
-    with recorder.span("B", 0, rank):
+    with recorder.interval("B", 0, rank):
         torch.autograd.backward(loss if last else out, grad)
     if not first:
         dist.send(x.grad, rank - 1)
