@@ -4,8 +4,8 @@ Every test cell of every notebook calls ``check(...)`` (course_lib.checks): its 
 kernel, from data a fenced child process returns. So the known-wrong submissions and the attacks of every
 notebook are graded by calling the checks (``test_checks_grade_known_submissions``, seconds each), and the whole
 pipeline, nbgrader's autograde with the sandboxed kernel and ``GradeByChecks``, runs on two notebooks that
-prove it (``PIPELINE``): 02, whose code runs in one process and whose attacks include writing the gradebook, and
-04, whose tests start ranks. What autograde adds over the direct path is the same for every notebook (the
+prove it (``PIPELINE``): 03, whose code runs in one process and whose attacks include writing the gradebook, and
+06, whose tests start ranks. What autograde adds over the direct path is the same for every notebook (the
 collection, the restored test cells, the kernel's timeout, the gradebook), and the instructor-flow test runs it
 once more on 00 with nbgrader's exchange.
 
@@ -155,10 +155,15 @@ def test_autograde_known_submissions(course, assignment):
 def test_checks_grade_known_submissions(assignment, deepspeed_ops):
     """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
     fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
-    is, so a copied reference is a stub and solutions/ cannot be read there either."""
+    is, so a copied reference is a stub and solutions/ cannot be read there either.
+
+    Known-wrong cases that lose points only on their own exercise's tests are graded several to one submission
+    (``nbgrading.bundle``, as autograde does: each grading runs every probe), one case per exercise: each must
+    still lose exactly its own points, and the others keep full marks beside it. (What this cannot see: a case
+    that also spoils another exercise's test which its partner loses anyway.) Attacks grade alone."""
     solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
-    cases = {**g.cases(assignment).CASES, **g.attack_cases(assignment, solution, points)}
+    cases = {**g.bundle(g.cases(assignment).CASES, solution, points), **g.attack_cases(assignment, solution, points)}
     wrong = {}
     for name, case in cases.items():
         got = g.checks_score(solution, case["cells"], points)  # the test cells that call check(): the others
