@@ -3,7 +3,7 @@
 Seed 004's claim is about size: plain PyTorch runs out of GPU memory above about 1.2B parameters on one
 32 GB GPU, ZeRO-Offload trains 12B, ZeRO-Infinity (NVMe) 120B. Two answers for this machine:
 
-- predicted, from memory arithmetic: ``predicted_bytes`` adds up ``zero.offload_plan``'s model states, the
+- predicted, from memory arithmetic: ``predicted_bytes`` adds up ``offload.offload_plan``'s model states, the
   activations and DeepSpeed's fixed buffers on the GPU, the host and NVMe; ``predict_largest`` walks
   ``SWEEP_SHAPES`` until one of the three is full.
 - measured, on a GPU: ``search_largest`` grows the model, then the micro-batch, until
@@ -35,7 +35,8 @@ from course_lib.memory import llama_activation_bytes
 from course_lib.models import llama_config, llama_num_parameters
 from course_lib.throughput import device_peak, matmul_parameters, time_step, transformer_flops_per_token
 from course_lib.train import train_step
-from course_lib.zero import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, deepspeed_step, ds_config, offload_plan
+from course_lib.offload import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, offload_plan
+from course_lib.zero import deepspeed_step, ds_config
 
 # Llama-shaped models from 0.5B to 431B parameters: hidden size and layers (heads of 128, 8 KV heads, an MLP of
 # 3.5 × the hidden size, Llama 3's vocabulary, untied head). (4096, 32) is Llama-3.1-8B's shape, (8192, 80) 70B's.

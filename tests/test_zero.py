@@ -21,7 +21,7 @@ from course_lib.grading import max_rel_diff, params
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import launch, run_forked
 from course_lib.models import SmallCNN
-from course_lib import memory, zero
+from course_lib import memory, offload, zero
 from course_lib.zero import ShardedOptimizer, check_batch_arithmetic, ds_config
 
 
@@ -179,19 +179,19 @@ def test_zero1_sends_what_ddp_sends():
 
 
 def test_offload_plan_and_link_bytes_follow_the_zero_offload_accounting():
-    per = {s: {r["state"]: (r["lives on"], r["bytes per parameter"]) for r in zero.offload_plan(s, 1)}
-           for s in zero.OFFLOAD_STRATEGIES}
+    per = {s: {r["state"]: (r["lives on"], r["bytes per parameter"]) for r in offload.offload_plan(s, 1)}
+           for s in offload.OFFLOAD_STRATEGIES}
     on = lambda s, where: sum(b for w, b in per[s].values() if w == where)  # noqa: E731
     assert on("pytorch", "GPU") == 16 and on("zero2_offload", "GPU") == 2 and on("zero3_offload", "GPU") == 0
     assert on("zero2_offload", "CPU") == 16 and on("zero3_offload", "CPU") == 18 and on("zero3_nvme", "NVMe") == 18
-    sharded = {r["state"]: r["bytes on this rank"] for r in zero.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
+    sharded = {r["state"]: r["bytes on this rank"] for r in offload.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
     assert sharded == {"16-bit weights": 4000, "fp32 gradients": 1000, "fp32 master weights": 1000, "Adam m and v": 2000}
-    assert zero.link_bytes_per_step("zero2_offload", 10) == {"host to GPU": 20, "GPU to host": 40, "NVMe read": 0,
+    assert offload.link_bytes_per_step("zero2_offload", 10) == {"host to GPU": 20, "GPU to host": 40, "NVMe read": 0,
                                                              "NVMe write": 0}
-    assert sum(zero.link_bytes_per_step("zero3_offload", 1).values()) == 8
-    assert zero.tokens_to_hide(6, 25e9, 1e9, 60e12) == pytest.approx({"link": 2400.0, "CPU optimizer": 10000.0})
+    assert sum(offload.link_bytes_per_step("zero3_offload", 1).values()) == 8
+    assert offload.tokens_to_hide(6, 25e9, 1e9, 60e12) == pytest.approx({"link": 2400.0, "CPU optimizer": 10000.0})
     with pytest.raises(ValueError, match="strategy='zero4'"):
-        zero.offload_plan("zero4", 1)
+        offload.offload_plan("zero4", 1)
     with pytest.raises(ValueError, match="cpu_adam=True needs offload_optimizer=True"):
         ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, cpu_adam=True)
     cfg = ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, offload_optimizer=True, cpu_adam=True)
@@ -199,13 +199,13 @@ def test_offload_plan_and_link_bytes_follow_the_zero_offload_accounting():
 
 
 def test_cpu_adam_timing_covers_three_implementations_of_one_update():
-    out = zero.time_cpu_adam(200_000, repeat=2)
+    out = offload.time_cpu_adam(200_000, repeat=2)
     assert out["error"] is None, out["error"]
     assert set(out["seconds"]) == {"torch AdamW (foreach, default)", "torch AdamW (fused=True)", "DeepSpeed CPU Adam"}
     assert all(s > 0 for s in out["seconds"].values())
     assert max(out["max_abs_diff_vs_torch"].values()) < 1e-5
     with pytest.raises(ValueError, match="n_params=2"):
-        zero.time_cpu_adam(2)
+        offload.time_cpu_adam(2)
 
 
 def test_offloaded_adamw_keeps_fp32_masters_off_the_model_and_bf16_weights_learning():
@@ -213,7 +213,7 @@ def test_offloaded_adamw_keeps_fp32_masters_off_the_model_and_bf16_weights_learn
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to(torch.bfloat16)
     model[0].bias.requires_grad_(False)
     start = [p.detach().clone() for p in model.parameters()]
-    opt = zero.OffloadedAdamW(model.parameters(), lr=1e-4)
+    opt = offload.OffloadedAdamW(model.parameters(), lr=1e-4)
     x = torch.randn(32, 8).to(torch.bfloat16)
     for _ in range(30):
         model(x).float().pow(2).mean().backward()
@@ -234,7 +234,7 @@ def test_offloaded_adamw_sends_each_gradient_down_during_backward_and_accumulate
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
     twin = copy.deepcopy(model)  # no hooks: the gradients a plain backward leaves
     meter, twin_meter = memory.GradientMeter(model), memory.GradientMeter(twin)
-    opt = zero.OffloadedAdamW(model.parameters(), lr=1e-3)
+    opt = offload.OffloadedAdamW(model.parameters(), lr=1e-3)
     x = torch.randn(6, 8)
     for half in (x[:3], x[3:]):  # two micro-batches, one step
         model(half).pow(2).sum().backward()

@@ -13,11 +13,11 @@ import functools
 
 import torch
 
-from course_lib import zero
+from course_lib import offload
 from course_lib.checks import register, tensor_data
 from course_lib.grading import forbid
 
-OFFLOADED = (zero.OffloadedAdamW,)  # course_lib's, out of reach
+OFFLOADED = (offload.OffloadedAdamW,)  # course_lib's, out of reach
 
 
 def tiny_model(dtype: torch.dtype, frozen: bool, device="cpu") -> torch.nn.Sequential:

@@ -77,7 +77,7 @@ COPIES = {
     + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
     ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
     + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
-    ("10_zero_offload", "OffloadedAdamW"): _module_file("zero", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("10_zero_offload", "OffloadedAdamW"): _module_file("offload", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
     ("12_qlora_recipe", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
