@@ -29,7 +29,6 @@ def nvme_offload_available() -> bool:
         return False
 
 
-
 # ------------------------------------------------------------------ ZeRO-Offload and ZeRO-Infinity: where each state lives
 # Where each model state lives on one GPU (world_size 1) with bf16 mixed precision, in bytes per parameter, as
 # DeepSpeed 0.19.8 keeps it. "pytorch" is plain PyTorch: fp32 weights and gradients under bf16 autocast, AdamW's m, v.

@@ -81,12 +81,16 @@ def decompress_absmax(codes, scales, offset, blocksize=256):
 '''
 
 
-def _storage_edit(*pairs: tuple[str, str]) -> str:
-    out = NF4_STORAGE
+def _edit(reference: str, *pairs: tuple[str, str]) -> str:
+    """``reference`` with each (old, new) pair replaced; each old text must occur exactly once."""
     for old, new in pairs:
-        assert out.count(old) == 1, old
-        out = out.replace(old, new)
-    return out
+        assert reference.count(old) == 1, old
+        reference = reference.replace(old, new)
+    return reference
+
+
+def _storage_edit(*pairs: tuple[str, str]) -> str:
+    return _edit(NF4_STORAGE, *pairs)
 
 
 # low nibble first, consistently: unpacking gives the codes back, the bytes are not bitsandbytes'
@@ -152,11 +156,7 @@ class QLoRALinear(torch.nn.Module):
 
 
 def _qlora_edit(*pairs: tuple[str, str]) -> str:
-    out = QLORA_LINEAR
-    for old, new in pairs:
-        assert out.count(old) == 1, old
-        out = out.replace(old, new)
-    return out
+    return _edit(QLORA_LINEAR, *pairs)
 
 
 QLORA_KEEPS_THE_WEIGHT = _qlora_edit(  # the float weight kept beside the codes, and computed with
