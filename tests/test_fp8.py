@@ -226,7 +226,9 @@ def test_gpu_training_path_refuses_a_cpu_with_what_it_needs():
 
 
 def test_without_torchao_the_error_names_the_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchao", None)  # what a machine without torchao sees: the import fails
+    # what a machine without torchao sees: the import fails (both names: a test before may have imported torchao.float8)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match="pip install torchao"):
         fp8.convert_to_fp8_training(torch.nn.Linear(16, 16))
 

@@ -23,15 +23,17 @@ from course_lib.launch import WorkerError, check_world, launch, run_forked
 def test_a_failing_rank_ends_the_launch_at_once_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)rank 1 .*this rank fails on purpose"):
-        launch("course_lib.ddp:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 1}, echo=False, timeout=120)
+        launch("course_lib.ddp:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 1}, echo=False, timeout=120,
+               device_type="cpu")
     assert time.monotonic() - start < 60, "rank 0 waited in its barrier instead of being stopped"
 
 
 def test_output_is_streamed_with_rank_prefixes(capsys):
-    launch("course_lib.ddp:train", nprocs=2, kwargs={"steps": 1}, echo=True)
+    launch("course_lib.ddp:train", nprocs=2, kwargs={"steps": 1}, echo=True, device_type="cpu")
     out = capsys.readouterr().out
     with pytest.raises(WorkerError):
-        launch("course_lib.ddp:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 0, "message": "boom"}, echo=True)
+        launch("course_lib.ddp:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 0, "message": "boom"}, echo=True,
+               device_type="cpu")
     out += capsys.readouterr().out
     assert "[rank0] RuntimeError: boom" in out
 
@@ -48,10 +50,11 @@ def test_a_worker_module_written_by_the_notebook_runs_and_times_out(tmp_path, mo
             time.sleep(3600)
     """))
     monkeypatch.chdir(tmp_path)  # like %%writefile in the notebook's folder
-    assert [r["text"] for r in launch("my_worker:hello", 2, {"greeting": "hi"}, echo=False)] == ["hi from 0", "hi from 1"]
+    results = launch("my_worker:hello", 2, {"greeting": "hi"}, echo=False, device_type="cpu")
+    assert [r["text"] for r in results] == ["hi from 0", "hi from 1"]
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="timeout=8"):
-        launch("my_worker:sleep_forever", 2, echo=False, timeout=8)
+        launch("my_worker:sleep_forever", 2, echo=False, timeout=8, device_type="cpu")
     assert time.monotonic() - start < 30
 
 
@@ -60,7 +63,7 @@ def test_two_nodes_rendezvous_on_localhost():
 
     def node(rank):
         results[rank] = launch("course_lib.ddp:train", nprocs=1, kwargs={"steps": 3}, nnodes=2, node_rank=rank,
-                               rdzv_endpoint=endpoint, echo=False, timeout=120)
+                               rdzv_endpoint=endpoint, echo=False, timeout=120, device_type="cpu")
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -73,9 +76,9 @@ def test_two_nodes_rendezvous_on_localhost():
 
 
 def test_world_sizes_the_hardware_lacks_are_refused():
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="nprocs=2 but this machine has 0 GPU"):
-            check_world(2, "cuda")
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"nprocs={gpus + 1} but this machine has {gpus} GPU"):
+        check_world(gpus + 1, "cuda")
     with pytest.raises(ValueError, match="nprocs=1000"):
         check_world(1000, "cpu")
     with pytest.raises(ValueError, match="module:function"):
@@ -167,7 +170,7 @@ def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch("pid_worker:sleep_forever", 2, {"folder": str(tmp_path)}, echo=False, timeout=300)
+            launch("pid_worker:sleep_forever", 2, {"folder": str(tmp_path)}, echo=False, timeout=300, device_type="cpu")
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, previous)
@@ -229,7 +232,7 @@ def test_a_timed_out_launch_leaves_no_rank_alive_and_no_folder(tmp_path, monkeyp
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     with pytest.raises(TimeoutError, match="timeout=12"):
-        launch("stubborn_worker:stubborn", 2, {"folder": str(pids_dir)}, echo=False, timeout=12)
+        launch("stubborn_worker:stubborn", 2, {"folder": str(pids_dir)}, echo=False, timeout=12, device_type="cpu")
     pids = [int(p.stem) for p in pids_dir.glob("*.pid")]
     assert len(pids) == 2, "both ranks should have started within the 12 s"
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived its timed-out launch"
@@ -253,7 +256,8 @@ def test_ranks_die_with_the_kernel_that_launched_them(tmp_path):
     even ranks that ignore SIGTERM (torchrun would wait 30 s for them)."""
     (tmp_path / "stubborn_worker.py").write_text(STUBBORN)
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from course_lib.launch import launch; "
-              f"launch('stubborn_worker:stubborn', 2, {{'folder': {str(tmp_path)!r}}}, echo=False, timeout=300)")
+              f"launch('stubborn_worker:stubborn', 2, {{'folder': {str(tmp_path)!r}}}, echo=False, timeout=300, "
+              f"device_type='cpu')")
     assert _ranks_die_with_a_killed_kernel(script, tmp_path), "ranks outlived the process that launched them"
 
 
@@ -291,7 +295,7 @@ def test_a_launch_whose_port_was_taken_meanwhile_retries_on_a_new_one(tmp_path, 
     monkeypatch.chdir(tmp_path)
     try:
         start = time.monotonic()
-        results = launch("hello_worker:hello", 2, echo=True, timeout=120)
+        results = launch("hello_worker:hello", 2, echo=True, timeout=120, device_type="cpu")
     finally:
         taker.close()
     assert not ports, "the taken port was never tried"
@@ -327,7 +331,7 @@ def test_a_rank_that_crashes_below_python_shows_where(tmp_path, monkeypatch):
     """))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(WorkerError, match="(?s)torchrun exited.*crash_worker.py.*crash_in_c"):
-        launch("crash_worker:crash_in_c", 2, echo=False, timeout=120)
+        launch("crash_worker:crash_in_c", 2, echo=False, timeout=120, device_type="cpu")
 
 
 def test_a_rank_that_would_crash_in_python_shutdown_still_reports_its_result(tmp_path, monkeypatch):
@@ -346,8 +350,8 @@ def test_a_rank_that_would_crash_in_python_shutdown_still_reports_its_result(tmp
             return {"rank": dist.get_rank()}
     """))
     monkeypatch.chdir(tmp_path)
-    assert launch("exit_worker:abort_at_shutdown", 2, echo=False, timeout=120) == [{"rank": 0, "world_size": 2},
-                                                                                   {"rank": 1, "world_size": 2}]
+    results = launch("exit_worker:abort_at_shutdown", 2, echo=False, timeout=120, device_type="cpu")
+    assert results == [{"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 2}]
 
 
 def test_run_forked_refuses_a_process_that_already_has_a_group():
