@@ -4,6 +4,8 @@ the bytes it stores, bf16 autocast, a 3-D input, no bias)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from course_lib.checks import register
@@ -33,10 +35,35 @@ def block_errors(w, back, blocksize):
             for s in range(0, f.numel(), blocksize)]
 
 
+def on_meta(calls: Callable[[], tuple]) -> list[str] | str:
+    """The device of every tensor ``calls`` returns when its inputs are on torch's ``meta`` device (shapes, no data:
+    every machine has it), or the error it raised: a function that leaves its table on the CPU fails on a GPU's
+    weights the same way, which a CPU-only grading run could not see otherwise."""
+    try:
+        return [t.device.type for t in calls() if torch.is_tensor(t)]
+    except Exception as err:  # noqa: BLE001 (the student's code may raise anything)
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def judge_on_meta(devices: list[str] | str, what: str, table: str) -> None:
+    assert isinstance(devices, list) and devices and set(devices) == {"meta"}, \
+        (f"{what} on tensors of another device (torch's meta device here, a GPU's in the notebook's fine-tune): "
+         f"{devices if isinstance(devices, str) else 'returned tensors on ' + ', '.join(sorted(set(devices)))}; "
+         f"compute on the input's device, with the table brought there ({table}.to(x.device))")
+
+
 def probe_nf4(ns: dict) -> dict:
     inputs = many_blocks()
+    w = torch.empty(3, 50, device="meta")
+
+    def meta_round_trip():
+        codes, absmax = ns["nf4_quantize"](w)
+        return codes, absmax, ns["nf4_dequantize"](codes, absmax, w.shape)
+
+    with forbid(*NF4_ANSWERS, namespace=ns):
+        meta = on_meta(meta_round_trip)
     return {"many": [my_nf4(ns, w, bs) for w, bs in inputs["many"]], "zero": my_nf4(ns, inputs["zero"]),
-            "scales": my_nf4(ns, inputs["scales"])}
+            "scales": my_nf4(ns, inputs["scales"]), "meta": meta}
 
 
 def judge_nf4(got: dict) -> str:
@@ -56,7 +83,9 @@ def judge_nf4(got: dict) -> str:
     assert torch.isfinite(back).all() and bool((back[1] == 0).all()), "an all-zero block comes back as zeros, not nan"
     assert max(block_errors(inputs["scales"], got["scales"]["back"], 64)) < 0.2, \
         "each block has its own scale: huge values must not ruin a block of small ones"
-    return "many blocks and a shorter last one, blocksize 128, an all-zero block, and blocks of very different scales"
+    judge_on_meta(got["meta"], "nf4_quantize and nf4_dequantize", "NF4")
+    return ("many blocks and a shorter last one, blocksize 128, an all-zero block, blocks of very different scales, "
+            "and the input's device followed")
 
 
 register("test_nf4_quantize_hidden", probe_nf4, judge_nf4)
@@ -98,7 +127,18 @@ def probe_storage(ns: dict) -> dict:
         for (absmax, bs), seed in zip(absmax_cases(), (7, 8, 9)):
             out["compressed"].append([tensor(t) for t in ns["compress_absmax"](absmax, bs)])
             out["back"].append(tensor(ns["decompress_absmax"](*stored_absmax(absmax.numel(), bs, seed), bs)))
+        out["meta"] = on_meta(lambda: meta_storage(ns))
     return out
+
+
+def meta_storage(ns: dict) -> tuple:
+    """The four storage functions on meta tensors: 101 codes, their 51 bytes, 300 scales and their 8-bit codes."""
+    meta = torch.device("meta")
+    return (ns["pack_4bit"](torch.empty(101, dtype=torch.int64, device=meta)),
+            ns["unpack_4bit"](torch.empty(51, dtype=torch.uint8, device=meta), 101),
+            *ns["compress_absmax"](torch.empty(300, device=meta)),
+            ns["decompress_absmax"](torch.empty(300, dtype=torch.uint8, device=meta), torch.empty(2, device=meta),
+                                    torch.empty((), device=meta)))
 
 
 def judge_storage(got: dict) -> str:
@@ -131,7 +171,9 @@ def judge_storage(got: dict) -> str:
         assert tuple(back.shape) == tuple(want.shape) and torch.isfinite(back).all() \
             and torch.allclose(back.float(), want, rtol=1e-6, atol=1e-7), \
             f"{absmax.numel()} codes in blocks of {bs}: DYNAMIC[code] times its block's scale, plus the offset"
-    return "odd counts packed and unpacked, scales of four magnitudes in blocks of 256, blocks of 128, equal scales"
+    judge_on_meta(got["meta"], "pack_4bit, unpack_4bit, compress_absmax and decompress_absmax", "DYNAMIC")
+    return ("odd counts packed and unpacked, scales of four magnitudes in blocks of 256, blocks of 128, equal scales, "
+            "and the input's device followed")
 
 
 register("test_nf4_storage_hidden", probe_storage, judge_storage)

@@ -36,6 +36,24 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return (values * absmax[:, None]).reshape(-1)[:n].reshape(shape)
 '''
 
+# the reference with the table left on the CPU: right on every CPU tensor, and it stops on a GPU's weights
+NF4_IGNORES_THE_DEVICE = '''
+def nf4_quantize(w, blocksize=64):
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    codes = (scaled[..., None] - NF4).abs().argmin(dim=-1).reshape(-1)[:n]
+    return codes, absmax
+
+
+def nf4_dequantize(codes, absmax, shape, blocksize=64):
+    n = codes.numel()
+    values = torch.nn.functional.pad(NF4[codes.long()], (0, -n % blocksize)).view(-1, blocksize)
+    return (values * absmax.float()[:, None]).reshape(-1)[:n].reshape(shape)
+'''
+
 CALLS_LIBRARY_NF4 = '''
 def nf4_quantize(w, blocksize=64):
     from course_lib.nf4 import quantize_nf4, unpack_4bit
@@ -98,6 +116,8 @@ PACK_LOW_NIBBLE_FIRST = _storage_edit(("return flat[0::2] * 16 + flat[1::2]", "r
                                       ("[packed // 16, packed % 16]", "[packed % 16, packed // 16]"))
 PACK_PADS_WITH_ZERO = _storage_edit(("torch.full((1,), 7,", "torch.full((1,), 0,"))  # the level -1.0, not 0.0
 ABSMAX_WITHOUT_OFFSET = _storage_edit(("offset = absmax.float().mean()", "offset = torch.zeros(())"))
+# right on the CPU, where the tables are; on a GPU's weights it stops (the table stays on the CPU)
+STORAGE_IGNORES_THE_DEVICE = _storage_edit(("DYNAMIC.to(scaled.device)", "DYNAMIC"), ("DYNAMIC.to(codes.device)", "DYNAMIC"))
 ABSMAX_ONE_SCALE = _storage_edit(  # one scale for all the absmax: no blocks of 256
     ("blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)", "blocks = centred.view(1, -1)"),
     ("levels.view(-1, blocksize)", "levels[:n].view(1, -1)"))
@@ -195,6 +215,8 @@ CASES = {
                        "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
     "nf4_uniform_grid": {"cells": {"nf4_quantize": NF4_UNIFORM_GRID},         # blocks right, levels int4's
                          "scores": {**FULL, "test_nf4_quantize": 0}},
+    "nf4_ignores_the_device": {"cells": {"nf4_quantize": NF4_IGNORES_THE_DEVICE},  # right here, stops on a GPU
+                               "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
     "calls_library_nf4_quantize": {"cells": {"nf4_quantize": CALLS_LIBRARY_NF4},
                                    "scores": {**FULL, "test_nf4_quantize": 0, "test_nf4_quantize_hidden": 0}},
     **{name: {"cells": {"nf4_storage": cell}, "scores": {**FULL, **{f"test_{t}": 0 for t in lost}}}
@@ -203,6 +225,7 @@ CASES = {
            ("pack_pads_with_zero", PACK_PADS_WITH_ZERO, ["nf4_storage_hidden"]),  # the visible counts are even
            ("absmax_without_offset", ABSMAX_WITHOUT_OFFSET, ["nf4_storage", "nf4_storage_hidden"]),
            ("absmax_one_scale", ABSMAX_ONE_SCALE, ["nf4_storage", "nf4_storage_hidden"]),
+           ("storage_ignores_the_device", STORAGE_IGNORES_THE_DEVICE, ["nf4_storage_hidden"]),
            ("calls_library_nf4_storage", CALLS_LIBRARY_STORAGE, ["nf4_storage", "nf4_storage_hidden"]),
        ]},
     **{name: {"cells": {"QLoRALinear": cell}, "scores": {**FULL, **{f"test_QLoRALinear{t}": 0 for t in lost}}}
