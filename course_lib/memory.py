@@ -112,8 +112,12 @@ class SavedTensorMeter:
             self.live += s.nbytes()
             self.peak = max(self.peak, self.live)
         self._saved[ptr] = self._saved.get(ptr, 0) + 1
-        weakref.finalize(t, self._release, ptr, s.nbytes())  # fires when autograd drops what it saved
-        return t
+        # Autograd keeps what this returns. Not t itself: a saved output (softmax's, say) would then hold its own
+        # grad_fn, a cycle through C++ that no garbage collector frees, and every metered forward would leak its
+        # activations (on a GPU: out of memory after a few). A detached alias shares t's storage and version counter.
+        saved = t.detach()
+        weakref.finalize(saved, self._release, ptr, s.nbytes())  # fires when autograd drops what it saved
+        return saved
 
     def _release(self, ptr: int, nbytes: int) -> None:
         self._saved[ptr] -= 1
