@@ -1,5 +1,5 @@
-"""course_lib.tp on real gloo ranks: Megatron's pair against the unsplit layers (and the mistakes that
-break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, and the bytes counted.
+"""course_lib.tp and course_lib.tp_train on real gloo ranks: Megatron's pair against the unsplit layers (and the
+mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the bytes counted.
 
 Ranks are forked (``run_forked``); the tiny Llama, short sequences and few steps keep 4 ranks on 2 cores fast.
 """
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import tp
+from course_lib import tp, tp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 from course_lib.models import build_llama
@@ -149,11 +149,11 @@ def test_sizes_that_do_not_split_say_what_to_change():
         tp.check_heads(4, 4, 3)
     tied = build_llama("tiny", tie_word_embeddings=True)  # torch's plan would split the shared weight two ways
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        tp.parallelize_llama(tied, tp_mesh=None)
+        tp_train.parallelize_llama(tied, tp_mesh=None)
 
 
 def _train_runs(rank, world, runs):
-    return {label: tp.train(**kwargs) for label, kwargs in runs.items()}
+    return {label: tp_train.train(**kwargs) for label, kwargs in runs.items()}
 
 
 def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks():
@@ -195,7 +195,7 @@ def test_bytes_per_step_per_dimension_are_counted_and_match_the_formulas():
     from course_lib.models import llama_config, llama_num_parameters
 
     batch, seq, d, vocab = 4, 16, 64, 512
-    counted = tp.comm_bytes("tiny", nprocs=4, dp=2, batch=batch, seq=seq, num_key_value_heads=4)
+    counted = tp_train.comm_bytes("tiny", nprocs=4, dp=2, batch=batch, seq=seq, num_key_value_heads=4)
     params = 4 * llama_num_parameters(llama_config("tiny", num_key_value_heads=4))  # fp32 bytes of the whole model
     assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params  # DDP's C++ reducer is seen: one bucket here
     assert counted["dp"]["bytes_by_kind"]["reduce_scatter"] == params  # FSDP2: every gradient reduce-scattered once
