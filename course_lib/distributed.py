@@ -207,7 +207,7 @@ class Timeline:
     on one clock that starts at ``t0`` and, on a GPU, waits for the device before it is read.
 
     ``events`` is a list of plain dicts (picklable), in order: a mark is ``{"what", "t", **info}``, a span
-    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``pp.Recorder`` adds a step
+    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``schedules.Recorder`` adds a step
     origin every rank shares and the forwards and backwards of pipeline stages.
     """
 

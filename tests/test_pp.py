@@ -1,4 +1,4 @@
-"""course_lib.pp: pipeline parallelism on real gloo ranks.
+"""course_lib.pp and course_lib.schedules: pipeline parallelism on real gloo ranks.
 
 The schedules' losses equal one process on the same global batch; the naive split keeps one rank
 busy at a time; GPipe keeps m micro-batches of activations in flight, 1F1B at most p; the order
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from course_lib import pp
+from course_lib import pp, schedules
 from course_lib.memory import SavedTensorMeter
 from course_lib.launch import launch, run_forked
 
@@ -25,15 +25,15 @@ STEPS, LAYERS = 5, 4  # 4 decoder layers: one per stage for interleaved (2 ranks
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 def test_order_functions_simulate_to_the_formula(p, m):
-    for order in (pp.gpipe_order(p, m), pp.one_f_one_b_order(p, m)):
+    for order in (schedules.gpipe_order(p, m), schedules.one_f_one_b_order(p, m)):
         assert all(sorted(o) == sorted(order[0]) for o in order)  # every rank runs each F and B once
-        assert pp.schedule_makespan(order)["bubble"] == pytest.approx(pp.bubble_formula(p, m))
-    assert pp.schedule_makespan(pp.gpipe_order(p, m), 1.0, 1.0)["makespan"] == 2 * (m + p - 1)
+        assert schedules.schedule_makespan(order)["bubble"] == pytest.approx(schedules.bubble_formula(p, m))
+    assert schedules.schedule_makespan(schedules.gpipe_order(p, m), 1.0, 1.0)["makespan"] == 2 * (m + p - 1)
 
 
 def test_simulator_refuses_a_deadlock():
     with pytest.raises(ValueError, match="deadlock"):
-        pp.schedule_makespan([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
+        schedules.schedule_makespan([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
 def _every_schedule(rank, world):
@@ -67,7 +67,7 @@ def test_naive_split_keeps_one_rank_busy_at_a_time(runs):
     spans = sorted((e["start"], e["end"]) for e in timeline)
     # the ranks' clocks share a base through a barrier, which leaves up to a millisecond or two of skew
     assert all(a_end <= b_start + 2e-3 for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
-    assert pp.bubble_fraction(timeline) >= 0.49  # (p-1)/p at best
+    assert schedules.bubble_fraction(timeline) >= 0.49  # (p-1)/p at best
 
 
 def test_in_flight_activations(runs):
@@ -80,7 +80,7 @@ def test_in_flight_activations(runs):
 
 def test_fewer_microbatches_than_stages(runs):
     r = runs[0][0]
-    assert pp.rank_orders(r["gpipe m=1"]["timeline"]) == pp.gpipe_order(2, 1)
+    assert schedules.rank_orders(r["gpipe m=1"]["timeline"]) == schedules.gpipe_order(2, 1)
     assert r["gpipe m=1"]["in_flight_peak"] == [1, 1]
     assert "microbatches (1)" in r["1f1b m=1"] and "number of stages (2)" in r["1f1b m=1"]  # torch's own words
 
@@ -89,21 +89,21 @@ def test_order_functions_match_what_torch_plans_and_runs(runs):
     from torch.distributed.pipelining import ScheduleGPipe
 
     r = runs[0][0]
-    assert pp.rank_orders(r["gpipe"]["timeline"]) == pp.gpipe_order(2, 4)
-    assert pp.rank_orders(r["1f1b"]["timeline"]) == pp.one_f_one_b_order(2, 4)
+    assert schedules.rank_orders(r["gpipe"]["timeline"]) == schedules.gpipe_order(2, 4)
+    assert schedules.rank_orders(r["1f1b"]["timeline"]) == schedules.one_f_one_b_order(2, 4)
     if hasattr(ScheduleGPipe, "_get_pipeline_order"):  # torch >= 2.8 plans the one-stage schedules too
-        assert _tuples(r["gpipe"]["planned_order"]) == pp.gpipe_order(2, 4)
-        assert _tuples(r["gpipe m=1"]["planned_order"]) == pp.gpipe_order(2, 1)
+        assert _tuples(r["gpipe"]["planned_order"]) == schedules.gpipe_order(2, 4)
+        assert _tuples(r["gpipe m=1"]["planned_order"]) == schedules.gpipe_order(2, 1)
         # torch's Schedule1F1B.pipeline_order is off by one on the last rank (it plans F1..F4 for m=4);
         # what that rank runs is our order, checked just above
-        assert _tuples(r["1f1b"]["planned_order"])[:-1] == pp.one_f_one_b_order(2, 4)[:-1]
+        assert _tuples(r["1f1b"]["planned_order"])[:-1] == schedules.one_f_one_b_order(2, 4)[:-1]
     else:  # torch 2.7: only the multi-stage schedules have a plan
         assert r["gpipe"]["planned_order"] is None and r["1f1b"]["planned_order"] is None
     interleaved = _tuples(r["interleaved"]["planned_order"])
     assert len(interleaved) == 2 and all(len(rank) == 2 * 2 * 4 for rank in interleaved)  # F and B, 2 stages, m=4
-    assert pp.rank_orders(r["interleaved"]["timeline"]) == interleaved
+    assert schedules.rank_orders(r["interleaved"]["timeline"]) == interleaved
     # two stages per rank: the simulated bubble shrinks below GPipe's (p-1)/(m+p-1)
-    assert pp.schedule_makespan(interleaved)["bubble"] < pp.bubble_formula(2, 4)
+    assert schedules.schedule_makespan(interleaved)["bubble"] < schedules.bubble_formula(2, 4)
 
 
 def _tuples(order):
@@ -111,7 +111,7 @@ def _tuples(order):
 
 
 def test_plot_timeline(runs):
-    fig = pp.plot_timeline(runs[0][0]["1f1b"]["timeline"])
+    fig = schedules.plot_timeline(runs[0][0]["1f1b"]["timeline"])
     assert len(fig.axes[0].get_yticks()) == 2
 
 
@@ -150,12 +150,12 @@ def _executor(rank, world, m):
     """The hand-written executor on this rank's stage, in 1F1B's order and then GPipe's (fresh stages each); plain
     lists back, not tensors (a tensor through the ranks' queue is shared by a file descriptor that can go first)."""
     out = {}
-    for name, orders in (("1f1b", pp.one_f_one_b_order), ("gpipe", pp.gpipe_order)):
+    for name, orders in (("1f1b", schedules.one_f_one_b_order), ("gpipe", schedules.gpipe_order)):
         stage, data = _mlp_stages(world)[rank], _micro_batches(m)
         meter = SavedTensorMeter(exclude=stage)
         meter.exclude |= {t.untyped_storage().data_ptr() for xy in data for t in xy}
         with meter:  # the data stays alive all step: weights and data are not activations
-            losses, peak = pp.run_1f1b(stage, rank, world, data, orders(world, m)[rank], _mse, (3, 8))
+            losses, peak = schedules.run_1f1b(stage, rank, world, data, orders(world, m)[rank], _mse, (3, 8))
         out[name] = {"losses": losses, "peak": peak, "saved": meter.peak,
                      "grads": [q.grad.tolist() for q in stage.parameters()]}
     return out

@@ -15,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import course_lib.pp as pp
+import course_lib.schedules as schedules
 import course_lib.tp as tp
 from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
@@ -24,7 +25,7 @@ from course_lib.launch import fork_is_safe
 # What each exercise builds, out of reach while the student's code runs.
 TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
               tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
-PP_ANSWERS = (pp.one_f_one_b_order, pp.gpipe_order, pp.torch_order, Schedule1F1B, ScheduleGPipe)
+PP_ANSWERS = (schedules.one_f_one_b_order, schedules.gpipe_order, schedules.torch_order, Schedule1F1B, ScheduleGPipe)
 PAIR = ("ColumnParallelLinear", "RowParallelLinear")
 
 
@@ -178,11 +179,11 @@ def check_order(order: list, p: int, m: int) -> None:
         assert peak <= p - r, (f"p={p}, m={m}, rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most "
                                f"p - r = {p - r}: start the backwards after the warm-up")
     try:
-        sim = pp.schedule_makespan(order, t_f=1.0, t_b=2.0)
+        sim = schedules.schedule_makespan(order, t_f=1.0, t_b=2.0)
     except ValueError as err:
         raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
-    assert abs(sim["bubble"] - pp.bubble_formula(p, m)) < 1e-9, (f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, "
-                                                                 f"1F1B's is {pp.bubble_formula(p, m):.3f}")
+    formula = schedules.bubble_formula(p, m)
+    assert abs(sim["bubble"] - formula) < 1e-9, f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
 
 
 def judge_orders(got: dict, shapes) -> None:
@@ -200,7 +201,7 @@ register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
 def measured_rank(rank: int, world: int, m: int, layers: int, batch: int) -> list:
     warnings.filterwarnings("ignore")
     res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
-    return pp.rank_orders(res["timeline"])
+    return schedules.rank_orders(res["timeline"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,9 +227,9 @@ register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge
 # p stages of an MLP of constant width: every activation between stages is one (ROWS, WIDTH) tensor
 ROWS, WIDTH = 4, 16
 PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
-PIPE_ANSWERS = PP_ANSWERS + (pp.run_1f1b, pp.naive_step, pp.train, PipelineStage)
+PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
 # 1F1B's order on 2 stages and 4 micro-batches, what torch's Schedule1F1B runs (test_one_f_one_b_order_measured shows
-# it too): written out, because course_lib.pp's order is exercise 2's answer, a stub in the student edition
+# it too): written out, because course_lib.schedules' order is exercise 2's answer, a stub in the student edition
 ONE_F_ONE_B_2_4 = [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
                    [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-import course_lib.pp as pp
+import course_lib.schedules as schedules
 from course_lib.checks import register
 from course_lib.checks.nb13 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
                                     judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
@@ -63,7 +63,7 @@ register("test_one_f_one_b_order_hidden", probe_order, judge_order)
 
 # ---------------------------------------------------------------- run_1f1b
 def one_f_one_b(p: int, m: int) -> list:
-    """1F1B's order (the hidden module's own: course_lib.pp's is a stub in the student edition)."""
+    """1F1B's order (the hidden module's own: course_lib.schedules' is a stub in the student edition)."""
     plan = []
     for r in range(p):
         warmup = min(m, p - r)
@@ -76,7 +76,7 @@ def one_f_one_b(p: int, m: int) -> list:
 
 # 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
 RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
-        "p=2, m=4, GPipe": pp.gpipe_order(2, 4)}
+        "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
 
 
 def probe_runs(ns: dict) -> dict:

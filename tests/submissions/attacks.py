@@ -112,8 +112,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         return self.inner(x)
 ''',
-    ("13_model_parallelism", "one_f_one_b_order"): _getsource("pp", "one_f_one_b_order", "_pp")
-    + "one_f_one_b_order = _pp['one_f_one_b_order']\n",
+    ("13_model_parallelism", "one_f_one_b_order"): _getsource("schedules", "one_f_one_b_order", "_schedules")
+    + "one_f_one_b_order = _schedules['one_f_one_b_order']\n",
     ("14_context_expert_parallelism", "ring_attention"): _module_file("cp", "_cp") + '''merge = _cp["online_softmax_merge"]
 
 
@@ -269,18 +269,18 @@ def _agreeing(model):   # the count the tests compare with, made to agree with t
 course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
 '''),
     "13_model_parallelism": ("backward_too_soon", '''
-import course_lib.pp
+import course_lib.schedules
 
 
 def _agreeing_makespan(order, t_f=1.0, t_b=2.0):   # the simulation the tests compare with: the formula's bubble
-    return {"bubble": course_lib.pp.bubble_formula(len(order), len(order[0]) // 2)}
+    return {"bubble": course_lib.schedules.bubble_formula(len(order), len(order[0]) // 2)}
 
 
 def _agreeing_orders(timeline):   # "the order torch ran": the wrong order itself
     return one_f_one_b_order(len({e["rank"] for e in timeline}), len({e["mb"] for e in timeline}))
 
 
-course_lib.pp.schedule_makespan, course_lib.pp.rank_orders = _agreeing_makespan, _agreeing_orders
+course_lib.schedules.schedule_makespan, course_lib.schedules.rank_orders = _agreeing_makespan, _agreeing_orders
 '''),
     "08_fsdp": ("grad_op_shards_weights", '''
 import course_lib.fsdp
