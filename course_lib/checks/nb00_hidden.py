@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from course_lib import memory
@@ -65,6 +68,22 @@ def tiny_llama_forward(dtype: torch.dtype):
     return llama, run
 
 
+def outlives_the_meter(fn) -> bool:
+    """Whether an activation is still alive once ``fn`` (the student's meter) has returned and dropped the forward:
+    softmax saves its own output, and a pack hook that hands autograd that tensor itself ties it to its grad_fn, a
+    cycle inside autograd that no collector frees."""
+    lin, x, seen = torch.nn.Linear(4, 4), torch.randn(3, 4), []
+
+    def forward():
+        y = torch.softmax(lin(x), dim=-1)
+        seen.append(weakref.ref(y))
+        return y.sum()
+
+    fn(lin, forward)
+    gc.collect()
+    return seen[0]() is not None
+
+
 def probe_meter(ns: dict) -> dict:
     a = torch.randn(8, 8, requires_grad=True)
     big, lin = torch.randn(1000, 16), torch.nn.Linear(16, 4)
@@ -74,7 +93,8 @@ def probe_meter(ns: dict) -> dict:
                "gram": fn(torch.nn.Linear(1, 1), lambda: (a.t() @ a).sum()),
                "slice": fn(lin, lambda: lin(big[:10]).sum())}
         out.update({name: fn(*tiny_llama_forward(dt)) for name, dt in DTYPES.items()})
-    return {k: number(v) for k, v in out.items()}
+        leaks = outlives_the_meter(fn)
+    return {**{k: number(v) for k, v in out.items()}, "leaks": bool(leaks)}
 
 
 def judge_meter(got: dict) -> str:
@@ -84,7 +104,10 @@ def judge_meter(got: dict) -> str:
     for name, dt in DTYPES.items():
         ref = memory.activation_bytes(*tiny_llama_forward(dt))
         assert got[name] == ref, f"tiny Llama, {name}: expected {ref:,} bytes, got {got[name]:,}"
-    return "saved twice, through a view, a slice's storage, and the tiny Llama in fp32 and bf16"
+    assert not got["leaks"], ("an activation outlived your meter: pack returned the saved tensor itself, so a saved "
+                              "output holds its own grad_fn, a cycle autograd never frees (each metered forward leaks its "
+                              "activations: on a GPU, out of memory); return t.detach(), the same storage without its history")
+    return "saved twice, through a view, a slice's storage, the tiny Llama in fp32 and bf16, and nothing kept alive"
 
 
 register("test_saved_activation_bytes_hidden", probe_meter, judge_meter)

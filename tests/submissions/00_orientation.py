@@ -81,7 +81,7 @@ def saved_activation_bytes(model, forward):
         nonlocal total
         if t.untyped_storage().data_ptr() not in weights:
             total += t.untyped_storage().nbytes()   # a storage saved twice is counted twice
-        return t
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
     return total
@@ -94,7 +94,7 @@ def saved_activation_bytes(model, forward):
     def pack(t):
         if not any(t is p for p in params):   # W.t() is a new tensor object over the weight's storage
             sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
     return sum(sizes.values())
@@ -108,10 +108,29 @@ def saved_activation_bytes(model, forward):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in weights:
             sizes.setdefault(ptr, t.numel() * t.element_size())   # the view's elements, not the storage it keeps
-        return t
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
     return sum(sizes.values())
+'''
+
+# right counts, but pack hands autograd the saved tensor itself: a saved output then holds its own grad_fn, and every
+# metered forward leaks its activations (the course's own meter did, until an H100 ran out of memory)
+METER_KEEPS_THE_GRAPH_ALIVE = '''
+def saved_activation_bytes(model, forward):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return int(sum(sizes.values()))
 '''
 
 CALLS_LIBRARY_METER = '''
@@ -171,6 +190,10 @@ CASES = {
     },
     "meter_counts_tensors_not_storages": {  # right on whole tensors; a saved slice keeps its whole storage alive
         "cells": {"saved_activation_bytes": METER_COUNTS_TENSORS_NOT_STORAGES},
+        "scores": scores(test_saved_activation_bytes_hidden=0),
+    },
+    "meter_keeps_the_graph_alive": {  # counts right, leaks every forward it meters
+        "cells": {"saved_activation_bytes": METER_KEEPS_THE_GRAPH_ALIVE},
         "scores": scores(test_saved_activation_bytes_hidden=0),
     },
     "calls_library_saved_activation_bytes": {
