@@ -29,6 +29,19 @@ def default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def gpu_count(device: torch.device | str) -> int:
+    """The GPUs a notebook on ``device`` may give its ranks: none when it runs on the CPU (a CPU tier, an emulated
+    node), else this machine's. ``device_count`` does not initialise CUDA, so CPU ranks can still be forked after it."""
+    return torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
+
+
+def ranks_device(world: int, device: torch.device | str) -> str:
+    """Where ``world`` ranks of a notebook on ``device`` run: "cuda", one rank per GPU, when there are that many GPUs;
+    else "cpu", ranks over gloo (on a GPU machine spawned with the GPUs hidden). The course's one "GPU ranks or CPU
+    ranks?" decision: a world larger than the machine's GPUs still runs, on its CPU cores."""
+    return "cuda" if gpu_count(device) >= world else "cpu"
+
+
 def backend_for(device: torch.device | str) -> str:
     """The torch.distributed backend for ranks on ``device``: NCCL for GPUs (RCCL on ROCm, which PyTorch
     still calls "nccl"), gloo for CPUs. The course's one "which backend?" decision."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_lib.device import gpu_count, ranks_device
 from course_lib.distributed import free_port
 from course_lib.launch import WorkerError, check_world, launch, run_forked
 
@@ -73,6 +74,19 @@ def test_two_nodes_rendezvous_on_localhost():
     assert sorted(r[0]["rank"] for r in results.values()) == [0, 1]
     assert all(r[0]["world_size"] == 2 for r in results.values())
     assert results[0][0]["losses"] == results[1][0]["losses"]
+
+
+@pytest.mark.parametrize("gpus,world,device,where", [
+    (8, 8, "cuda", "cuda"),   # a node: one rank per GPU
+    (1, 2, "cuda", "cpu"),    # the lent H100: 2 ranks do not fit 1 GPU, so they run on its CPU cores
+    (4, 2, "cpu", "cpu"),     # a notebook on the CPU tier (or an emulated node) never takes the GPUs
+    (0, 1, "cuda", "cpu"),
+])
+def test_ranks_go_to_gpus_only_when_there_is_one_per_rank(monkeypatch, gpus, world, device, where):
+    """The course's one "GPU ranks or CPU ranks?" decision, taken with a GPU machine's count on any machine."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert gpu_count(device) == (gpus if device == "cuda" else 0)
+    assert ranks_device(world, device) == where
 
 
 def test_world_sizes_the_hardware_lacks_are_refused():
