@@ -16,7 +16,7 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
 3. **The distributed toolkit**: ``distributed`` (process group, rank device, each rank's batches,
    mean over ranks, digests, worker results), ``launch`` (N ranks from a notebook cell) and
    ``workers`` (the process torchrun starts).
-4. **Techniques**, one module each: ``checkpointing``, ``fp8``, ``lora``, ``nf4``, ``recipe`` (the
+4. **Techniques**, one module each: ``checkpointing``, ``fp8`` (with ``fp8_compute``), ``lora``, ``nf4``, ``recipe`` (the
    fine-tune recipe and its memory plan), ``ddp``, ``fsdp``, ``zero``, ``offload``, ``tp``, ``tp_train``, ``pp`` (with
    ``schedules``), ``cp``, ``ep``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), ``finetune``,

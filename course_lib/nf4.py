@@ -423,7 +423,7 @@ def bitsandbytes_4bit_runs(device: str = "cuda") -> str | None:
     runs, once, on a 64×64 bf16 weight: ``quantize_4bit`` (NF4, double quantisation), ``dequantize_4bit``,
     and ``matmul_4bit`` forward and backward. The weight is one NF4 stores exactly (``nf4_exact_weight``), so
     the dequantised weight must be the weight, and the product ``x @ dequantised.T``, to ``PROBE_TOLERANCE``.
-    Remembered per device; the same contract as ``fp8.scaled_mm_runs``: what a preflight calls.
+    Remembered per device; the same contract as ``fp8_compute.scaled_mm_runs``: what a preflight calls.
     """
     if error := bitsandbytes_error():
         return error

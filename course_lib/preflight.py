@@ -50,7 +50,7 @@ from packaging.version import InvalidVersion, Version
 from tabulate import tabulate
 from torch import nn
 
-from course_lib import fp8, nf4
+from course_lib import fp8, fp8_compute, nf4
 from course_lib.attention import AttentionFallback, attention_kernels, course_sdpa
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
@@ -455,8 +455,8 @@ def check_deepspeed_ops(quick: bool = False) -> list[Row]:
 # ------------------------------------------------------------------ optional packages: FP8 and bitsandbytes
 
 def torchao_probe(device: str) -> str | None:
-    """In a process of its own (torchao's import prints kernel-load failures): ``fp8.torchao_fp8_runs(device)``."""
-    return fp8.torchao_fp8_runs(device)
+    """In a process of its own (torchao's import prints kernel-load failures): ``fp8_compute.torchao_fp8_runs(device)``."""
+    return fp8_compute.torchao_fp8_runs(device)
 
 
 def bitsandbytes_probe(device: str) -> str | None:
@@ -484,13 +484,13 @@ def check_fp8_and_4bit(quick: bool = False) -> list[Row]:
     device = default_device()
     e4m3, _ = fp8.device_fp8_dtypes(device)
     name = str(e4m3).removeprefix("torch.")
-    why = fp8.scaled_mm_runs(device.type, e4m3, e4m3)
+    why = fp8_compute.scaled_mm_runs(device.type, e4m3, e4m3)
     rows = [Row(f"FP8 matmul: torch._scaled_mm {name} on {device.type}", PASS if why is None else ABSENT,
                 "ran" if why is None else f"{why}: notebook 02 emulates FP8 matmuls here",
                 "" if why is None else "FP8 GEMMs need an H100/H200/L40S-class NVIDIA GPU or an MI300X")]
     dev = repr(device.type)
     rows.append(optional_row(f"FP8 training: torchao on {device.type}", "torchao", f"torchao_probe({dev})",
-                             fp8.INSTALL_TORCHAO, quick, "notebook 02's FP8 training"))
+                             fp8_compute.INSTALL_TORCHAO, quick, "notebook 02's FP8 training"))
     rows.append(optional_row(f"4-bit: bitsandbytes NF4 matmul on {device.type}", "bitsandbytes",
                              f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 12's QLoRA"))
     return rows

@@ -1,6 +1,6 @@
-"""course_lib.fp8: the formats' facts, per-tensor and delayed scaling against torch's own float8 casts, the FP8
-matmul (torch._scaled_mm where it runs) against its float32 emulation, the GPU path's refusals on a CPU, and
-torchao's float8 training, which runs on a CPU too."""
+"""course_lib.fp8: the formats' facts, per-tensor and delayed scaling against torch's own float8 casts;
+course_lib.fp8_compute: the FP8 matmul (torch._scaled_mm where it runs) against its float32 emulation, the GPU
+path's refusals on a CPU, and torchao's float8 training, which runs on a CPU too."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from course_lib import fp8
+from course_lib import fp8, fp8_compute
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -155,15 +155,16 @@ def test_delayed_scaling_saturates_on_an_amax_jump_where_current_scaling_does_no
 def test_fp8_matmul_kernel_and_emulation_agree():
     torch.manual_seed(0)
     a, b = torch.randn(64, 48), torch.randn(48, 32) * 0.02
-    res = fp8.fp8_matmul(a, b)
-    assert res.path == (fp8.SCALED_MM if fp8.scaled_mm_runs("cpu", E4M3, E4M3) is None else fp8.EMULATED)
+    res = fp8_compute.fp8_matmul(a, b)
+    assert res.path == (fp8_compute.SCALED_MM if fp8_compute.scaled_mm_runs("cpu", E4M3, E4M3) is None
+                        else fp8_compute.EMULATED)
     sa, sb = 448 / a.abs().max().item(), 448 / b.abs().max().item()
     emulated = (torch_cast(a, sa, E4M3).float() / sa) @ (torch_cast(b, sb, E4M3).float() / sb)
     assert torch.allclose(res.out, emulated, rtol=1e-4, atol=1e-6)
-    odd = fp8.fp8_matmul(a[:, :40], b[:40])  # 40 is no multiple of 16: _scaled_mm is not asked
-    assert odd.path == fp8.EMULATED and fp8.relative_error(odd.out, a[:, :40] @ b[:40]) < 0.1
+    odd = fp8_compute.fp8_matmul(a[:, :40], b[:40])  # 40 is no multiple of 16: _scaled_mm is not asked
+    assert odd.path == fp8_compute.EMULATED and fp8.relative_error(odd.out, a[:, :40] @ b[:40]) < 0.1
     with pytest.raises(ValueError, match="matrices"):
-        fp8.fp8_matmul(a, a)
+        fp8_compute.fp8_matmul(a, a)
 
 
 def test_a_pair_of_formats_the_kernel_refuses_falls_back_to_emulation(monkeypatch):
@@ -177,23 +178,23 @@ def test_a_pair_of_formats_the_kernel_refuses_falls_back_to_emulation(monkeypatc
         return real(a, b, **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", refuses_e5m2_pairs)
-    fp8.scaled_mm_runs.cache_clear()
+    fp8_compute.scaled_mm_runs.cache_clear()
     try:
-        why = fp8.scaled_mm_runs("cpu", torch.float8_e5m2, torch.float8_e5m2)
+        why = fp8_compute.scaled_mm_runs("cpu", torch.float8_e5m2, torch.float8_e5m2)
         assert why == "ValueError: Multiplication of two Float8_e5m2 matrices is not supported"
         torch.manual_seed(0)
         a, b = torch.randn(64, 48), torch.randn(48, 32) * 0.02
-        res = fp8.fp8_matmul(a, b, torch.float8_e5m2)
-        assert res.path == fp8.EMULATED and fp8.relative_error(res.out, a @ b) < 0.1
-        sweep = fp8.magnitude_sweep(a, b, [-4, 0, 4])  # every format of the sweep, e5m2 x e5m2 among them
+        res = fp8_compute.fp8_matmul(a, b, torch.float8_e5m2)
+        assert res.path == fp8_compute.EMULATED and fp8.relative_error(res.out, a @ b) < 0.1
+        sweep = fp8_compute.magnitude_sweep(a, b, [-4, 0, 4])  # every format of the sweep, e5m2 x e5m2 among them
         assert all(len(errs) == 3 and all(e == e for e in errs) for errs in sweep.values())
     finally:
-        fp8.scaled_mm_runs.cache_clear()  # the next test asks the real kernel again
+        fp8_compute.scaled_mm_runs.cache_clear()  # the next test asks the real kernel again
 
 
 def test_matmul_errors_order_the_formats_by_their_mantissa():
-    x, w = fp8.outlier_operands(128)
-    err = {k: v["error"] for k, v in fp8.matmul_errors(x, w).items()}
+    x, w = fp8_compute.outlier_operands(128)
+    err = {k: v["error"] for k, v in fp8_compute.matmul_errors(x, w).items()}
     assert err["fp16"] < err["bf16"] < 0.01 < err["e4m3_scaled"] < err["e5m2_e4m3_scaled"] < 0.1
     assert err["e4m3_unscaled"] > err["e4m3_scaled"]
     low = fp8.flushed_fraction(w, E4M3)
@@ -202,8 +203,8 @@ def test_matmul_errors_order_the_formats_by_their_mantissa():
 
 
 def test_magnitude_sweep_unscaled_fp8_fails_at_both_ends_scaled_does_not():
-    x, w = fp8.outlier_operands(64)
-    sweep = fp8.magnitude_sweep(x, w, [-20, -6, 12])
+    x, w = fp8_compute.outlier_operands(64)
+    sweep = fp8_compute.magnitude_sweep(x, w, [-20, -6, 12])
     assert sweep["e4m3, no scaling"][0] > 0.9 and sweep["e4m3, no scaling"][2] > 0.9  # flushed; saturated
     assert sweep["e4m3, no scaling"][1] < 0.1
     assert max(sweep["e4m3, per-tensor scale"]) < 1.01 * min(sweep["e4m3, per-tensor scale"])
@@ -211,18 +212,18 @@ def test_magnitude_sweep_unscaled_fp8_fails_at_both_ends_scaled_does_not():
 
 
 def test_matmul_speed_says_which_kernel_ran():
-    out = fp8.matmul_speed(32, "cpu", repeat=1)
+    out = fp8_compute.matmul_speed(32, "cpu", repeat=1)
     assert out["bf16_s"] > 0 and out["fp8_s"] > 0
-    assert out["path"] == fp8.SCALED_MM or out["path"].startswith(fp8.EMULATED)
+    assert out["path"] == fp8_compute.SCALED_MM or out["path"].startswith(fp8_compute.EMULATED)
 
 
 def test_gpu_training_path_refuses_a_cpu_with_what_it_needs():
-    why = fp8.fp8_training_support("cpu")
+    why = fp8_compute.fp8_training_support("cpu")
     assert "H100" in why and "MI300X" in why
     with pytest.raises(RuntimeError, match="H100"):
-        fp8.compare_training("tiny", steps=4, batch=1, seq=16, device="cpu")
+        fp8_compute.compare_training("tiny", steps=4, batch=1, seq=16, device="cpu")
     with pytest.raises(ValueError, match="warmup"):
-        fp8.train_llama("tiny", fp8=False, steps=2, batch=1, seq=16, device="cpu")
+        fp8_compute.train_llama("tiny", fp8=False, steps=2, batch=1, seq=16, device="cpu")
 
 
 def test_without_torchao_the_error_names_the_install(monkeypatch):
@@ -230,7 +231,7 @@ def test_without_torchao_the_error_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ImportError, match="pip install torchao"):
-        fp8.convert_to_fp8_training(torch.nn.Linear(16, 16))
+        fp8_compute.convert_to_fp8_training(torch.nn.Linear(16, 16))
 
 
 
@@ -258,11 +259,11 @@ def test_the_matmul_errors_run_in_the_formats_an_mi300x_computes_in():
     """On an MI300X the OCP e4m3fn operands are refused by its FP8 GEMM: the products would only be emulated. In
     its own fnuz formats (here emulated on the CPU, the same numbers) the table names them and the errors keep
     their order: e4m3fnuz has e4m3fn's 3 mantissa bits."""
-    x, w = fp8.outlier_operands(128)
-    mi300 = fp8.matmul_errors(x, w, formats=fp8.fp8_formats("gfx942"))
+    x, w = fp8_compute.outlier_operands(128)
+    mi300 = fp8_compute.matmul_errors(x, w, formats=fp8.fp8_formats("gfx942"))
     assert mi300["e4m3_scaled"]["format"] == "e4m3fnuz × e4m3fnuz, per-tensor scales"
     assert mi300["e5m2_e4m3_scaled"]["format"] == "e5m2fnuz × e4m3fnuz, per-tensor scales"
-    ocp = fp8.matmul_errors(x, w)  # this CPU's default: OCP's formats, labelled as the notebook names them
+    ocp = fp8_compute.matmul_errors(x, w)  # this CPU's default: OCP's formats, labelled as the notebook names them
     assert ocp["e4m3_scaled"]["format"] == "e4m3 × e4m3, per-tensor scales"
     err = {k: v["error"] for k, v in mi300.items()}
     assert 0.01 < err["e4m3_scaled"] < err["e5m2_e4m3_scaled"] < 0.1 and err["e4m3_unscaled"] > err["e4m3_scaled"]
@@ -273,7 +274,7 @@ def test_the_matmul_errors_run_in_the_formats_an_mi300x_computes_in():
                                      ("sm_80", False), ("sm_86", False), ("gfx942", True), ("gfx950", True),
                                      ("gfx90a", False), ("gfx1100", False), ("cpu", False), ("", False)])
 def test_which_architectures_have_fp8_matrix_units(arch, ok):
-    why = fp8.fp8_hardware_error(arch)
+    why = fp8_compute.fp8_hardware_error(arch)
     assert (why is None) == ok, why
     if not ok:
         assert "FP8 training needs" in why
@@ -283,13 +284,14 @@ def test_torchao_is_chosen_for_training_only_after_one_real_step():
     """FP8 training chose torchao as soon as it was installed; now its probe runs one converted linear forward and
     backward first. In this process torchao is absent (it lives beside the venv): the probe names the install,
     and so does the decision for an FP8 GPU (the subprocess below runs the probe with torchao present)."""
-    why = fp8.torchao_fp8_runs("cpu")
+    why = fp8_compute.torchao_fp8_runs("cpu")
     if importlib.util.find_spec("torchao") is None:
         assert "pip install torchao" in why
-        assert "pip install torchao" in fp8.fp8_training_support_for("sm_90", "cuda", "NVIDIA H100 80GB HBM3")
+        assert "pip install torchao" in fp8_compute.fp8_training_support_for("sm_90", "cuda", "NVIDIA H100 80GB HBM3")
     else:
         assert why is None, why
-    assert "not 8.0" in fp8.fp8_training_support_for("sm_80", "cuda", "NVIDIA A100-SXM4-80GB")  # no probe needed
+    # an architecture without FP8 units is refused without a probe
+    assert "not 8.0" in fp8_compute.fp8_training_support_for("sm_80", "cuda", "NVIDIA A100-SXM4-80GB")
 
 # Notebook 02's GPU path, torchao's float8 training, run on this CPU in a process of its own with the torchao that
 # `make test` installs beside the venv (pyproject.toml says why not in it), or the one installed where it can be
@@ -298,16 +300,16 @@ def test_torchao_is_chosen_for_training_only_after_one_real_step():
 TORCHAO_FOR_TESTS = ROOT / ".venv" / "torchao-for-tests"
 FP8_RUN = """
 import json
-from course_lib import fp8
+from course_lib import fp8_compute
 from course_lib.models import build_llama
-model = fp8.convert_to_fp8_training(build_llama("tiny"))
+model = fp8_compute.convert_to_fp8_training(build_llama("tiny"))
 kinds = sorted({type(m).__name__ for name, m in model.named_modules() if name.endswith("_proj")})
 kw = dict(steps=6, batch=2, seq=32, device="cpu", compile=False, warmup=1)
-runs = {k: fp8.train_llama("tiny", fp8=k == "fp8", **kw) for k in ("bf16", "fp8")}
+runs = {k: fp8_compute.train_llama("tiny", fp8=k == "fp8", **kw) for k in ("bf16", "fp8")}
 import torch
-probe = {"cpu": fp8.torchao_fp8_runs("cpu"),  # torchao's float8 training runs here: the probe says so
+probe = {"cpu": fp8_compute.torchao_fp8_runs("cpu"),  # torchao's float8 training runs here: the probe says so
          # a GPU-class architecture whose device this torch cannot reach: torchao imports, and cannot run there
-         "h100": None if torch.cuda.is_available() else fp8.fp8_training_support_for("sm_90", "cuda", "H100")}
+         "h100": None if torch.cuda.is_available() else fp8_compute.fp8_training_support_for("sm_90", "cuda", "H100")}
 print(json.dumps({"kinds": kinds, "head": type(model.lm_head).__name__, "probe": probe,
                   **{k: run["losses"] for k, run in runs.items()}, "fp8_tokens_per_s": runs["fp8"]["tokens_per_s"]}))
 """
