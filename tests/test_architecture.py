@@ -16,7 +16,7 @@ LAYERS = {
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "offload", "tp", "tp_train", "pp", "schedules",
-                  "cp", "ep", "fp8", "fp8_compute", "nf4"},
+                  "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "preflight", "edition", "sandbox", "__init__"},
 }

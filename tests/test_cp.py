@@ -1,4 +1,4 @@
-"""course_lib.cp: ring attention equals full attention, on real gloo ranks.
+"""course_lib.cp and cp_train: ring attention equals full attention, on real gloo ranks.
 
 One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import cp
+from course_lib import cp, cp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 
@@ -69,7 +69,7 @@ def _every_check(rank, world):
     for zigzag in (False, True):  # the tiles the ring computed, counted by the ring itself
         q, k, v, _ = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
         results["work", zigzag] = cp.ring_forward(q, k, v, causal=True, zigzag=zigzag)[2]
-    results["memory"] = cp.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    results["memory"] = cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
     cp.tile_mask = _wrong_mask  # this forked rank's module only
     results["wrong mask"] = _ring(rank, world, seq, True, False)[0]
     return results
@@ -90,15 +90,15 @@ def test_ring_attention_equals_full_attention(world):
                     if name in ("dk", "dv"):  # the padded keys are masked: no gradient reaches them
                         padded = cp.merge_sequence([torch.from_numpy(p[i]) for p in parts], zigzag=zigzag)
                         assert (padded[..., seq:, :] == 0).all(), f"{name}: seq={seq} zigzag={zigzag}"
-                fwd = cp.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
-                bwd = cp.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                fwd = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                bwd = cp_train.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 assert all(p[4] == fwd and p[5] == bwd for p in parts), ([p[4:] for p in parts], fwd, bwd)
     # the tiles each rank computed: the plain causal ring's imbalance, the zig-zag's balance
-    assert [r["work", False] for r in ranks] == cp.causal_work(world)
-    assert [r["work", True] for r in ranks] == pytest.approx(cp.causal_work(world, zigzag=True))
+    assert [r["work", False] for r in ranks] == cp_train.causal_work(world)
+    assert [r["work", True] for r in ranks] == pytest.approx(cp_train.causal_work(world, zigzag=True))
     # memory kept for backward: the prediction, and 1/N of one rank's
-    assert all(r["memory"] == cp.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
-    assert ranks[0]["memory"] * world == cp.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    assert all(r["memory"] == cp_train.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
+    assert ranks[0]["memory"] * world == cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
     # the known mistakes are caught by the same comparison
     seq = LENGTHS[world][0]
     want = _reference(seq, True)[0]
@@ -109,9 +109,9 @@ def test_ring_attention_equals_full_attention(world):
 
 def test_ring_llama_trains_like_one_process():
     """The course's Llama with ring attention, 3 steps of AdamW: 3 ranks plain, 4 zig-zag (30 tokens: padded)."""
-    reference = cp.reference_llama_losses(3, seq=30)
+    reference = cp_train.reference_llama_losses(3, seq=30)
     for world, zigzag in ((3, False), (4, True)):
-        ranks = run_forked(cp.train_ring_llama, world, 3, zigzag, timeout=120)
+        ranks = run_forked(cp_train.train_ring_llama, world, 3, zigzag, timeout=120)
         assert all(r == pytest.approx(reference, rel=1e-5) for r in ranks), (world, zigzag, ranks[0], reference)
 
 
@@ -155,24 +155,24 @@ def test_splits_and_positions():
 
 
 def test_causal_work_and_formulas():
-    assert cp.causal_work(4) == [1, 2, 3, 4]  # the last rank does N times the first's work
-    assert cp.causal_work(4, zigzag=True) == [2.25] * 4  # 2N+1 quarter blocks each
+    assert cp_train.causal_work(4) == [1, 2, 3, 4]  # the last rank does N times the first's work
+    assert cp_train.causal_work(4, zigzag=True) == [2.25] * 4  # 2N+1 quarter blocks each
     # the bytes a rank sends do not fall with N; the activations it keeps do
-    assert cp.ring_bytes_per_rank(1024, 8, 64, 2) == 1 * 2 * 8 * 512 * 64 * 4
-    assert cp.ring_bytes_per_rank(1024, 8, 64, 8) == 7 * 2 * 8 * 128 * 64 * 4
-    assert cp.ring_bytes_per_rank(10, 1, 1, 3, 2) == 2 * 2 * 4 * 2  # 10 tokens pad to 12: 4 per rank
-    one, eight = (cp.attention_activation_bytes(4096, 8, 64, n, 2) for n in (1, 8))
+    assert cp_train.ring_bytes_per_rank(1024, 8, 64, 2) == 1 * 2 * 8 * 512 * 64 * 4
+    assert cp_train.ring_bytes_per_rank(1024, 8, 64, 8) == 7 * 2 * 8 * 128 * 64 * 4
+    assert cp_train.ring_bytes_per_rank(10, 1, 1, 3, 2) == 2 * 2 * 4 * 2  # 10 tokens pad to 12: 4 per rank
+    one, eight = (cp_train.attention_activation_bytes(4096, 8, 64, n, 2) for n in (1, 8))
     assert one == 8 * eight == 8 * 4096 * (64 * (3 * 2 + 4) + 4)  # heads x rows x (q, k, v bf16; out, lse f32)
 
 
 def test_a_llama_per_rank_and_the_longest_sequence():
     from course_lib.models import llama_config
     config = llama_config("tiny")
-    one, four = (cp.llama_activation_bytes_per_rank(config, 4096, n) for n in (1, 4))
+    one, four = (cp_train.llama_activation_bytes_per_rank(config, 4096, n) for n in (1, 4))
     assert one == 4 * four
-    fits = cp.longest_sequence(config, one, 1)
-    assert fits == 4096 and cp.longest_sequence(config, one, 4) == 4 * 4096
-    assert cp.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
+    fits = cp_train.longest_sequence(config, one, 1)
+    assert fits == 4096 and cp_train.longest_sequence(config, one, 4) == 4 * 4096
+    assert cp_train.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
 
 
 def test_bad_input_is_refused():
@@ -186,6 +186,6 @@ def test_bad_input_is_refused():
 
 
 def test_torch_context_parallel_needs_a_gpu():
-    assert "GPU" in cp.torch_cp_support("cpu")
+    assert "GPU" in cp_train.torch_cp_support("cpu")
     if not torch.cuda.is_available():
-        assert cp.torch_cp_support("cuda") is not None
+        assert cp_train.torch_cp_support("cuda") is not None

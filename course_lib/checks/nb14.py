@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import course_lib.cp as cp
+import course_lib.cp_train as cp_train
 import course_lib.ep as ep
 from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
@@ -141,7 +142,7 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool) -> None:
     got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq).squeeze(-1)
     assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
         f"{float((got_lse - lse).abs().max()):.1e}: return the merged lse over every key the row sees"
-    want = cp.ring_bytes_per_rank(seq, H, D, world, 4, batch=B)
+    want = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B)
     for r, run in enumerate(runs):
         assert run["bytes"] == {"send": want, "recv": want}, (
             f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
