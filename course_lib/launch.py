@@ -11,7 +11,7 @@ every line prefixed with its rank.
 **The worker contract.** A worker is a module-level function that takes JSON-able keyword
 arguments and returns a JSON-able dict (or None). Each result carries ``rank`` and
 ``world_size`` (``course_lib.workers`` adds them where the function did not); a training
-worker (``ddp.train``, ``fsdp.train``, ``zero.train``) returns ``train.worker_result``:
+worker (``ddp.train``, ``fsdp.train``, ``deepspeed_engine.train``) returns ``train.worker_result``:
 also ``losses``, a list with the global batch's loss of every step it ran.
 
 It never hangs: the rendezvous port is a free one picked for this launch, a rank that

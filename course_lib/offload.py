@@ -3,10 +3,10 @@
 ``offload_plan`` says where each model state lives and how many bytes per parameter it takes there, and
 ``link_bytes_per_step`` what crosses the GPU-host link per step; ``tokens_to_hide`` how many tokens a step must
 compute for the link and the CPU optimizer to hide behind it (where a real DeepSpeed engine holds each state is
-``zero.engine_placement``'s reading), and ``time_cpu_adam`` times DeepSpeed's CPU Adam against torch's AdamW on the host.
+``deepspeed_engine.engine_placement``'s reading), and ``time_cpu_adam`` times DeepSpeed's CPU Adam against torch's AdamW on the host.
 ``OffloadedAdamW`` is offload's optimizer by hand: fp32 masters on the host, each gradient sent down during
 backward; it is notebook 10's exercise (a stub in the student edition). How much bigger a model offload lets
-a GPU train is ``size_sweep``'s question; the engine and its configs are ``course_lib.zero``'s.
+a GPU train is ``size_sweep``'s question; the engine and its configs are ``course_lib.deepspeed_engine``'s.
 """
 
 from __future__ import annotations

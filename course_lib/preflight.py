@@ -52,12 +52,12 @@ from torch import nn
 
 from course_lib import fp8, fp8_compute, nf4
 from course_lib.attention import AttentionFallback, attention_kernels, course_sdpa
+from course_lib.deepspeed_engine import build_deepspeed_ops
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
 from course_lib.distributed import rank_device
 from course_lib.instruct import packed_attention_mask
 from course_lib.launch import CPU_ONLY_ENV, WorkerError, extensions_dir, launch
-from course_lib.zero import build_deepspeed_ops
 
 PASS, FAIL, ABSENT, NO_GPU, SKIPPED = "pass", "FAIL", "absent", "no GPU", "skipped"
 STATUSES = (PASS, FAIL, ABSENT, NO_GPU, SKIPPED)
@@ -397,7 +397,7 @@ def deepspeed_ops_probe(device_type: str) -> dict[str, str | None]:
     """In a process of its own: load the DeepSpeed ops the course uses with ``device_type`` ranks and run each once.
 
     CPU ranks (``DS_ACCELERATOR=cpu``): the shared-memory comm op and CPU Adam, built as ``make ops`` builds them
-    (``zero.build_deepspeed_ops``). GPU ranks: CPU Adam (ZeRO-Offload's ``cpu_adam=True``) and fused Adam.
+    (``deepspeed_engine.build_deepspeed_ops``). GPU ranks: CPU Adam (ZeRO-Offload's ``cpu_adam=True``) and fused Adam.
     Returns {op: None if it ran, else why not}.
     """
     if device_type == "cpu":

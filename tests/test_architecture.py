@@ -15,8 +15,8 @@ LAYERS = {
              "grading", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
-    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "offload", "tp", "tp_train", "pp", "schedules",
-                  "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4"},
+    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train",
+                  "pp", "schedules", "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "preflight", "edition", "sandbox", "__init__"},
 }

@@ -39,7 +39,7 @@ KEPT = {
         "course_lib.train.train_step, the one step every notebook trains with, skips the sync on all but the last "
         "micro-step (model.no_sync)",
     ("09_deepspeed_zero", "make_ds_config"):
-        "course_lib.zero.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
+        "course_lib.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
         "sweep) launches with; one dict key matches the exercise's, whose arithmetic and errors are graded by behaviour",
     ("14_context_expert_parallelism", "ring_attention"):
         "course_lib.cp.ring_forward is the general ring (zig-zag splits, process groups, a pluggable merge) that 14's "
@@ -442,7 +442,7 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout and "jupyter lab notebooks/" in dry.stdout
     assert "course_lib.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
-    assert "zero.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
+    assert "deepspeed_engine.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
     for target in ("test", "course", "release", "grade"):  # they need tests/ or solutions/: not in the edition
         assert run(["make", "-n", target], cwd=built).returncode != 0, target
     instructor = (ROOT / "Makefile").read_text().split("\n\n")

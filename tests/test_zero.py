@@ -1,6 +1,6 @@
-"""course_lib.zero beyond what notebooks 09 and 10 measure: DeepSpeed's default clipping, the config's arithmetic,
-ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a resumed checkpoint, DDP's bytes) against DeepSpeed's
-stage 1, DDP and one process, and offload's accounting,
+"""course_lib.zero and course_lib.deepspeed_engine beyond what notebooks 09 and 10 measure: DeepSpeed's default
+clipping, the config's arithmetic, ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a resumed checkpoint,
+DDP's bytes) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
 
 Every ZeRO stage against DDP, the sharded optimizer state and the checkpoint resume run in notebook 09, offload
@@ -22,11 +22,12 @@ from course_lib.distributed import CollectiveBytes
 from course_lib.launch import launch, run_forked
 from course_lib.models import SmallCNN
 from course_lib import memory, offload, zero
-from course_lib.zero import ShardedOptimizer, check_batch_arithmetic, ds_config
+from course_lib.deepspeed_engine import ds_config
+from course_lib.zero import ShardedOptimizer, check_batch_arithmetic
 
 
 def run(**kw):
-    return launch("course_lib.zero:train", nprocs=2, kwargs={"steps": 5, **kw}, echo=False, timeout=400)
+    return launch("course_lib.deepspeed_engine:train", nprocs=2, kwargs={"steps": 5, **kw}, echo=False, timeout=400)
 
 
 def test_deepspeed_clips_at_one_unless_told_so_and_the_config_says_it():

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from course_lib import zero
+from course_lib import deepspeed_engine
 from course_lib.checks import forked, number, packed, register, student, unpacked
 from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, judge_sharded, judge_traffic, my_config, one_process,
                                     sharded_probe, trains)
@@ -29,7 +29,7 @@ def probe_sharded(ns: dict) -> dict:
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*SHARDED, namespace=space):
-            run = zero.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
+            run = deepspeed_engine.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
                 ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW)
         return packed([number(v) for v in run["losses"]])
 
@@ -40,7 +40,7 @@ def probe_sharded(ns: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def deepspeed_stage1() -> dict:
-    return launch("course_lib.zero:train", 2, {**ZERO_KW, "stage": 1}, echo=False, timeout=300, device_type="cpu")[0]
+    return launch("course_lib.deepspeed_engine:train", 2, {**ZERO_KW, "stage": 1}, echo=False, timeout=300, device_type="cpu")[0]
 
 
 def judge_sharded_hidden(got: dict) -> str:
