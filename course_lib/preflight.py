@@ -50,7 +50,7 @@ from packaging.version import InvalidVersion, Version
 from tabulate import tabulate
 from torch import nn
 
-from course_lib import fp8, fp8_compute, nf4
+from course_lib import fp8, fp8_compute, qlora
 from course_lib.attention import AttentionFallback, attention_kernels, course_sdpa
 from course_lib.deepspeed_engine import build_deepspeed_ops
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
@@ -460,8 +460,8 @@ def torchao_probe(device: str) -> str | None:
 
 
 def bitsandbytes_probe(device: str) -> str | None:
-    """In a process of its own: ``nf4.bitsandbytes_4bit_runs(device)``, the probe QLoRA decides from."""
-    return nf4.bitsandbytes_4bit_runs(device)
+    """In a process of its own: ``qlora.bitsandbytes_4bit_runs(device)``, the probe QLoRA decides from."""
+    return qlora.bitsandbytes_4bit_runs(device)
 
 
 def optional_row(check: str, package: str, probe: str, install: str, quick: bool, use: str) -> Row:
@@ -492,7 +492,7 @@ def check_fp8_and_4bit(quick: bool = False) -> list[Row]:
     rows.append(optional_row(f"FP8 training: torchao on {device.type}", "torchao", f"torchao_probe({dev})",
                              fp8_compute.INSTALL_TORCHAO, quick, "notebook 02's FP8 training"))
     rows.append(optional_row(f"4-bit: bitsandbytes NF4 matmul on {device.type}", "bitsandbytes",
-                             f"bitsandbytes_probe({dev})", nf4.INSTALL_BITSANDBYTES, quick, "notebook 12's QLoRA"))
+                             f"bitsandbytes_probe({dev})", qlora.INSTALL_BITSANDBYTES, quick, "notebook 12's QLoRA"))
     return rows
 
 

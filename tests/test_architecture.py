@@ -16,7 +16,7 @@ LAYERS = {
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train",
-                  "pp", "schedules", "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4"},
+                  "pp", "schedules", "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4", "qlora"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "preflight", "edition", "sandbox", "__init__"},
 }

@@ -1,4 +1,5 @@
-"""course_lib.nf4: QLoRA's NF4 code book, block-wise quantisation, double quantisation, memory table.
+"""course_lib.nf4 and course_lib.qlora: NF4's code book, block-wise and double quantisation; the QLoRA layer,
+memory table and fine-tune.
 
 bitsandbytes is not a dependency of the course (the test extra installs it): its outputs for fixed inputs are
 written here (computed with bitsandbytes 0.50.2's quantize_4bit / quantize_blockwise on CPU), the last tests
@@ -11,7 +12,7 @@ import math
 import pytest
 import torch
 
-from course_lib import nf4
+from course_lib import nf4, qlora
 from course_lib.checks import nb12
 from course_lib.lora import ALL_LINEAR, lora_trainable_parameters
 from course_lib.models import build_llama, llama_config, llama_num_parameters
@@ -174,7 +175,7 @@ def test_qlora_linear_is_lora_on_the_nf4_weight_stores_4_bits_and_trains_only_ad
     torch.manual_seed(0)
     base = torch.nn.Linear(96, 40)
     base.weight.data.normal_(0, 0.02)
-    layer = nf4.QLoRALinear(base, r=4, alpha=8)
+    layer = qlora.QLoRALinear(base, r=4, alpha=8)
     assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A.weight", "lora_B.weight"}
     assert bool((layer.lora_B.weight == 0).all()) and "weight" not in layer.state_dict()
     assert sum(b.numel() * b.element_size() for b in layer.buffers()) == nf4.stored_bytes(base.weight)
@@ -205,24 +206,24 @@ def test_bad_input_says_what_to_change():
     with pytest.raises(ValueError, match="pass the shape and blocksize"):
         nf4.dequantize_nf4(packed, absmax, (4, 64), blocksize=128)
     with pytest.raises(ValueError, match="not linear layers"):
-        nf4.memory_table(llama_config("8b"), targets=("embed_tokens",))
+        qlora.memory_table(llama_config("8b"), targets=("embed_tokens",))
 
 
 def test_memory_table_of_the_llama_shapes():
     for preset in ("1b", "8b", "70b"):
         cfg = llama_config(preset)
-        table = nf4.memory_table(cfg)
-        bf16, qlora = table["bf16 LoRA"], table["QLoRA (NF4)"]
+        table = qlora.memory_table(cfg)
+        bf16, qlora_row = table["bf16 LoRA"], table["QLoRA (NF4)"]
         assert bf16["base weights"] == 2 * llama_num_parameters(cfg)
-        assert bf16["adapters (fp32)"] == qlora["adapters (fp32)"] == 4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
+        assert bf16["adapters (fp32)"] == qlora_row["adapters (fp32)"] == 4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
         # read from transformers' modules, the count agrees with the formula on every target set
         for targets in (ALL_LINEAR, ("k_proj", "v_proj"), ("down_proj",)):
-            assert nf4.adapter_parameters(cfg, 8, targets) == lora_trainable_parameters(cfg, 8, targets)
-        assert qlora["base weights"] < 0.45 * bf16["base weights"]
+            assert qlora.adapter_parameters(cfg, 8, targets) == lora_trainable_parameters(cfg, 8, targets)
+        assert qlora_row["base weights"] < 0.45 * bf16["base weights"]
         assert bf16["total"] == pytest.approx(sum(v for k, v in bf16.items() if k != "total"))
     with pytest.raises(ValueError, match="not linear layers of a Llama"):
-        nf4.adapter_parameters(llama_config("tiny"), 8, ("qkv_proj",))
-    eight, seventy = nf4.memory_table(llama_config("8b")), nf4.memory_table(llama_config("70b"))
+        qlora.adapter_parameters(llama_config("tiny"), 8, ("qkv_proj",))
+    eight, seventy = qlora.memory_table(llama_config("8b")), qlora.memory_table(llama_config("70b"))
     assert 5.5e9 < eight["QLoRA (NF4)"]["base weights"] < 6e9   # the embeddings and LM head stay in bf16 (2.1 GB)
     assert seventy["bf16 LoRA"]["total"] > 140e9 and seventy["QLoRA (NF4)"]["total"] < 48e9
 
@@ -234,7 +235,7 @@ def test_a_tiny_llama_in_nf4_matches_its_table_and_still_computes():
     assert len(linears) == 7 * cfg.num_hidden_layers and "lm_head" not in linears
     measured = sum(nf4.stored_bytes(m.weight) for m in linears.values())
     others = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears.values())
-    predicted = nf4.memory_table(cfg)["QLoRA (NF4)"]["base weights"] - 2 * others
+    predicted = qlora.memory_table(cfg)["QLoRA (NF4)"]["base weights"] - 2 * others
     assert measured == pytest.approx(predicted, rel=0.01)   # per-tensor offsets and partial scale blocks: < 1%
     quantized = nf4.round_trip_model(model)
     assert torch.equal(quantized.lm_head.weight, model.lm_head.weight)
@@ -259,18 +260,18 @@ def test_qlora_trains_here_on_the_base_that_course_libs_nf4_computes(tmp_path):
     # (down_proj 64x176: 26% error against 9% for the same bytes and scales dequantised by course_lib).
     from bitsandbytes import functional as F
 
-    path = nf4.save_random_llama("tiny", str(tmp_path / "tiny"), seed=0, intermediate_size=256)
+    path = qlora.save_random_llama("tiny", str(tmp_path / "tiny"), seed=0, intermediate_size=256)
     kw = dict(steps=4, batch=2, seq=16, device="cpu", warmup=1, r=4, alpha=8)
-    runs = {q: nf4.lora_run(path, quantize=q, **kw) for q in (False, True)}
+    runs = {q: qlora.lora_run(path, quantize=q, **kw) for q in (False, True)}
     for run in runs.values():
         assert len(run["losses"]) == 4 and all(math.isfinite(x) for x in run["losses"]), run["losses"]
         assert run["tokens_per_s"] > 0 and run["peak_bytes"] is None and run["weights_bytes"] is None
-    bf16, qlora = runs[False]["losses"], runs[True]["losses"]
-    assert bf16[0] != qlora[0] and max(abs(a - b) / a for a, b in zip(bf16, qlora)) < 0.02, (bf16, qlora)
-    saved = nf4.load_lora_model(path, quantize=False, device="cpu", r=4, alpha=8)
-    model = nf4.load_lora_model(path, quantize=True, device="cpu", r=4, alpha=8)
+    bf16, q4 = runs[False]["losses"], runs[True]["losses"]
+    assert bf16[0] != q4[0] and max(abs(a - b) / a for a, b in zip(bf16, q4)) < 0.02, (bf16, q4)
+    saved = qlora.load_lora_model(path, quantize=False, device="cpu", r=4, alpha=8)
+    model = qlora.load_lora_model(path, quantize=True, device="cpu", r=4, alpha=8)
     bases = {name: m for name, m in model.named_modules() if name.endswith(".base_layer")}
-    assert len(bases) == 2 * len(nf4.QLORA_TARGETS) and all(type(m).__name__ == "Linear4bit" for m in bases.values())
+    assert len(bases) == 2 * len(qlora.QLORA_TARGETS) and all(type(m).__name__ == "Linear4bit" for m in bases.values())
     for name, base in bases.items():
         exact = saved.get_submodule(name).weight.float()
         dequantised = F.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
@@ -278,13 +279,13 @@ def test_qlora_trains_here_on_the_base_that_course_libs_nf4_computes(tmp_path):
 
 
 def test_qlora_says_it_needs_a_gpu_with_bitsandbytes():
-    assert "needs a GPU" in nf4.qlora_support("cpu")
+    assert "needs a GPU" in qlora.qlora_support("cpu")
     with pytest.raises(RuntimeError, match="needs a GPU"):
-        nf4.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cpu")
+        qlora.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cpu")
     if importlib.util.find_spec("bitsandbytes") is None:
-        assert "pip install bitsandbytes" in nf4.bitsandbytes_error()
+        assert "pip install bitsandbytes" in qlora.bitsandbytes_error()
         with pytest.raises(ImportError, match="pip install bitsandbytes"):
-            nf4.bnb_config()
+            qlora.bnb_config()
 
 
 def test_the_same_as_bitsandbytes_live():
@@ -313,15 +314,15 @@ def test_qlora_is_chosen_only_where_bitsandbytes_4bit_really_runs():
     runs its 4-bit path once on the device first. Here a GPU is asked for on a CPU-only torch: bitsandbytes imports,
     and cannot run there, so QLoRA is not chosen; on the CPU its kernels run and compute course_lib's NF4."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is optional; without it the probe says to install it")
-    assert nf4.bitsandbytes_error() is None  # it imports ...
-    assert nf4.bitsandbytes_4bit_runs("cpu") is None  # ... its CPU kernels run, to NF4's values ...
+    assert qlora.bitsandbytes_error() is None  # it imports ...
+    assert qlora.bitsandbytes_4bit_runs("cpu") is None  # ... its CPU kernels run, to NF4's values ...
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the probe's verdict on it is the preflight's to show")
-    why = nf4.bitsandbytes_4bit_runs("cuda")  # ... and on a GPU this torch does not have, they cannot
+    why = qlora.bitsandbytes_4bit_runs("cuda")  # ... and on a GPU this torch does not have, they cannot
     assert why is not None and "do not run on cuda" in why and "pip install bitsandbytes" in why
-    assert nf4.qlora_support("cuda") == why, "the QLoRA decision must rest on the probe, not on the import"
+    assert qlora.qlora_support("cuda") == why, "the QLoRA decision must rest on the probe, not on the import"
     with pytest.raises(RuntimeError, match="do not run on cuda"):
-        nf4.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cuda")
+        qlora.compare_qlora(preset="tiny", steps=3, batch=2, seq=16, device="cuda")
 
 
 def test_the_probe_catches_kernels_that_run_but_compute_wrong_values():
@@ -329,7 +330,7 @@ def test_the_probe_catches_kernels_that_run_but_compute_wrong_values():
     w, x = torch.randn(64, 64), torch.randn(4, 64)
     back = nf4.nf4_round_trip(w)
     right = (x @ back.t(), torch.ones(4, 64) @ back)
-    assert nf4._probe_mismatch("cpu", w, x, back, *right) is None
-    wrong = nf4._probe_mismatch("cpu", w, x, back.flip(0), *right)  # rows of the weight out of place
+    assert qlora._probe_mismatch("cpu", w, x, back, *right) is None
+    wrong = qlora._probe_mismatch("cpu", w, x, back.flip(0), *right)  # rows of the weight out of place
     assert wrong is not None and "compute wrong values" in wrong and "dequantised weight" in wrong
-    assert "matmul_4bit output" in nf4._probe_mismatch("cpu", w, x, back, right[0] * float("nan"), right[1])
+    assert "matmul_4bit output" in qlora._probe_mismatch("cpu", w, x, back, right[0] * float("nan"), right[1])

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from conftest import claim, value
-from course_lib.nf4 import bitsandbytes_4bit_runs
+from course_lib.qlora import bitsandbytes_4bit_runs
 
 
 def test_notebook_11s_base_and_full_fine_tune_are_rebuilt(executed):

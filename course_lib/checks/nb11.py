@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from course_lib import lora, nf4  # noqa: F401  nf4 first: it quiets the bitsandbytes log line importing peft can write
+from course_lib import lora, qlora  # noqa: F401  qlora first: it quiets the bitsandbytes log line importing peft can write
 import peft
 from peft.tuners.lora import Linear as PeftLinear, LoraLayer as PeftLoraLayer
 from course_lib.checks import number, register

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from course_lib import nf4  # first: it quiets the bitsandbytes log line that importing peft can write
+from course_lib import nf4, qlora  # qlora first: it quiets the bitsandbytes log line that importing peft can write
 from course_lib.checks import register
 from course_lib.checks.nb11 import PEFT, is_tensor, tensor
 from course_lib.grading import forbid
@@ -18,9 +18,9 @@ from course_lib.lora import lora_linear
 
 # What each exercise builds, out of reach while the student's code runs (and peft's LoRA layer: PEFT).
 NF4_ANSWERS = (nf4.quantize_nf4, nf4.dequantize_nf4, nf4.nf4_round_trip, nf4.nearest_level, nf4.blockwise_absmax,
-               nf4.pack_4bit, nf4.unpack_4bit, nf4.compress_absmax, nf4.decompress_absmax, nf4.QLoRALinear,
+               nf4.pack_4bit, nf4.unpack_4bit, nf4.compress_absmax, nf4.decompress_absmax, qlora.QLoRALinear,
                nf4.absmax_round_trip, nf4.round_trip_model, nf4.stored_bytes)
-_bnb = None if nf4.bitsandbytes_error() else importlib.import_module("bitsandbytes.functional")
+_bnb = None if qlora.bitsandbytes_error() else importlib.import_module("bitsandbytes.functional")
 if _bnb is not None:
     NF4_ANSWERS += (_bnb.quantize_4bit, _bnb.dequantize_4bit)
 
@@ -194,7 +194,7 @@ def qlora_base(out_features: int, in_features: int, seed: int, exact: bool = Tru
     g = torch.Generator().manual_seed(seed)
     layer = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
-        layer.weight.copy_(nf4.nf4_exact_weight(out_features, in_features, g) if exact
+        layer.weight.copy_(qlora.nf4_exact_weight(out_features, in_features, g) if exact
                            else torch.randn(out_features, in_features, generator=g) * 0.02)
         if bias:
             layer.bias.copy_(torch.randn(out_features, generator=g) * 0.1)

@@ -197,7 +197,7 @@ CALLS_LIBRARY_QLORA = '''
 class QLoRALinear(torch.nn.Module):   # course_lib's layer inside
     def __init__(self, base, r, alpha, dropout=0.0):
         super().__init__()
-        from course_lib.nf4 import QLoRALinear as LibraryQLoRA
+        from course_lib.qlora import QLoRALinear as LibraryQLoRA
         self.inner = LibraryQLoRA(base, r, alpha, dropout)
         self.lora_A, self.lora_B, self.bias = self.inner.lora_A, self.inner.lora_B, self.inner.bias
 
