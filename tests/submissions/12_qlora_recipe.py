@@ -19,40 +19,38 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return (NF4[codes.long()] * absmax).reshape(shape)
 '''
 
-NF4_UNIFORM_GRID = '''
+def _edit(reference: str, *pairs: tuple[str, str]) -> str:
+    """``reference`` with each (old, new) pair replaced; each old text must occur exactly once."""
+    for old, new in pairs:
+        assert reference.count(old) == 1, old
+        reference = reference.replace(old, new)
+    return reference
+
+
+NF4_REFERENCE = '''
 def nf4_quantize(w, blocksize=64):
     flat = w.reshape(-1).float()
     n = flat.numel()
     blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    codes = (torch.round(scaled * 7) + 7).long().reshape(-1)[:n]   # evenly spaced levels k/7: int4, not NF4
+    codes = (scaled[..., None] - NF4.to(w.device)).abs().argmin(dim=-1).reshape(-1)[:n]
     return codes, absmax
 
 
 def nf4_dequantize(codes, absmax, shape, blocksize=64):
     n = codes.numel()
-    values = torch.nn.functional.pad((codes.float() - 7) / 7, (0, -n % blocksize)).view(-1, blocksize)
-    return (values * absmax[:, None]).reshape(-1)[:n].reshape(shape)
-'''
-
-# the reference with the table left on the CPU: right on every CPU tensor, and it stops on a GPU's weights
-NF4_IGNORES_THE_DEVICE = '''
-def nf4_quantize(w, blocksize=64):
-    flat = w.reshape(-1).float()
-    n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    codes = (scaled[..., None] - NF4).abs().argmin(dim=-1).reshape(-1)[:n]
-    return codes, absmax
-
-
-def nf4_dequantize(codes, absmax, shape, blocksize=64):
-    n = codes.numel()
-    values = torch.nn.functional.pad(NF4[codes.long()], (0, -n % blocksize)).view(-1, blocksize)
+    values = torch.nn.functional.pad(NF4.to(codes.device)[codes.long()], (0, -n % blocksize)).view(-1, blocksize)
     return (values * absmax.float()[:, None]).reshape(-1)[:n].reshape(shape)
 '''
+
+NF4_UNIFORM_GRID = _edit(  # blocks right, levels evenly spaced k/7: int4, not NF4
+    NF4_REFERENCE,
+    ("(scaled[..., None] - NF4.to(w.device)).abs().argmin(dim=-1)", "(torch.round(scaled * 7) + 7).long()"),
+    ("NF4.to(codes.device)[codes.long()]", "(codes.float() - 7) / 7"))
+
+# the reference with the table left on the CPU: right on every CPU tensor, and it stops on a GPU's weights
+NF4_IGNORES_THE_DEVICE = _edit(NF4_REFERENCE, ("NF4.to(w.device)", "NF4"), ("NF4.to(codes.device)", "NF4"))
 
 CALLS_LIBRARY_NF4 = '''
 def nf4_quantize(w, blocksize=64):
@@ -97,14 +95,6 @@ def decompress_absmax(codes, scales, offset, blocksize=256):
     levels = torch.nn.functional.pad(DYNAMIC.to(codes.device)[codes.long()], (0, -n % blocksize))
     return (levels.view(-1, blocksize) * scales[:, None]).reshape(-1)[:n] + offset
 '''
-
-
-def _edit(reference: str, *pairs: tuple[str, str]) -> str:
-    """``reference`` with each (old, new) pair replaced; each old text must occur exactly once."""
-    for old, new in pairs:
-        assert reference.count(old) == 1, old
-        reference = reference.replace(old, new)
-    return reference
 
 
 def _storage_edit(*pairs: tuple[str, str]) -> str:
