@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from course_lib.device import backend_for, default_device, emulating_node
 from course_lib.distributed import average_over_gloo, free_port
-from course_lib.workers import exit_now, set_parent_death_signal
+from course_lib.workers import STACKS_SIGNAL, exit_now, set_parent_death_signal
 
 
 class WorkerError(RuntimeError):
@@ -93,12 +93,13 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
             # a port we picked is hosted here (is_host): taken meanwhile, torchrun fails at once instead of
             # joining whatever listens there as a client and waiting for a rendezvous that never comes
             endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-                   f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                   f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}", "--max-restarts=0",
-                   "--monitor-interval=0.2", *([] if rdzv_endpoint else ["--rdzv-conf=is_host=1"]),
+            cmd = [sys.executable, "-m", "course_lib.workers", "torchrun", f"--nnodes={nnodes}",  # workers.agent_main
+                   f"--node-rank={node_rank}", f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={endpoint}", f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}",
+                   "--max-restarts=0", "--monitor-interval=0.2", *([] if rdzv_endpoint else ["--rdzv-conf=is_host=1"]),
                    "-m", "course_lib.workers", target, str(out)]
-            proc, lines, shown = _run_torchrun(cmd, _launch_env(nprocs, device_type), out, deadline, timeout, echo)
+            proc, lines, shown = _run_torchrun(cmd, _launch_env(nprocs, device_type, out), out, deadline, timeout,
+                                               echo)
             if rdzv_endpoint or not _port_was_taken(proc, lines, out):
                 break
         if echo and not shown:  # torchrun's own lines, held back while a retry was possible
@@ -117,8 +118,8 @@ CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VIS
                 "DS_ACCELERATOR": "cpu"}
 
 
-def _launch_env(nprocs: int, device_type: str | None) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_LAUNCH_PID": str(os.getpid())}
+def _launch_env(nprocs: int, device_type: str | None, out: Path) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COURSE_LAUNCH_PID": str(os.getpid()), "COURSE_LAUNCH_DIR": str(out)}
     # one BLAS/OpenMP thread pool per rank sized to its share of the cores, so ranks do not thrash
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     if device_type == "cpu":  # CPU ranks on a GPU machine: hide the GPUs from torch and from DeepSpeed
@@ -129,10 +130,9 @@ def _launch_env(nprocs: int, device_type: str | None) -> dict:
 def _run_torchrun(cmd: list[str], env: dict, out: Path, deadline: float, timeout: float,
                   echo: bool) -> tuple[subprocess.Popen, list[str], bool]:
     """One torchrun: (its process, its output lines, whether they were shown); stopped at ``deadline``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        return (proc, *_stream(proc, deadline, timeout, echo))
+        return (proc, *_stream(proc, out, deadline, timeout, echo))
     except BaseException:  # a timeout, or an interrupted cell (KeyboardInterrupt): no rank may keep running
         _kill(proc, out)
         raise
@@ -158,11 +158,16 @@ def _results(proc: subprocess.Popen, lines: list[str], out: Path, target: str) -
     return [json.loads(p.read_text()) for p in files]
 
 
-def _stream(proc: subprocess.Popen, deadline: float, timeout: float, echo: bool) -> tuple[list[str], bool]:
+STACKS_WAIT = 3.0  # seconds a timed-out launch waits for the stacks it asked of torchrun and the ranks
+
+
+def _stream(proc: subprocess.Popen, out: Path, deadline: float, timeout: float,
+            echo: bool) -> tuple[list[str], bool]:
     """Print the launch's output as it comes; raise TimeoutError past ``deadline``. Returns (lines, shown).
 
     torchrun's own lines are held back until a rank speaks: a launch retried on a new port then
-    shows nothing of the attempt that failed.
+    shows nothing of the attempt that failed. Past the deadline torchrun and every rank that started
+    are asked for their stacks, and the error holds them: where each one waited.
     """
     lines, buf, shown = [], b"", False
     sel = selectors.DefaultSelector()
@@ -170,7 +175,7 @@ def _stream(proc: subprocess.Popen, deadline: float, timeout: float, echo: bool)
     while True:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the launch ran past timeout={timeout} s and was stopped; last output:\n"
-                               + "".join(lines[-30:]))
+                               + "".join(lines[-30:]) + _stacks(proc, out))
         if sel.select(timeout=0.2):
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
@@ -242,13 +247,35 @@ def _open_files() -> set[str]:
     return held
 
 
-def _die_with_parent() -> None:
-    """In the torchrun child: SIGKILL when the launching kernel dies, which in turn kills its ranks.
+def _stacks(proc: subprocess.Popen, out: Path) -> str:
+    """Where torchrun and each rank that started are waiting: their Python stacks, asked for with
+    ``workers.STACKS_SIGNAL`` and written to ``out/NAME.stacks``."""
+    asked = {"torchrun": proc.pid}
+    for f in sorted(out.glob("rank*.pid"), key=lambda f: int(f.stem[4:])):
+        with contextlib.suppress(OSError, ValueError):
+            asked[f.stem] = int(f.read_text())
+    for pid in list(asked.values()):
+        try:
+            if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():  # ours, and past its exec
+                os.kill(pid, STACKS_SIGNAL)
+        except OSError:  # gone already
+            pass
+    deadline = time.monotonic() + STACKS_WAIT
+    while time.monotonic() < deadline and not all(_written(out / f"{name}.stacks") for name in asked):
+        time.sleep(0.1)
+    started = [name for name in asked if name != "torchrun"]
+    report = f"\nranks started: {', '.join(started) or 'none'} of this launch\n"
+    for name in asked:
+        text = _written(out / f"{name}.stacks")
+        report += f"--- {name}'s stack ---\n{text or '(none came: it had not started or did not answer)'}\n"
+    return report
 
-    SIGKILL, not SIGTERM: torchrun would give ranks that ignore SIGTERM 30 s, and a kernel that
-    died has nobody left to wait for. Each rank asks for SIGKILL on torchrun's end (``workers``).
-    """
-    set_parent_death_signal(signal.SIGKILL)
+
+def _written(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _kill(proc: subprocess.Popen, out: Path) -> None:

@@ -1,6 +1,6 @@
-"""The process torchrun starts for ``course_lib.launch.launch``.
+"""The processes ``course_lib.launch.launch`` starts: torchrun itself, and each rank torchrun starts.
 
-    python -m torch.distributed.run ... -m course_lib.workers MODULE:FUNCTION OUT_DIR
+    python -m course_lib.workers torchrun ARGS... -m course_lib.workers MODULE:FUNCTION OUT_DIR
 
 It prefixes every line this rank prints with ``[rankN]``, joins the process group on this
 rank's device (``distributed.init_process_group``: NCCL, or RCCL on ROCm, when there are GPUs;
@@ -9,10 +9,13 @@ writes the returned dict, with ``rank`` and ``world_size`` added where it lacks 
 ``OUT_DIR/rankN.json``; or, if it raises, its traceback to ``OUT_DIR/rankN.error``.
 Then it leaves at once, without Python's shutdown (``exit_now`` says why).
 
-A rank never outlives torchrun: it asks the kernel for SIGKILL when its parent ends
-(``die_with_parent``), and writes its pid to ``OUT_DIR/rankN.pid`` so that ``launch`` can stop it
-by pid too. torchrun starts ranks in sessions of their own and gives them 30 s after its SIGTERM;
-a rank slow to die (GPU teardown, a stuck collective) would otherwise hold its GPU memory on.
+Nothing outlives the kernel that launched it: torchrun (``agent_main``) and every rank ask Linux
+for SIGKILL when their parent ends (``die_with_parent``), and each rank writes its pid to
+``OUT_DIR/rankN.pid`` so that ``launch`` can stop it by pid too. torchrun starts ranks in sessions
+of their own and gives them 30 s after its SIGTERM; a rank slow to die (GPU teardown, a stuck
+collective) would otherwise hold its GPU memory on. Both write every thread's Python stack to
+``OUT_DIR/NAME.stacks`` on SIGUSR1 (``STACKS_SIGNAL``): a launch that times out asks for them, so its
+error says where each process was waiting.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from course_lib.distributed import init_process_group
+
+STACKS_SIGNAL = signal.SIGUSR1  # on this signal torchrun and the ranks write every thread's stack and carry on
 
 
 class RankPrefixed(io.TextIOBase):
@@ -55,11 +60,13 @@ def main(argv: list[str]) -> int:
     """One rank: join the group, run ``MODULE:FUNCTION(**kwargs)``, write its result or its traceback; the exit code."""
     target, out = argv[0], Path(argv[1])
     rank = int(os.environ["RANK"])
-    die_with_parent(os.environ.get("COURSE_LAUNCH_PID"))
+    die_with_parent(os.environ.get("COURSE_AGENT_PID"))
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     sys.stdout, sys.stderr = RankPrefixed(sys.__stdout__, rank), RankPrefixed(sys.__stderr__, rank)
     # a crash below Python (SIGABRT, SIGSEGV in a C++ op) still prints where Python was
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    stacks = open(out / f"rank{rank}.stacks", "w")  # open as long as this rank runs: faulthandler writes to its fd
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
         init_process_group()
         module, _, name = target.partition(":")
@@ -80,6 +87,23 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
 
 
+def agent_main(argv: list[str]) -> int:
+    """torchrun, as ``launch`` starts it: dies with the launching kernel, writes its stacks on ``STACKS_SIGNAL``.
+
+    The death signal is asked for here, after exec, and not in a ``preexec_fn`` between fork and exec:
+    that runs Python in a forked copy of a kernel whose other threads may hold locks nobody will free.
+    """
+    die_with_parent(os.environ.get("COURSE_LAUNCH_PID"))
+    folder = os.environ.get("COURSE_LAUNCH_DIR")
+    stacks = open(os.path.join(folder, "torchrun.stacks"), "w") if folder else sys.__stderr__
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+    os.environ["COURSE_AGENT_PID"] = str(os.getpid())  # the parent each rank checks it still has
+    from torch.distributed.run import main as torchrun  # here: a rank needs none of torchrun's imports
+
+    torchrun(argv)
+    return 0
+
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -93,24 +117,17 @@ def set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def die_with_parent(launcher_pid: str | None = None) -> None:
-    """Get SIGKILL when torchrun, this rank's parent, ends; end now if it already has.
+def die_with_parent(parent_pid: str | None = None) -> None:
+    """Get SIGKILL when this process's parent (the kernel for torchrun, torchrun for a rank) ends; end now if it has.
 
     SIGKILL because a rank may ignore SIGTERM or be stuck in C++ where no handler runs. The
-    parent may have died before the signal was asked for (the rank imports torch first): then
-    this process was handed to init or a subreaper, whose parent is not the launching process
-    (``launcher_pid``, which ``launch`` passes). Without it (torchrun started by hand or by SLURM)
-    that check is skipped: torchrun may itself be PID 1 in a container.
+    parent may have died before the signal was asked for (this process imports torch first): then
+    it was handed to init or a subreaper, which is not ``parent_pid`` (``launch`` passes the kernel's
+    pid to torchrun, ``agent_main`` its own to the ranks). Without it (torchrun started by hand or by
+    SLURM) that check is skipped: torchrun may itself be PID 1 in a container.
     """
-    if set_parent_death_signal(signal.SIGKILL) and launcher_pid and _parent_of(os.getppid()) != int(launcher_pid):
+    if set_parent_death_signal(signal.SIGKILL) and parent_pid and os.getppid() != int(parent_pid):
         exit_now(1)
-
-
-def _parent_of(pid: int) -> int:
-    try:  # /proc/PID/stat: "pid (comm) state ppid ...", and comm may hold spaces or parentheses
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def exit_now(code: int) -> None:
@@ -132,4 +149,6 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["torchrun"]:  # torchrun itself (a target is always "module:function")
+        sys.exit(agent_main(sys.argv[2:]))
     exit_now(main(sys.argv[1:]))

@@ -5,6 +5,7 @@ notebooks measure it (tests/test_notebook_06.py to test_notebook_10.py): here, t
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,8 +236,10 @@ def _gone_within(pids: list[int], seconds: float) -> bool:
     return not any(_alive(pid) for pid in pids)
 
 
-def test_a_timed_out_launch_leaves_no_rank_alive_and_no_folder(tmp_path, monkeypatch):
-    """torchrun gives SIGTERM-deaf ranks 30 s; launch stops them by pid before it raises, and cleans up."""
+def test_a_timed_out_launch_says_where_each_process_waited_and_leaves_no_rank_alive_and_no_folder(tmp_path,
+                                                                                                   monkeypatch):
+    """torchrun gives SIGTERM-deaf ranks 30 s; launch stops them by pid before it raises, and cleans up. Its error
+    holds the stacks of torchrun and of both ranks, so a hang seen once in CI says where it was."""
     import tempfile
 
     (tmp_path / "stubborn_worker.py").write_text(STUBBORN)
@@ -246,10 +249,16 @@ def test_a_timed_out_launch_leaves_no_rank_alive_and_no_folder(tmp_path, monkeyp
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     # 25 s for two ranks to start: a CUDA build of torch took more than 12 s to import on a loaded GPU machine
-    with pytest.raises(TimeoutError, match="timeout=25"):
+    with pytest.raises(TimeoutError, match="timeout=25") as err:
         launch("stubborn_worker:stubborn", 2, {"folder": str(pids_dir)}, echo=False, timeout=25, device_type="cpu")
     pids = [int(p.stem) for p in pids_dir.glob("*.pid")]
     assert len(pids) == 2, "both ranks should have started within the 25 s"
+    message = str(err.value)
+    assert "ranks started: rank0, rank1 of this launch" in message
+    stacks = dict(re.findall(r"--- (\w+)'s stack ---\n(.*?)(?=\n--- |\Z)", message, re.S))
+    assert sorted(stacks) == ["rank0", "rank1", "torchrun"], message
+    assert all(" in stubborn\n" in stacks[rank] for rank in ("rank0", "rank1")), f"each rank waits in the worker: {message}"
+    assert "torch/distributed/elastic/agent" in stacks["torchrun"], f"torchrun waits in its agent: {message}"
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived its timed-out launch"
     assert not list((tmp_path / "tmp").iterdir()), "launch left its temporary folder behind"
 
@@ -436,4 +445,4 @@ def test_run_forked_hides_the_gpus_from_the_ranks_it_spawns_on_a_gpu_machine(mon
     # the notebook's own process keeps its GPUs
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in os.environ
     # launch(device_type="cpu") hides them the same way, ROCm's runtime below HIP included
-    assert {k: launch_mod._launch_env(2, "cpu")[k] for k in ranks[0]["env"]} == ranks[0]["env"]
+    assert {k: launch_mod._launch_env(2, "cpu", Path("out"))[k] for k in ranks[0]["env"]} == ranks[0]["env"]
