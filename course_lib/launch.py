@@ -73,6 +73,10 @@ def check_world(nprocs: int, device_type: str | None = None) -> None:
                          f"use nprocs <= {(os.cpu_count() or 1) * 2}")
 
 
+# torchrun on one machine: host the rendezvous here (is_host) and give the ranks 127.0.0.1 as MASTER_ADDR. Left to
+# itself torchrun (2.7 at least) names this machine by socket.getfqdn() and the ranks look that name up: no lookup
+# on the loopback, which every machine has, whatever its /etc/hosts or DNS say.
+ONE_MACHINE = ["--rdzv-conf=is_host=1", "--local-addr=127.0.0.1"]
 PORT_TRIES = 3  # launches whose free port another process took meanwhile are retried on a new one
 KILL_GRACE = 5.0  # seconds torchrun gets to stop its ranks after SIGTERM, before SIGKILL
 
@@ -96,7 +100,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
             cmd = [sys.executable, "-m", "course_lib.workers", "torchrun", f"--nnodes={nnodes}",  # workers.agent_main
                    f"--node-rank={node_rank}", f"--nproc-per-node={nprocs}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={endpoint}", f"--rdzv-id={'course' if rdzv_endpoint else uuid.uuid4().hex[:8]}",
-                   "--max-restarts=0", "--monitor-interval=0.2", *([] if rdzv_endpoint else ["--rdzv-conf=is_host=1"]),
+                   "--max-restarts=0", "--monitor-interval=0.2", *([] if rdzv_endpoint else ONE_MACHINE),
                    "-m", "course_lib.workers", target, str(out)]
             proc, lines, shown = _run_torchrun(cmd, _launch_env(nprocs, device_type, out), out, deadline, timeout,
                                                echo)

@@ -42,11 +42,12 @@ def test_output_is_streamed_with_rank_prefixes(capsys):
 
 def test_a_worker_module_written_by_the_notebook_runs_and_times_out(tmp_path, monkeypatch):
     (tmp_path / "my_worker.py").write_text(textwrap.dedent("""
+        import os
         import time
         import torch.distributed as dist
 
         def hello(greeting):
-            return {"text": f"{greeting} from {dist.get_rank()}"}
+            return {"text": f"{greeting} from {dist.get_rank()}", "master": os.environ["MASTER_ADDR"]}
 
         def sleep_forever():
             time.sleep(3600)
@@ -54,6 +55,8 @@ def test_a_worker_module_written_by_the_notebook_runs_and_times_out(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # like %%writefile in the notebook's folder
     results = launch("my_worker:hello", 2, {"greeting": "hi"}, echo=False, device_type="cpu")
     assert [r["text"] for r in results] == ["hi from 0", "hi from 1"]
+    # on one machine the ranks meet on the loopback, never at a name torchrun made up (socket.getfqdn())
+    assert [r["master"] for r in results] == ["127.0.0.1", "127.0.0.1"]
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="timeout=8"):
         launch("my_worker:sleep_forever", 2, echo=False, timeout=8, device_type="cpu")
