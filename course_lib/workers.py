@@ -75,16 +75,16 @@ def main(argv: list[str]) -> int:
         kwargs = json.loads((out / "kwargs.json").read_text())
         result = {"rank": rank, "world_size": dist.get_world_size(), **(fn(**kwargs) or {})}
         (out / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # nobody tears down the store while a slower rank still talks to it
+        dist.barrier()  # nobody leaves while a slower rank still talks to it
         return 0
     except BaseException:
         text = traceback.format_exc()
         (out / f"rank{rank}.error").write_text(text)
         print(text, file=sys.stderr)
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # No destroy_process_group: exit_now ends this process next, and that closes every connection. torch 2.7's
+    # destroy_process_group hung, now and then, in a gloo rank whose peer had already left (1 launch in 20-30 on the
+    # floor; 06's first launch in CI), and torchrun waits for every rank: the launch hung until its timeout.
 
 
 def agent_main(argv: list[str]) -> int:
