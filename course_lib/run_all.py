@@ -124,7 +124,8 @@ def write_summary(run_dir: Path, timings: dict[str, float], tier: str, budget_s:
 def _parser() -> argparse.ArgumentParser:
     """run_all's command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("only", nargs="*", help="notebook numbers to run (default: all), e.g. 00 03")
+    parser.add_argument("only", nargs="*",
+                        help="notebooks to run (default: all), by number or name, e.g. 00 03_gradient_accumulation")
     parser.add_argument("--tier", default="auto", help="auto (default), cpu, gpu or node")
     parser.add_argument("--out", default=str(ROOT / "runs"), help="run folder (default: runs/)")
     parser.add_argument("--source", default="solutions", choices=["solutions", "notebooks"],
@@ -153,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
     tier = pick_tier(args.tier)
     available = [p for p in notebooks(args.source) if not args.emulate or emulates_node(p)]
-    chosen = [p for p in available if not args.only or p.name[:2] in args.only]
-    if not chosen:
-        parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {args.only}; "
-                     f"available: {[p.name[:2] for p in available]}")
+    chosen = [p for p in available if not args.only or {p.name[:2], p.stem} & set(args.only)]
+    if not chosen or len(chosen) < len(set(args.only)):
+        missed = [o for o in args.only if not any(o in (p.name[:2], p.stem) for p in chosen)]
+        parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {missed}; "
+                     f"available: {[p.name[:2] for p in available]} (a number, or the whole name: "
+                     f"{available[0].stem if available else '06_ddp'})")
     run_dir = Path(args.out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)  # the summary is written even when the first notebook cannot start
     params = {"tier": tier, **({"long_runs": True} if args.long_runs else {})}

@@ -42,6 +42,9 @@ def test_unknown_notebook_number_is_an_error(capsys):
     with pytest.raises(SystemExit):
         run_all.main(["99", "--out", "/tmp/unused"])
     assert "available" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one known, one not: an error that names the unknown one, not a partial run
+        run_all.main(["03", "06_dpp", "--out", "/tmp/unused"])
+    assert "matches ['06_dpp']" in capsys.readouterr().err
 
 
 def test_summary_marks_the_notebooks_over_their_tiers_budget(tmp_path):
@@ -123,5 +126,9 @@ def test_jobs_runs_notebooks_side_by_side_and_keeps_the_course_order(tmp_path, m
     text = (out / "summary.md").read_text()
     assert text.index("## 00_first") < text.index("## 01_second") and "budget" not in text
     assert (out / "executed" / "01_second.ipynb").exists()
+    # a notebook named by its whole name, as the README's table writes it, runs alone
+    only = tmp_path / "only"
+    assert run_all.main(["--tier", "cpu", "--out", str(only), "01_second"]) == 0
+    assert [p.name for p in (only / "executed").iterdir()] == ["01_second.ipynb"]
     with pytest.raises(SystemExit):
         run_all.main(["--tier", "cpu", "--jobs", "0", "--out", str(out)])
