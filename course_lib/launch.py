@@ -258,12 +258,10 @@ def _stacks(proc: subprocess.Popen, out: Path) -> str:
     for f in sorted(out.glob("rank*.pid"), key=lambda f: int(f.stem[4:])):
         with contextlib.suppress(OSError, ValueError):
             asked[f.stem] = int(f.read_text())
-    for pid in list(asked.values()):
-        try:
-            if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():  # ours, and past its exec
+    for pid in asked.values():
+        if _of_launch(pid, out):
+            with contextlib.suppress(OSError):  # gone meanwhile
                 os.kill(pid, STACKS_SIGNAL)
-        except OSError:  # gone already
-            pass
     deadline = time.monotonic() + STACKS_WAIT
     while time.monotonic() < deadline and not all(_written(out / f"{name}.stacks") for name in asked):
         time.sleep(0.1)
@@ -314,14 +312,21 @@ def _kill_ranks(out: Path, expected: int = 0, wait: float = 5.0) -> None:
                 continue
             if pid not in seen:
                 seen.add(pid)
-                try:
-                    if str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if _of_launch(pid, out):
+                    with contextlib.suppress(OSError):  # gone meanwhile
                         os.kill(pid, signal.SIGKILL)
-                except OSError:  # gone already
-                    pass
         if time.monotonic() >= deadline or (len(seen) >= expected and not any(_running(pid) for pid in seen)):
             return
         time.sleep(0.05)
+
+
+def _of_launch(pid: int, out: Path) -> bool:
+    """Whether ``pid`` is a process of the launch in ``out`` (its command line names the folder), past its exec: not
+    a recycled pid, and not the fork that has yet to become torchrun."""
+    try:
+        return str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone already
+        return False
 
 
 def _running(pid: int) -> bool:
