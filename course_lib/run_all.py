@@ -154,12 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tier = pick_tier(args.tier)
     available = [p for p in notebooks(args.source) if not args.emulate or emulates_node(p)]
+    missed = [o for o in args.only if not any(o in (p.name[:2], p.stem) for p in available)]
     chosen = [p for p in available if not args.only or {p.name[:2], p.stem} & set(args.only)]
-    if not chosen or len(chosen) < len(set(args.only)):
-        missed = [o for o in args.only if not any(o in (p.name[:2], p.stem) for p in chosen)]
-        parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {missed}; "
-                     f"available: {[p.name[:2] for p in available]} (a number, or the whole name: "
-                     f"{available[0].stem if available else '06_ddp'})")
+    if missed or not chosen:
+        parser.error(f"no notebook{' that launches ranks' if args.emulate else ''} matches {missed or args.only}; "
+                     f"available, by number or name: {[p.stem for p in available]}")
     run_dir = Path(args.out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)  # the summary is written even when the first notebook cannot start
     params = {"tier": tier, **({"long_runs": True} if args.long_runs else {})}
