@@ -90,7 +90,7 @@ SAME_WORKER = {"test_run_all": "test_notebook_03", "test_notebook_12": "test_not
 # on fixed time limits, and the measured pipeline bubbles of notebook 13 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
 ALONE = {"test_browser", "test_hub", "test_notebook_13", "test_pp"}
-# The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on two) run
+# The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on 00) run
 # first, in two lanes: the assignments whose tests start several ranks on one worker, those that run in one process
 # (and the instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about

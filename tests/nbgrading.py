@@ -1,9 +1,9 @@
-"""Build student submissions from the solutions and grade them with nbgrader's real autograde.
+"""Build student submissions from the solutions and grade them: by calling the checks, or with nbgrader's autograde.
 
-A scratch course holds the config, solutions/ and the generated release. A submission is the
-released notebook with its solution cells filled in: from the reference solution, or from a
-known-wrong replacement (tests/submissions/<assignment>.py), or left blank. nbgrader's
-autograde runs them all in one call, and the gradebook gives each test cell's score.
+A submission is the released notebook with its solution cells filled in: from the reference solution, or from a
+known-wrong replacement (tests/submissions/<assignment>.py), or left blank. ``checks_score`` grades one by calling
+its checks (tests/test_grading.py); in a scratch course nbgrader's autograde grades them all in one call and the
+gradebook gives each test cell's score (tests/test_instructor_flow.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ LOOP = "while True:  # a submission that never finishes\n    pass\n"
 
 
 def cases(assignment: str) -> dict:
-    """The module of known submissions for an assignment (CASES, LOOP_CELL)."""
+    """The module of known submissions for an assignment (its CASES)."""
     path = ROOT / "tests" / "submissions" / f"{assignment}.py"
     spec = importlib.util.spec_from_file_location(f"submissions_{assignment}", path)
     mod = importlib.util.module_from_spec(spec)
@@ -37,11 +37,6 @@ def checked_ids(nb: dict) -> set[str]:
     """The grade_ids of the test cells that call course_lib.checks (graded outside the kernel)."""
     return {c["metadata"]["nbgrader"]["grade_id"] for c in nb["cells"]
             if c["metadata"].get("nbgrader", {}).get("grade") and "check(" in cell_source(c)}
-
-
-def checked(nb: dict) -> bool:
-    """Whether any of the notebook's test cells call course_lib.checks."""
-    return bool(checked_ids(nb))
 
 
 def strip_markers(source: str) -> str:
@@ -89,13 +84,6 @@ def submission(release: dict, solution: dict, replace: dict[str, str] | None = N
         if md.get("grade") and tamper and gid in tamper:
             c["source"] = tamper[gid]
     return nb
-
-
-def submit(course: Path, assignment: str, student: str, nb: dict) -> Path:
-    path = course / "submitted" / student / assignment / f"{assignment}.ipynb"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(nb, indent=1))
-    return path
 
 
 def autograde(course: Path, assignment: str, cell_timeout: int = 20) -> None:

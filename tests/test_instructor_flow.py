@@ -1,13 +1,22 @@
-"""The instructor's flow end to end, with nbgrader's real commands and a real exchange folder.
+"""The instructor's flow end to end, with nbgrader's real commands and a real exchange folder: the one whole autograde.
 
 A course made by course_lib.release.make_course from solutions/ (generate_assignment) releases
-00_orientation, the cheapest notebook, into a temporary exchange (release_assignment). Five
-students fetch it (fetch_assignment), put in their answers (built like tests/nbgrading.py does)
-and submit (submit). The instructor collects (collect), autogrades with a per-cell timeout
-(one student's exercise never finishes and loses only its own points), generates and releases
-feedback, the students fetch it (fetch_feedback), and the grades are exported to CSV (export).
-Checked: every student's score per test cell and in total, the feedback each one gets back, the
-CSV, and that no submitted file changed while it was graded.
+00_orientation, the cheapest notebook, into a temporary exchange (release_assignment). The students fetch it
+(fetch_assignment), put in their answers (built like tests/nbgrading.py does) and submit (submit). The
+instructor collects (collect), autogrades with a per-cell timeout, generates and releases feedback, the students
+fetch it (fetch_feedback), and the grades are exported to CSV (export).
+
+This is the suite's one whole-notebook autograde: what autograde adds over calling the checks
+(tests/test_grading.py grades every notebook's known-wrong submissions so) is the same for every notebook, and each
+student here proves one part of it. ada: the reference (full marks); ben: a wrong answer with a test cell he fails
+edited to pass (autograde restores the cell: he scores what his code deserves); cy: one exercise never finishes
+(the cell timeout stops it; only its own test cells lose points); mal0 and mal1: the attacks on the grading kernel
+and on the tests (tests/submissions/attacks.py: writing the gradebook, rebinding the tests' helpers, patching their
+judges, swallowing later errors), several exercises wrong in one notebook, each losing only its own points; and zoe,
+graded before, whose grades the gradebook attack tries to raise and must not change. (That the untouched release
+scores zero is the checks' own test, tests/test_checks.py: autograde's scores are the checks'.) Checked: every
+student's score per test cell and in total, the feedback each one gets back, the CSV, that no submitted file changed
+while it was graded, and that no other student's grade moved.
 """
 
 from __future__ import annotations
@@ -30,25 +39,32 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENT = "00_orientation"
 COURSE_ID = "scaling-pytorch-training"  # nbgrader_config.py
 CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, read by nbgrader_config.py)
+BYSTANDER = "zoe"  # graded before this run, with half marks on every cell (nbgrading.add_bystander)
 
 
 def students(release: dict, solution: dict) -> dict[str, tuple[dict, dict[str, int]]]:
-    """student id → (their notebook, the points each test cell must give it): five different totals out of 10."""
+    """student id → (their notebook, the points each test cell must give it)."""
     known = g.cases(ASSIGNMENT).CASES
     points = g.grade_cells(solution)
     assert points == g.cases(ASSIGNMENT).FULL and sum(points.values()) == 10
-    tied, gqa, autocast = (known[k] for k in ("lm_head_counted_when_tied", "gqa_ignored", "autocast_16bit_weights"))
-    both_wrong = {**gqa["cells"], **autocast["cells"]}
-    return {
+    tied = known["lm_head_counted_when_tied"]  # passes the visible test, fails the hidden one
+    failed = next(k for k, v in tied["scores"].items() if v == 0)  # the test cell ben edits to pass
+    cohort = {
         "ada": (g.submission(release, solution), points),
-        "ben": (g.submission(release, solution, replace=tied["cells"]), tied["scores"]),
+        "ben": (g.submission(release, solution, replace=tied["cells"], tamper={failed: "print('all tests passed')\n"}),
+                tied["scores"]),
         # never finishes Exercise 2: the cell timeout stops it, and only its two test cells score 0
         "cy": (g.submission(release, solution, replace={"training_memory": g.LOOP}),
                {**points, "test_training_memory": 0, "test_training_memory_hidden": 0}),
-        "dan": (g.submission(release, solution, replace=both_wrong),
-                {k: min(gqa["scores"][k], autocast["scores"][k]) for k in points}),
-        "eve": (g.submission(release, solution, blank=True), {k: 0 for k in points}),
     }
+    # the attacks on the kernel and on the tests, several to a notebook where they touch different exercises; the
+    # copies of the reference and the reads of solutions/ are the checks' to stop (test_checks_grade_known_submissions)
+    attacks = {n: a for n, a in g.attack_cases(ASSIGNMENT, solution, points).items()
+               if not n.startswith(("copy_reference_", "read_solutions_"))}
+    assert "write_gradebook" in attacks, "the gradebook attack is aimed at this assignment (attacks.GRADEBOOK_...)"
+    for i, case in enumerate(g.bundle(attacks, solution, points).values()):
+        cohort[f"mal{i}"] = (g.submission(release, solution, replace=case["cells"]), case["scores"])
+    return cohort
 
 
 def test_release_collect_autograde_feedback_export(tmp_path):
@@ -106,15 +122,24 @@ def test_release_collect_autograde_feedback_export(tmp_path):
         assert path.read_bytes() == sent[s], f"collect changed {s}'s notebook"
     before = {s: g.digest(p) for s, p in submitted.items()}
     others = {p: g.digest(p) for p in (course / "submitted").rglob("*") if p.is_file()}
+    g.add_bystander(course, ASSIGNMENT, BYSTANDER)  # graded earlier: the gradebook attack tries to raise these
+    grades_before = g.gradebook_rows(course)
     lap("collect")
 
     g.autograde(course, ASSIGNMENT, CELL_TIMEOUT)
     lap("autograde")
     got = g.scores(course, ASSIGNMENT)
     for s, (_, expected) in cohort.items():
-        assert got[s] == pytest.approx(expected), f"{s}: got {got[s]}, expected {expected}"
+        wrong = [k for k in expected if got[s].get(k) != pytest.approx(expected[k])]
+        assert not wrong, (f"{s}: {wrong} scored {[got[s].get(k) for k in wrong]}, expected "
+                           f"{[expected[k] for k in wrong]}; what those cells printed:\n"
+                           + g.outputs(course, ASSIGNMENT, s, wrong))
     totals = {s: float(sum(expected.values())) for s, (_, expected) in cohort.items()}
-    assert sorted(totals.values()) == [0, 7, 8, 9, 10], "five students, five different known totals"
+    grades_after = g.gradebook_rows(course)
+    bystander = {k: v for k, v in grades_before.items() if k[1] == BYSTANDER}
+    assert bystander and {k: grades_after.get(k) for k in bystander} == bystander, "an attack changed another's grades"
+    by_hand = {k: v for k, v in grades_after.items() if k[1] in cohort and (v[1] is not None or v[2])}
+    assert not by_hand, f"manual scores or extra credit appeared during autograde: {by_hand}"
     # the looping student was stopped by the cell timeout: their graded notebook says so
     looped = json.loads((course / "autograded" / "cy" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
     assert "CellTimeoutError" in json.dumps(looped) or "timed out" in json.dumps(looped).lower()
@@ -143,8 +168,8 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     lap("export")
     with open(grades) as f:
         rows = {r["student_id"]: r for r in csv.DictReader(f) if r["assignment"] == ASSIGNMENT}
-    assert set(rows) == set(cohort)
-    assert {s: float(r["raw_score"]) for s, r in rows.items()} == pytest.approx(totals)
+    assert set(rows) == {*cohort, BYSTANDER}
+    assert {s: float(r["raw_score"]) for s, r in rows.items()} == pytest.approx({**totals, BYSTANDER: 5.0})
     assert {float(r["max_score"]) for r in rows.values()} == {10.0}
 
     # grading wrote to autograded/, feedback/ and the gradebook, never into submitted/

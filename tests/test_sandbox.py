@@ -162,12 +162,23 @@ PROBE = textwrap.dedent('''
     import json, os, sqlite3, subprocess
     from pathlib import Path
     import course_lib, course_lib.ddp
+    import torch
+    import torch.distributed as dist
+    from course_lib.launch import run_forked
     def attempt(fn):
         try:
             fn()
             return "ok"
         except Exception as err:
             return type(err).__name__
+    def summed(rank, world):  # what a graded exercise's measurement does: ranks over gloo, from the kernel
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return t.item()
+    try:
+        ranks = run_forked(summed, 2, timeout=60)
+    except Exception as err:
+        ranks = repr(err)
     course, repo = Path("../../..").resolve(), Path(REPO)
     print(json.dumps({
         "course_lib": course_lib.__file__,
@@ -186,7 +197,7 @@ PROBE = textwrap.dedent('''
         "write own folder": attempt(lambda: Path("written.txt").write_text("x")),
         "write home": attempt(lambda: (Path.home() / "h.txt").write_text("x")),
         "home": str(Path.home()), "run dir": os.environ["COURSE_RUN_DIR"],
-        "ops": os.environ["TORCH_EXTENSIONS_DIR"],
+        "ops": os.environ["TORCH_EXTENSIONS_DIR"], "ranks": ranks,
     }))
 ''')
 
@@ -206,7 +217,7 @@ def course(tmp_path) -> Path:
     return course
 
 
-def test_grading_kernel_reads_only_the_student_edition_and_its_submission(course):
+def test_grading_kernel_reads_only_the_student_edition_and_its_submission_and_starts_ranks(course):
     config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
     execute = next(p for p in config.Autograde.autograde_preprocessors if p.__name__ == "SandboxedExecute")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f"REPO = {str(ROOT)!r}\n" + PROBE)])
@@ -225,6 +236,7 @@ def test_grading_kernel_reads_only_the_student_edition_and_its_submission(course
     assert {k: got[k] for k in ("own notebook", "write own folder", "write home")} == dict.fromkeys(
         ("own notebook", "write own folder", "write home"), "ok")
     assert (here / "written.txt").exists()
+    assert got["ranks"] == [3.0, 3.0], f"two gloo ranks started in the grading kernel: {got['ranks']}"
     scratch = Path(got["home"])
     assert Path(got["run dir"]).parent == scratch and Path(got["ops"]).parent == scratch
     assert not scratch.exists(), "the kernel's scratch folder outlived it"

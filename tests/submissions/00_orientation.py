@@ -201,6 +201,3 @@ CASES = {
         "scores": scores(test_saved_activation_bytes=0, test_saved_activation_bytes_hidden=0),
     },
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "saved_activation_bytes"

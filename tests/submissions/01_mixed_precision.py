@@ -158,6 +158,3 @@ CASES = {
         "cells": {"amp_train_step": AMP_NO_UPDATE}, "scores": scores(test_amp_train_step_hidden=0)},
     "calls_library_amp_train_step": {"cells": {"amp_train_step": CALLS_LIBRARY_AMP_STEP}, "scores": scores(**NO_AMP_POINTS)},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "DynamicLossScaler"

@@ -66,6 +66,3 @@ CASES = {
         "cells": {"DelayedScalingFP8": FP8_NO_CLAMP}, "scores": scores(test_DelayedScalingFP8_hidden=0)},
     "calls_library_DelayedScalingFP8": {"cells": {"DelayedScalingFP8": CALLS_LIBRARY_FP8}, "scores": scores(**NO_FP8_POINTS)},
 }
-
-# The submission that loops forever in the exercise, and the one that edits a test cell.
-LOOP_CELL = "DelayedScalingFP8"

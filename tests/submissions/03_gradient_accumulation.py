@@ -161,6 +161,3 @@ CASES = {
         "cells": {"micro_step_context": SYNC_ON_THE_FIRST}, "scores": scores(**NO_SYNC_POINTS)},
     "calls_library_micro_step_context": {"cells": {"micro_step_context": CALLS_LIBRARY_SYNC}, "scores": scores(**NO_SYNC_POINTS)},
 }
-
-# The submission that loops forever in this solution cell loses only its own tests.
-LOOP_CELL = "accumulate_tokens"

@@ -106,6 +106,3 @@ CASES = {
         "cells": {"checkpointed": CALLS_TORCH},
         "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
 }
-
-# The submission that loops forever in this solution cell loses only its own tests.
-LOOP_CELL = "checkpointed"

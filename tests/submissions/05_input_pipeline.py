@@ -130,6 +130,3 @@ CASES = {
     ]},
     "calls_library_Prefetcher": {"cells": {"Prefetcher": CALLS_LIBRARY_PREFETCHER}, "scores": scores(**{k: 0 for k in FULL})},
 }
-
-# The submission that loops forever in the exercise, and the one that edits a test cell.
-LOOP_CELL = "Prefetcher"

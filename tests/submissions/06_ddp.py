@@ -106,6 +106,3 @@ CASES = {
     "sampler_pads": {  # drop_last on the DataLoader only: the sampler repeats indices to even out the shards
         "cells": {"rank_batches": SAMPLER_PADS}, "scores": scores(test_rank_batches_hidden=0)},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "average_gradients"

@@ -149,6 +149,3 @@ CASES = {
         ("calls_torch_ddp", CALLS_TORCH_DDP, {k: 0 for k in FULL}),
     ]},
 }
-
-# The submission that loops forever in the exercise, and the one that edits a test cell.
-LOOP_CELL = "BucketedDDP"

@@ -205,6 +205,3 @@ CASES = {
         "cells": {"ShardedModule": CALLS_FULLY_SHARD},
         "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "apply_fsdp"

@@ -224,7 +224,3 @@ CASES = {
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
                                      "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "make_ds_config"
-CELL_TIMEOUT = 150  # test cells launch 2 processes: about 8 s each on 2 idle cores, 60 s and more beside another test worker

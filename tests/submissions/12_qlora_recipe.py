@@ -226,8 +226,3 @@ CASES = {
            ("calls_library_QLoRALinear", CALLS_LIBRARY_QLORA, ["", "_hidden"]),
        ]},
 }
-
-# The submission that loops forever in this solution cell loses only its own tests (the layer is graded over the
-# reference's quantiser and storage, so the tests before it keep their points).
-LOOP_CELL = "QLoRALinear"
-CELL_TIMEOUT = 100  # the fine-tune cells train small models: a few seconds, several times that beside another test worker

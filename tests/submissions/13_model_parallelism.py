@@ -293,7 +293,3 @@ CASES = {
                           "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
     "calls_library_run_1f1b": {"cells": {"run_1f1b": CALLS_LIBRARY_EXECUTOR}, "scores": scores(*EXECUTOR)},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "one_f_one_b_order"
-CELL_TIMEOUT = 150  # test cells fork 2 to 4 ranks: a few seconds each, many times that beside another test worker

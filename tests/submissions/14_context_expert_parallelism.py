@@ -147,7 +147,3 @@ CASES = {
     "capacity_ignored": {"cells": {"expert_parallel": CAPACITY_IGNORED}, "scores": scores(*EXPERTS)},
     "calls_library_expert_parallel": {"cells": {"expert_parallel": CALLS_LIBRARY_EXPERTS}, "scores": scores(*EXPERTS)},
 }
-
-# The submission that loops forever in one exercise, and the one that edits a test cell.
-LOOP_CELL = "expert_parallel"
-CELL_TIMEOUT = 150  # test cells fork 2 to 4 ranks: a few seconds each, many times that beside another test worker

@@ -12,7 +12,7 @@ Three attacks, each stopped by the grading kernel's sandbox (course_lib.sandbox,
 - ``write_gradebook`` (one assignment, GRADEBOOK_ASSIGNMENT): a known-wrong answer whose cell first opens
   ``../../../gradebook.db`` with sqlite3 and gives every grade of every student its maximum and extra
   credit. The sandbox denies the open: the wrong code scores what it deserves, and the gradebook of every
-  other student is unchanged (tests/test_grading.py compares it before and after).
+  other student is unchanged (tests/test_instructor_flow.py compares it before and after).
 
 Each assignment gets one attack per exercise (a copy where course_lib holds a graded reference of it, the
 gradebook write on GRADEBOOK_EXERCISE, else a read of solutions/), so that together they cost at most one more
@@ -27,14 +27,14 @@ from pathlib import Path
 import nbgrading  # tests/nbgrading.py: the known submissions of every assignment
 
 REPO = Path(__file__).resolve().parents[2]  # the instructor's repository (the course graded in tests is a copy)
-GRADEBOOK_ASSIGNMENT = "03_gradient_accumulation"
-GRADEBOOK_EXERCISE = "accumulate_gradients"
+GRADEBOOK_ASSIGNMENT = "00_orientation"  # the one notebook autograded whole (tests/test_instructor_flow.py)
+GRADEBOOK_CASE = "gqa_ignored"
 
-# A known-wrong answer of GRADEBOOK_EXERCISE, 02's own "loss_not_divided" (the loss is not divided by the number of
-# micro-batches): it loses that exercise's two gradient tests and keeps its error test.
-_NOT_DIVIDED_CASE = nbgrading.cases(GRADEBOOK_ASSIGNMENT).CASES["loss_not_divided"]
-NOT_DIVIDED = _NOT_DIVIDED_CASE["cells"][GRADEBOOK_EXERCISE]
-NOT_DIVIDED_LOSES = tuple(test for test, score in _NOT_DIVIDED_CASE["scores"].items() if score == 0)
+# A known-wrong answer of that assignment, its own GRADEBOOK_CASE (the parameter count ignores grouped-query
+# attention): the attack writes the gradebook, then defines it, and must lose that case's tests only.
+_GRADEBOOK_CASE = nbgrading.cases(GRADEBOOK_ASSIGNMENT).CASES[GRADEBOOK_CASE]
+(GRADEBOOK_EXERCISE, BENEATH), = _GRADEBOOK_CASE["cells"].items()
+BENEATH_LOSES = tuple(test for test, score in _GRADEBOOK_CASE["scores"].items() if score == 0)
 
 WRITE_GRADEBOOK = '''
 import sqlite3
@@ -47,7 +47,7 @@ try:   # the grader's gradebook, three folders above autograded/<student>/<assig
     print("wrote every grade of every student")
 except Exception as _err:
     print(f"could not write the gradebook: {_err!r}")
-''' + NOT_DIVIDED
+''' + BENEATH
 
 
 def _getsource(module: str, name: str, into: str) -> str:
@@ -160,7 +160,7 @@ def cases(assignment: str, tests_of: dict[str, list[str]]) -> dict[str, dict]:
     out = {}
     for exercise, tests in tests_of.items():
         if assignment == GRADEBOOK_ASSIGNMENT and exercise == GRADEBOOK_EXERCISE:
-            out["write_gradebook"] = {"cells": {exercise: WRITE_GRADEBOOK}, "loses": list(NOT_DIVIDED_LOSES)}
+            out["write_gradebook"] = {"cells": {exercise: WRITE_GRADEBOOK}, "loses": list(BENEATH_LOSES)}
         elif (assignment, exercise) in COPIES:
             out[f"copy_reference_{exercise}"] = {"cells": {exercise: COPIES[assignment, exercise]}, "loses": tests}
         else:
