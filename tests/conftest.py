@@ -99,7 +99,7 @@ ALONE = {"test_browser", "test_hub", "test_notebook_13", "test_pp"}
 MULTI_RANK_GRADING = {"06_ddp", "07_ddp_reducer", "08_fsdp", "09_deepspeed_zero", "13_model_parallelism",
                       "14_context_expert_parallelism"}
 LANES = ["grading with ranks", "grading in one process"]
-LONGEST_FIRST = ["test_notebook_09", "test_notebook_11"]
+LONGEST_FIRST = ["test_node_emulation", "test_notebook_09", "test_notebook_11"]  # node emulation: 12 min of a worker
 
 
 def group_of(item) -> str:
