@@ -48,6 +48,11 @@ def cell_timeout(cell) -> int:
 c.Execute.timeout = CELL_TIMEOUT
 c.Execute.timeout_func = cell_timeout
 c.Execute.interrupt_on_timeout = True
+# After a cell's reply, nbclient waits this long for the kernel's last output messages, and nbgrader's Execute
+# (raise_on_iopub_timeout) fails the student's whole notebook when they come later. nbclient's 4 s was passed on a
+# loaded 2-core machine (the test suite's second worker beside it): every student but one lost their grading at
+# notebook 00's bert-base cell. A healthy kernel sends them at once; this only bounds a kernel that stalls.
+c.Execute.iopub_timeout = 60
 c.Execute.allow_errors = True
 
 # The grading kernel inherits this process's environment (jupyter_client copies os.environ). DeepSpeed
