@@ -75,12 +75,13 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
     assert after == before, f"importing course_lib started {after - before} thread(s)"
 
 
-# On a machine with GPUs, run_forked spawns its ranks and a probe sends them the student's definitions by value
-# (cloudpickle), not the forked namespace. What crosses is of two kinds, each graded here once (a spawned grading
-# imports torch afresh in every rank: about 40 s on 2 cores): a notebook's functions (06's average_gradients) and
-# its classes, nn.Module and autograd.Function subclasses that refer to each other (13's tensor-parallel pair; 07's
-# BucketedDDP, 08's ShardedModule and 09's ShardedOptimizer are subclasses of the same kind).
-SPAWNED = {"06_ddp": "test_average_gradients", "13_model_parallelism": "test_tensor_parallel_pair"}
+# One multi-rank check of each notebook whose tests start ranks: on a machine with GPUs, run_forked spawns its
+# ranks and a probe sends them the student's definitions by value (cloudpickle), not the forked namespace. Each
+# notebook's checks name what they send (checks.student(ns, *names)), and a name wrong there fails only on that
+# path: so every such notebook keeps one spawned grading here, though it costs about 40 s of a worker each.
+SPAWNED = {"06_ddp": "test_average_gradients", "07_ddp_reducer": "test_BucketedDDP", "08_fsdp": "test_ShardedModule",
+           "09_deepspeed_zero": "test_ShardedOptimizer", "13_model_parallelism": "test_tensor_parallel_pair",
+           "14_context_expert_parallelism": "test_ring_attention"}
 
 
 @pytest.mark.parametrize("assignment", sorted(SPAWNED))
