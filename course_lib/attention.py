@@ -143,19 +143,33 @@ def _is_fused(backend: SDPBackend | None) -> bool:
 def sdpa_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool, scale: float | None) -> tuple:
     """What SDPA's dispatcher decides from, as plain values: device, grad mode, and per tensor its shape,
-    strides, dtype (the autocast dtype where autocast will cast it) and ``requires_grad``; dropout, causal, scale."""
+    strides, dtype (the autocast dtype where autocast will cast it) and ``requires_grad``; dropout, causal, scale.
+
+    While ``torch.compile`` traces, the decision becomes a constant of the graph, and a graph that recompiled for
+    a second length or batch size (dynamo's automatic dynamic shapes) runs every length with it: there the batch
+    and sequence sizes are symbols, not values. So when compiling, those sizes are asked about as
+    ``TRACED_SIZE`` (1 stays 1: a one-token query decodes) and strides as the layout they make ("bhsd", "bshd");
+    heads and head dim, which do not change between calls, stay exact."""
     device = query.device
     cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    compiling = torch.compiler.is_compiling()
 
-    def meta(t: torch.Tensor) -> tuple:
+    def meta(t: torch.Tensor, sizes: tuple[int, ...]) -> tuple:
         dtype = cast if cast is not None and t.is_floating_point() else t.dtype
-        return tuple(t.shape), tuple(t.stride()), dtype, t.requires_grad
+        if not compiling:
+            return tuple(t.shape), tuple(t.stride()), dtype, t.requires_grad
+        shape = tuple(1 if n == 1 else TRACED_SIZE if i in sizes else n for i, n in enumerate(t.shape))
+        return shape, _layout(t), dtype, t.requires_grad
 
-    mask = None if attn_mask is None else meta(attn_mask)
-    return (str(device), torch.is_grad_enabled(), meta(query), meta(key), meta(value), mask, float(dropout_p),
+    mask = None if attn_mask is None else meta(attn_mask, (0, 2, 3))  # (batch, 1 or heads, T, T)
+    qkv = (meta(t, (0, 2)) for t in (query, key, value))  # (batch, heads, T, head dim)
+    return (str(device), torch.is_grad_enabled(), *qkv, mask, float(dropout_p),
             bool(is_causal), scale)
 
 
+# The batch and sequence size the dispatcher is asked about while torch.compile traces (they may be symbols): a
+# multiple of the tiles the fused kernels like, small enough that the stand-in tensors cost little.
+TRACED_SIZE = 64
 # (signature, backend context) -> (layout, torch's reasons): the dispatcher is asked once per kind of call
 _PLANS: dict[tuple, tuple[str, str]] = {}
 _BACKEND_FLAGS = ("flash", "mem_efficient", "cudnn", "math", "overrideable")
@@ -204,9 +218,26 @@ def _repeated(meta: tuple, n_rep: int) -> tuple:
     return (b, h * n_rep, t, d), (h * n_rep * t * d, t * d, d, 1), dtype, requires_grad
 
 
+def _layout(t: torch.Tensor) -> str:
+    """The memory layout of a 4-d (batch, heads, T, d) tensor, as a compiled graph can hold it for every size:
+    "bhsd" (contiguous as shaped) or "bshd" (heads and T swapped, as transformers' projections are viewed)."""
+    if t.is_contiguous():
+        return "bhsd"
+    if t.dim() == 4 and t.transpose(1, 2).is_contiguous():
+        return "bshd"
+    raise ValueError(f"compiled attention on an input of shape {tuple(t.shape)} and strides {t.stride()}: only "
+                     "(batch, heads, T, d) tensors laid out contiguously, or with heads and T swapped, have a kernel "
+                     "decided once for every size; call .contiguous() on it before attention")
+
+
 def _stand_in(device: str, meta: tuple) -> torch.Tensor:
     """An uninitialised tensor with this metadata: all the dispatcher looks at."""
     shape, stride, dtype, requires_grad = meta
+    if stride == "bhsd":
+        stride = torch.empty(shape, device="meta").stride()
+    elif stride == "bshd":
+        b, h, t, d = shape
+        stride = torch.empty(b, t, h, d, device="meta").transpose(1, 2).stride()
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
 
 

@@ -219,6 +219,28 @@ def test_the_compiled_call_decides_the_same_while_tracing(monkeypatch):
     assert_matches_reference(lambda: compiled(q, k, v, is_causal=True), q, k, v, None, True, tol=1e-5)
 
 
+def test_the_recipes_compiled_layers_take_new_lengths_and_batch_sizes(monkeypatch):
+    """The recipe compiles each decoder layer on a GPU; a fine-tune's padded batches change length, dynamo then
+    recompiles with symbolic sizes, and the kernel decision must still be a constant of the graph (on the H100 it
+    was not: torch 2.11 stopped notebook 11 with "SymNodeVariable() is not a constant"). Dynamo's eager backend
+    traces as a GPU run does (fullgraph: no break allowed); each batch's loss equals the uncompiled model's."""
+    from course_lib.recipe import Recipe, prepare
+
+    compile_module = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager", fullgraph=True))
+    torch._dynamo.reset()
+    eager = build_llama("tiny")
+    compiled = prepare(build_llama("tiny"), Recipe(compile=True, frozen_weights_bf16=False))
+    compiled.load_state_dict(eager.state_dict())
+    for batch, t in ((4, 16), (4, 24), (3, 40), (1, 12)):  # from the second on, sizes are symbols
+        ids = tokens(batch, t, seed=t)
+        mask = torch.ones(batch, t, dtype=torch.long)
+        mask[0, t // 2 + 1:] = 0  # a padded row: the attention mask is a tensor, not is_causal
+        got, want = (m(input_ids=ids, attention_mask=mask, labels=ids).loss for m in (compiled, eager))
+        assert float(got) == pytest.approx(float(want), rel=1e-5), (batch, t)
+    assert torch.compiler.is_compiling() is False and len(att._PLANS) >= 2  # decided while tracing, not per call
+
+
 def test_the_meta_init_model_attends_as_build_llama_does():
     model = empty_llama("tiny", attention_dropout=0.1)  # notebook 08's meta-device initialisation
     model.to_empty(device="cpu")
