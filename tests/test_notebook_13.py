@@ -59,10 +59,12 @@ def test_bytes_per_dimension_are_counted(executed):
 def test_pipeline_bubble_and_memory(executed):
     res = executed("13_model_parallelism")
     bubbles = [value(res, f"gpipe_bubble_m{m}") for m in (1, 2, 4, 8)]
-    for m, b in zip((1, 2, 4), bubbles):
-        assert b == pytest.approx(1 / (m + 1), rel=0.1), m  # p = 2: (p-1)/(m+p-1)
+    # p = 2: (p-1)/(m+p-1) is the floor (sleep-padded stages); the runtime between actions only adds, more on a
+    # loaded machine (test_pp.test_measured_gpipe_bubble_matches_the_formula says how much)
+    for m, b in zip((1, 2, 4, 8), bubbles):
+        assert 0.95 / (m + 1) <= b <= 1 / (m + 1) + 0.04, m
     assert bubbles == sorted(bubbles, reverse=True)
-    assert value(res, "naive_bubble") == pytest.approx(0.5, rel=0.1)
+    assert 0.95 * 0.5 <= value(res, "naive_bubble") <= 0.5 + 0.04
     in_flight = value(res, "pp_in_flight")
     assert in_flight["gpipe"] == [4, 4] and max(in_flight["1f1b"]) <= 2 and in_flight["naive"] == [1, 1]
     saved = value(res, "pp_saved_bytes_rank0")

@@ -119,15 +119,15 @@ def test_measured_gpipe_bubble_matches_the_formula():
     """p=2 ranks launched as ``course_lib.pp`` workers; each stage's forward padded with sleep to 40 ms and
     its backward to 80 ms (``simulate_ms``: simulated work, which needs no core, so two ranks on two busy
     cores still show the schedule). ``bubble`` is the least over steps 1-3 (other processes only add idle
-    time). Within 10% of (p-1)/(m+p-1) for m = 1, 2, 4 (measured here: +1%, +2-5%, +4-9%). m = 8 is held
-    to 0.04 absolute: its bubble is 0.11, and the ~0.4 ms torch's runtime and gloo spend between two
-    actions, on the 18 actions of the critical path, add 0.01-0.03 to it (+13% to +26% measured)."""
+    time). The schedule's idle time is the floor: no bubble falls more than 5% below (p-1)/(m+p-1). What
+    torch's runtime and gloo spend between two actions (~0.4 ms on an idle machine, a few ms on CI's two
+    busy cores: +13% at m = 4 there) only adds to it, at most 0.04 (0.5, 0.33, 0.2, 0.11 for m = 1, 2, 4,
+    8 stay apart and in order)."""
     runs = [dict(schedule="gpipe", microbatches=m, steps=4, layers=2, batch=8, seq=16, simulate_ms=[40, 80])
             for m in (1, 2, 4, 8)]
     results = launch("course_lib.pp:sweep", 2, {"runs": runs}, echo=False, timeout=120)[0]["runs"]
-    for res in results[:3]:
-        assert res["bubble"] == pytest.approx(res["formula"], rel=0.1), (res["microbatches"], res["bubbles"])
-    assert results[3]["bubble"] == pytest.approx(results[3]["formula"], abs=0.04), results[3]["bubbles"]
+    for res in results:
+        assert 0.95 * res["formula"] <= res["bubble"] <= res["formula"] + 0.04, (res["microbatches"], res["bubbles"])
     assert [r["bubble"] for r in results] == sorted((r["bubble"] for r in results), reverse=True)
     assert [r["in_flight_peak"] for r in results] == [[m, m] for m in (1, 2, 4, 8)]
 
