@@ -239,6 +239,12 @@ def test_the_recipes_compiled_layers_take_new_lengths_and_batch_sizes(monkeypatc
         got, want = (m(input_ids=ids, attention_mask=mask, labels=ids).loss for m in (compiled, eager))
         assert float(got) == pytest.approx(float(want), rel=1e-5), (batch, t)
     assert torch.compiler.is_compiling() is False and len(att._PLANS) >= 2  # decided while tracing, not per call
+    # notebook 11 scores by greedy generation on the same compiled layers: one-token queries on a growing cache
+    ids, mask = tokens(2, 12, seed=1), torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0  # left padding, as generation pads
+    got, want = (m.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                   pad_token_id=0) for m in (compiled, eager))
+    assert torch.equal(got, want)
 
 
 def test_the_meta_init_model_attends_as_build_llama_does():
