@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 from collections import Counter
 from dataclasses import replace
@@ -52,7 +51,7 @@ import torch
 
 from course_lib import attention
 from course_lib.data import train_tokenizer
-from course_lib.device import default_device, device_memory_bytes
+from course_lib.device import default_device, device_memory_bytes, free_memory
 from course_lib.finetune import load_model
 from course_lib.instruct import example_texts, make_examples, pack_examples, tokenize_example
 from course_lib.lora import ALL_LINEAR, apply_lora, trainable_parameters
@@ -107,10 +106,7 @@ def packed_batches(n_batches: int, micro_batch: int, seq_len: int, vocab_size: i
 
 
 def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    free_memory(device)
     try:
         torch._dynamo.reset()
     except Exception:  # noqa: BLE001 (dynamo absent or already clean)

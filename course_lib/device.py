@@ -6,6 +6,7 @@ means "a GPU" on both vendors; ``torch.version.hip`` tells them apart.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 from pathlib import Path
@@ -95,6 +96,27 @@ def device_memory_bytes(device: torch.device | None = None) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return host_memory_bytes()
+
+
+def device_held_bytes(device: torch.device | None = None) -> int:
+    """GPU memory a new model cannot have now: this process's live tensors, its CUDA context, and what other
+    processes hold (the allocator's cached, unused blocks count as free). 0 on a CPU."""
+    device = device or default_device()
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, total - free - cached)
+
+
+def free_memory(device: torch.device | None = None) -> None:
+    """Give back what dropped models and optimizers held: collect their reference cycles, then return the
+    allocator's cached blocks to the GPU (for another process, or a measurement of what is free)."""
+    gc.collect()
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def system_report() -> dict[str, str]:

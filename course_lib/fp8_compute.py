@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from course_lib.data import lm_batch
+from course_lib.device import free_memory
 from course_lib.fp8 import (FNUZ_ARCHS, amax, check_fp8_dtype, dequantize, device_arch, device_fp8_dtypes, quantize,
                             relative_error, scale_for)
 from course_lib.memory import PeakMemory
@@ -287,8 +288,7 @@ def train_llama(preset: str = "8b", *, fp8: bool, steps: int, batch: int, seq: i
         history = fit(step_model, opt, lambda step: lm_batch(step, batch, seq, vocab, seed).to(device), steps,
                       amp_dtype="bfloat16", progress=False)
         del model, step_model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     timed = sorted(r["seconds"] for r in history[warmup:])
     return {"losses": [r["loss"] for r in history], "tokens_per_s": tokens_per_second(history, batch * seq, warmup),
             "peak_bytes": mem.peak, "step_s": timed[len(timed) // 2], "fp8": fp8}

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from course_lib.data import lm_batch
+from course_lib.device import free_memory
 from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.memory import PeakMemory
 from course_lib.models import build_llama, llama_num_parameters
@@ -267,8 +268,7 @@ def lora_run(path: str, *, quantize: bool, steps: int, batch: int, seq: int, dev
         history = fit(model, opt, lambda step: lm_batch(step, batch, seq, vocab, seed).to(device), steps,
                       amp_dtype=torch.bfloat16, progress=False)
         del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return {"losses": [r["loss"] for r in history], "tokens_per_s": tokens_per_second(history, batch * seq, warmup),
             "weights_bytes": weights, "peak_bytes": peak.peak, "quantized": quantize}
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from course_lib import attention
 from course_lib.checkpointing import checkpoint_layers, transformer_layers
-from course_lib.device import default_device, device_memory_bytes
+from course_lib.device import default_device, device_held_bytes, device_memory_bytes
 from course_lib.loss import LOSS_CHUNK_TOKENS, forward_loss, lm_loss
 from course_lib.memory import estimate_model_state, llama_activation_bytes
 from course_lib.models import llama_num_parameters, unwrap_causal_lm
@@ -156,7 +156,7 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
 def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = None, *, micro_batch: int | None = None,
                      lora: bool = False, chunked_loss: bool = True, frozen_bytes: int = 2, max_micro_batch: int = 16,
                      memory_bytes: int | None = None, headroom: float = 0.85, cpu_micro_batch: int = 8,
-                     lora_params: int = 0, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> dict:
+                     lora_params: int = 0, chunk_tokens: int = LOSS_CHUNK_TOKENS, held_bytes: int | None = None) -> dict:
     """Choose the micro-batch and whether to checkpoint, from the device's memory.
 
     With ``micro_batch`` given (the batch you want per step): that size without checkpointing if
@@ -165,13 +165,19 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
     the largest power of two up to ``max_micro_batch`` that fits without checkpointing, and
     checkpointing only when not even 1 fits. On a CPU (no ``memory_bytes`` given) the plan is a
     fixed small one: CPU RAM is not the limit there, time is.
+
+    On the GPU in hand (no ``memory_bytes`` given) what is held already, by this process's live tensors (the
+    models of earlier notebook cells) or by other processes, comes off the budget (``held_bytes``, measured by
+    ``device_held_bytes`` unless given): a plan that ignored it chose sizes that ran out of memory.
     """
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cuda" and memory_bytes is None:
         mb = micro_batch or cpu_micro_batch
         return {"micro_batch": mb, "accum_steps": 1, "checkpointing": False, "estimated_bytes": None,
                 "budget_bytes": None, "reason": "CPU: a fixed small plan (time, not memory, is the limit)"}
-    budget = headroom * (memory_bytes or device_memory_bytes(device))
+    if held_bytes is None:
+        held_bytes = 0 if memory_bytes is not None else device_held_bytes(device)
+    budget = headroom * (memory_bytes or device_memory_bytes(device)) - held_bytes
     kw = dict(lora=lora, chunked_loss=chunked_loss, frozen_bytes=frozen_bytes, lora_params=lora_params,
               chunk_tokens=chunk_tokens)
 
@@ -180,7 +186,7 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
 
     def plan(mb, ckpt, accum, reason):
         return {"micro_batch": mb, "accum_steps": accum, "checkpointing": ckpt, "estimated_bytes": need(mb, ckpt),
-                "budget_bytes": int(budget), "reason": reason}
+                "budget_bytes": int(budget), "held_bytes": held_bytes, "reason": reason}
 
     if micro_batch is not None:
         if need(micro_batch, False) <= budget:
@@ -198,5 +204,7 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
         if need(mb, True) <= budget:
             accum = math.ceil(target / mb)
             return plan(mb, True, accum, "checkpointing, and accumulation for the rest of the batch")
+    held = (f" after the {held_bytes / 2**30:.1f} GiB held already (free the models of earlier cells: del them, then "
+            "course_lib.device.free_memory(); or stop the other processes on this GPU)") if held_bytes else ""
     raise ValueError(f"even micro-batch 1 with checkpointing needs {need(1, True) / 2**30:.1f} GiB and the budget "
-                     f"is {budget / 2**30:.1f} GiB: use LoRA, a shorter sequence, or shard the model (FSDP, ZeRO-3)")
+                     f"is {budget / 2**30:.1f} GiB{held}: use LoRA, a shorter sequence, or shard the model (FSDP, ZeRO-3)")

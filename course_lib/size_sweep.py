@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import importlib
 from typing import Callable
 
@@ -29,7 +28,7 @@ from course_lib import attention
 from course_lib.checkpointing import checkpoint_layers, transformer_layers
 from course_lib.data import random_tokens
 from course_lib.deepspeed_engine import deepspeed_step, ds_config
-from course_lib.device import device_memory_bytes, host_memory_bytes
+from course_lib.device import device_memory_bytes, free_memory, host_memory_bytes
 from course_lib.distributed import rank_device
 from course_lib.launch import launch
 from course_lib.memory import llama_activation_bytes
@@ -105,14 +104,6 @@ def predict_largest(strategy: str, gpu_bytes: float, host_bytes: float, nvme_byt
             break
         best.update(shape=(hidden, layers), n_params=llama_num_parameters(config))
     return best
-
-
-def free_memory() -> None:
-    """Give back what a failed trial held: collect the reference cycles its traceback and engine left, then
-    return the allocator's cached blocks to the GPU."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def is_out_of_memory(err: BaseException) -> bool:

@@ -70,6 +70,21 @@ def test_plan_micro_batch_checkpoints_only_when_memory_needs_it():
     assert 38 < est < 50
 
 
+def test_plan_takes_what_the_gpu_holds_already_off_its_budget():
+    """Notebook 12's benchmark ran out of memory on an H100: its plan counted the whole 80 GB while the notebook's
+    own fine-tuned models held tens of GB. The baseline 1B step (~44 GiB) fits an empty 80 GB card, needs
+    checkpointing beside 30 GiB held, and beside 60 GiB held nothing fits: the error says what to free."""
+    c1 = llama_config("1b")
+    baseline = dict(micro_batch=4, chunked_loss=False, frozen_bytes=4, memory_bytes=80 * GIB)
+    empty = rc.plan_micro_batch(c1, 2048, "cuda", **baseline, held_bytes=0)
+    assert not empty["checkpointing"] and empty["held_bytes"] == 0
+    shared = rc.plan_micro_batch(c1, 2048, "cuda", **baseline, held_bytes=30 * GIB)
+    assert shared["checkpointing"] and shared["budget_bytes"] == empty["budget_bytes"] - 30 * GIB
+    with pytest.raises(ValueError, match="60.0 GiB held already .*free the models of earlier cells"):
+        rc.plan_micro_batch(c1, 2048, "cuda", **baseline, held_bytes=60 * GIB)
+    assert rc.plan_micro_batch(c1, 2048, "cuda", **baseline)["held_bytes"] == 0  # a card named by its size: empty
+
+
 def test_estimate_counts_the_chunked_loss_lm_head_gradient_only_where_the_head_trains():
     c8 = llama_config("8b")
     full = rc.estimate_step_bytes(c8, 2048, 4)
