@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import math
+import os
+import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,13 +333,6 @@ def test_peft_lora_layer_reference_freezes_the_base_and_adds_the_scaled_update()
 
 
 # ------------------------------------------- a node run: real loading, data, loss, schedule, ranks
-import json
-import math
-import os
-import subprocess
-import types
-from pathlib import Path
-
 LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
                    "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
                    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
