@@ -51,7 +51,7 @@ import torch
 
 from course_lib import attention
 from course_lib.data import train_tokenizer
-from course_lib.device import default_device, device_memory_bytes, free_memory
+from course_lib.device import default_device, device_held_bytes, device_memory_bytes, free_memory
 from course_lib.finetune import load_model
 from course_lib.instruct import example_texts, make_examples, pack_examples, tokenize_example
 from course_lib.lora import ALL_LINEAR, apply_lora, trainable_parameters
@@ -128,6 +128,7 @@ def _build(recipe: Recipe, *, preset: str, seq_len: int, micro_batch: int, lora:
            device: torch.device, seed: int, lr: float, overrides: dict):
     """The model (prepared by ``recipe``), its optimizer, the recipe with the plan's checkpointing, and the plan."""
     config = llama_config(preset, **overrides)
+    held = device_held_bytes(device)  # before the model: the plan's estimate counts the model itself
     model = load_model(None, preset=preset, device=device, attn_implementation=recipe.attn_implementation, seed=seed,
                        **overrides)
     if lora:
@@ -135,7 +136,8 @@ def _build(recipe: Recipe, *, preset: str, seq_len: int, micro_batch: int, lora:
     frozen_bytes = 2 if (lora and recipe.frozen_weights_bf16) else 4
     plan = plan_micro_batch(config, seq_len, device, micro_batch=micro_batch, lora=lora,
                             chunked_loss=recipe.chunked_loss, frozen_bytes=frozen_bytes,
-                            chunk_tokens=recipe.loss_chunk_tokens, lora_params=trainable_parameters(model) if lora else 0)
+                            chunk_tokens=recipe.loss_chunk_tokens, lora_params=trainable_parameters(model) if lora else 0,
+                            held_bytes=held)
     if plan["accum_steps"] != 1:
         raise ValueError(f"micro_batch={micro_batch} does not fit even with checkpointing ({plan}): pick a smaller one")
     recipe = replace(recipe, checkpointing=plan["checkpointing"])

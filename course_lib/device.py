@@ -99,14 +99,11 @@ def device_memory_bytes(device: torch.device | None = None) -> int:
 
 
 def device_held_bytes(device: torch.device | None = None) -> int:
-    """GPU memory a new model cannot have now: this process's live tensors, its CUDA context, and what other
-    processes hold (the allocator's cached, unused blocks count as free). 0 on a CPU."""
+    """GPU memory this process's live tensors hold now (the models and optimizers of earlier notebook cells): what a
+    new model cannot have. The CUDA context and the allocator's slack are what a plan's headroom is for; other
+    processes on the same GPU are not counted (one GPU per learner is the course's layout). 0 on a CPU."""
     device = device or default_device()
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, total - free - cached)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def free_memory(device: torch.device | None = None) -> None:

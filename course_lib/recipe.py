@@ -166,9 +166,9 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
     checkpointing only when not even 1 fits. On a CPU (no ``memory_bytes`` given) the plan is a
     fixed small one: CPU RAM is not the limit there, time is.
 
-    On the GPU in hand (no ``memory_bytes`` given) what is held already, by this process's live tensors (the
-    models of earlier notebook cells) or by other processes, comes off the budget (``held_bytes``, measured by
-    ``device_held_bytes`` unless given): a plan that ignored it chose sizes that ran out of memory.
+    On the GPU in hand (no ``memory_bytes`` given) what this process's live tensors hold already (the models of
+    earlier notebook cells) comes off the budget (``held_bytes``, measured by ``device_held_bytes`` unless given):
+    a plan that ignored it chose sizes that ran out of memory.
     """
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cuda" and memory_bytes is None:
@@ -205,6 +205,6 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
             accum = math.ceil(target / mb)
             return plan(mb, True, accum, "checkpointing, and accumulation for the rest of the batch")
     held = (f" after the {held_bytes / 2**30:.1f} GiB held already (free the models of earlier cells: del them, then "
-            "course_lib.device.free_memory(); or stop the other processes on this GPU)") if held_bytes else ""
+            "course_lib.device.free_memory())") if held_bytes else ""
     raise ValueError(f"even micro-batch 1 with checkpointing needs {need(1, True) / 2**30:.1f} GiB and the budget "
                      f"is {budget / 2**30:.1f} GiB{held}: use LoRA, a shorter sequence, or shard the model (FSDP, ZeRO-3)")
