@@ -318,6 +318,10 @@ def test_course_setup_picks_sizes_device_and_results(tmp_path, monkeypatch, caps
         course_setup("99_setup", "cpu", sizes, bacth=64)
     with pytest.raises(ValueError, match="no entry for the tiers"):
         course_setup("99_setup", "cpu", {"cpu": {}})
+    # a size one tier lacks fails on every tier, the CPU's too (notebook 11's gpu tier once lacked cli_steps)
+    lacking = {**sizes, "gpu": dict(width=64)}
+    with pytest.raises(ValueError, match=r"\{'gpu': \['batch'\]\} lacking"):
+        course_setup("99_setup", "cpu", lacking)
 
 
 def test_one_dtype_table_names_the_argument():
