@@ -30,6 +30,17 @@ def default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model`` computes, and so where its batches go: its parameters' device, except under FSDP2's CPU
+    offload, whose shards rest on the CPU between steps while every forward and backward runs on the device its
+    mesh names (a batch left on the CPU there meets logits on the GPU in the loss)."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)  # a DTensor's: FSDP2's and tensor parallelism's shards
+    if mesh is not None and mesh.device_type != param.device.type:
+        return torch.device(mesh.device_type)  # no index: the current device, which each rank sets to its own
+    return param.device
+
+
 def gpu_count(device: torch.device | str) -> int:
     """The GPUs a notebook on ``device`` may give its ranks: none when it runs on the CPU (a CPU tier, an emulated
     node), else this machine's. ``device_count`` does not initialise CUDA, so CPU ranks can still be forked after it."""

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from course_lib.data import to_device
+from course_lib.device import compute_device
 from course_lib.loss import forward_loss
 from course_lib.precision import autocast, dtype_bytes
 
@@ -322,7 +323,7 @@ def measure_training_step(model: nn.Module, optimizer: torch.optim.Optimizer, ba
     workspaces, other processes); those three are None on a CPU, which has no such counters.
     The gradients stay in ``.grad`` (``optimizer.zero_grad()`` frees them).
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     batch = to_device(batch, device)
     optimizer.zero_grad(set_to_none=True)
     cuda = device.type == "cuda"

@@ -25,6 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from course_lib.data import batch_len, to_device
+from course_lib.device import compute_device
 from course_lib.loss import forward_loss, scored_tokens
 from course_lib.precision import autocast, resolve_dtype
 from course_lib.throughput import synchronize
@@ -163,7 +164,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *,
     ``clip_grad_norm(parameters, clip_norm)`` does the clipping (``accelerator.clip_grad_norm_`` under
     accelerate, which knows where DeepSpeed keeps the gradients).
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     amp_dtype = resolve_dtype(amp_dtype)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
     micro = split_batch(to_device(batch, device, non_blocking=True), accum_steps)
@@ -258,7 +259,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | 
             raise ValueError(f"fit got dims (accumulation {dims.accum_steps}) and accum_steps={step_kwargs['accum_steps']}: "
                              "give the accumulation once, in dims")
         step_kwargs["accum_steps"] = dims.accum_steps
-    device = next(model.parameters()).device
+    device = compute_device(model)
     batch_for, history = _batch_source(batches), []
     bar = tqdm(range(start, steps), desc=desc, disable=not progress, leave=False)
     one_step = step or (lambda batch: train_step(model, optimizer, batch, **step_kwargs))

@@ -66,6 +66,28 @@ def test_shard_size_must_divide_the_world():
         dist.destroy_process_group()  # later tests fork ranks from this process
 
 
+def test_an_offloaded_model_computes_where_its_mesh_says(monkeypatch):
+    # FSDP2's CPU offload keeps the shards on the CPU between steps and computes on the mesh's device: on an H200,
+    # train_step sent notebook 08's batch to the shards' CPU and the loss met GPU logits. Here the real offloaded
+    # shards on a CPU mesh, then the one attribute a GPU rank's mesh has that this one lacks.
+    from course_lib.device import compute_device
+    from course_lib.distributed import single_process_group
+    from course_lib.models import build_llama
+
+    single_process_group()
+    try:
+        model = fsdp.shard_model(build_llama("tiny"), fsdp.make_mesh("full", device_type="cpu"), offload=True)
+        shard = next(model.parameters())
+        assert shard.device.type == "cpu" and shard.device_mesh.device_type == "cpu"
+        assert compute_device(model) == torch.device("cpu")
+        # what a GPU rank's mesh names while its shards rest on the CPU
+        monkeypatch.setattr(type(shard.device_mesh), "device_type", property(lambda mesh: "cuda"))
+        assert compute_device(model) == torch.device("cuda")
+        assert compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_batches_are_a_function_of_the_step():
     a, b = lm_batch(3, 4, 16, 512), lm_batch(3, 4, 16, 512)
     assert a.equal(b) and not a.equal(lm_batch(4, 4, 16, 512))
