@@ -223,9 +223,9 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
                          digest=param_digest(model), layer_placements=[str(pl) for pl in getattr(layer, "placements", [])])
 
 
-def sweep(rank: int | None = None, world_size: int | None = None, runs: list[dict] = ()) -> dict:
-    """Several ``train`` runs in one process group: for ``launch(..., kwargs={"runs": [...]})`` and
-    ``run_forked(sweep, 2, runs)`` alike (process start-up is the slow part on a CPU)."""
-    out = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "runs": [train(**r) for r in runs]}
+def sweep(runs: list[dict] = ()) -> dict:
+    """Several ``train`` runs in one process group (process start-up is the slow part on a CPU): a worker for
+    ``launch.on_ranks(sweep, n, device, runs=[...])``, which puts the ranks on GPUs or CPU ranks."""
+    out = {"runs": [train(**r) for r in runs]}
     dist.barrier()  # no rank tears the group down while another still uses it
     return out

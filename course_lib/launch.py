@@ -28,6 +28,9 @@ backward fails. There it starts fresh processes instead and ships the function b
 cloudpickle, which costs a few seconds of start-up per rank, and hides the GPUs from them
 (``CPU_ONLY_ENV``, as ``launch(device_type="cpu")`` does): a CPU rank that saw them would put its
 model on cuda:0, every rank on the same GPU, talking over gloo.
+
+``on_ranks(fn, nprocs, device, **kwargs)`` makes the one choice between the two for a notebook: torchrun on one
+GPU per rank where the machine has that many, else CPU ranks through ``run_forked``, the worker contract the same.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from course_lib.device import backend_for, default_device, emulating_node
+from course_lib.device import backend_for, default_device, emulating_node, ranks_device
 from course_lib.distributed import average_over_gloo, free_port
 from course_lib.workers import STACKS_SIGNAL, exit_now, set_parent_death_signal
 
@@ -355,6 +358,30 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60) -> lis
         except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
             last = err
     raise WorkerError(f"the process group could not be set up three times: {last}")
+
+
+def on_ranks(fn: Callable, nprocs: int, device: torch.device | str, *, timeout: float = 300, **kwargs) -> list[dict]:
+    """Run the worker ``fn(**kwargs)`` on ``nprocs`` ranks where a notebook on ``device`` puts them; results by rank.
+
+    The course's one choice of ranks and launcher (``device.ranks_device``): one torchrun worker per GPU where there
+    are ``nprocs`` GPUs (``launch``: fork and an initialised GPU do not mix), else CPU ranks over gloo
+    (``run_forked``: forked, or spawned with the GPUs hidden on a GPU machine). The worker contract is ``launch``'s
+    on both: keyword arguments in, a dict (or None) out, each result with ``rank`` and ``world_size``. On GPUs
+    ``fn`` must be a module-level function of an importable module, which torchrun's workers import by name.
+    """
+    if ranks_device(nprocs, device) == "cuda":
+        module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if not module or module == "__main__" or "<" in name or "." in name:
+            raise ValueError(f"{getattr(fn, '__name__', fn)!r} cannot run on GPU ranks: torchrun's workers import "
+                             "their function by name, so put it at the top level of a module (a course_lib one, or a "
+                             "file the notebook writes with %%writefile)")
+        return launch(f"{module}:{name}", nprocs, kwargs, timeout=timeout, device_type="cuda", echo=False)
+    return run_forked(_as_worker, nprocs, fn, kwargs, timeout=timeout)
+
+
+def _as_worker(rank: int, world: int, fn: Callable, kwargs: dict) -> dict:
+    """``run_forked``'s call, given ``launch``'s contract: ``fn(**kwargs)``, its result with the rank and world size."""
+    return {"rank": rank, "world_size": world, **(fn(**kwargs) or {})}
 
 
 STARTUP_TIMEOUT = 120.0  # seconds for the ranks of run_forked to start and join their group

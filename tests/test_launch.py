@@ -19,7 +19,8 @@ import torch
 
 from course_lib.device import gpu_count, ranks_device
 from course_lib.distributed import free_port
-from course_lib.launch import WorkerError, check_world, launch, run_forked
+import course_lib.launch
+from course_lib.launch import WorkerError, check_world, launch, on_ranks, run_forked
 
 
 def test_a_failing_rank_ends_the_launch_at_once_with_its_traceback():
@@ -91,6 +92,29 @@ def test_ranks_go_to_gpus_only_when_there_is_one_per_rank(monkeypatch, gpus, wor
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert gpu_count(device) == (gpus if device == "cuda" else 0)
     assert ranks_device(world, device) == where
+
+
+def _sized(n: int) -> dict:  # a worker: keyword arguments in, a dict out
+    import torch.distributed as dist
+
+    return {"n": n, "seen": dist.get_world_size()}
+
+
+def test_on_ranks_runs_one_worker_contract_on_cpu_ranks_and_picks_the_launcher_once(monkeypatch):
+    # CPU ranks: launch's contract (kwargs in, a dict with rank and world size out) through run_forked
+    assert on_ranks(_sized, 2, "cpu", n=3) == [{"rank": r, "world_size": 2, "n": 3, "seen": 2} for r in (0, 1)]
+    # a machine with one GPU per rank: torchrun, the function named by module and name. What it would launch is
+    # caught here (no GPU to start it on); what a GPU launch does is test_a_failing_rank_ends_the_launch...'s
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launched = []
+    monkeypatch.setattr(course_lib.launch, "launch", lambda target, nprocs, kwargs, **kw: launched.append(
+        (target, nprocs, kwargs, kw["device_type"])) or [{}])
+    on_ranks(_sized, 2, "cuda", n=3)
+    assert launched == [(f"{__name__}:_sized", 2, {"n": 3}, "cuda")]
+    with pytest.raises(ValueError, match="cannot run on GPU ranks: torchrun's workers import"):
+        on_ranks(lambda n: {}, 2, "cuda", n=3)  # a notebook's lambda: no name to import it by
+    on_ranks(_sized, 3, "cuda", n=1)  # 3 ranks, 2 GPUs: CPU ranks, as ranks_device decides
+    assert len(launched) == 1
 
 
 def test_world_sizes_the_hardware_lacks_are_refused():

@@ -22,7 +22,7 @@ from course_lib import fsdp, memory
 from course_lib.checks import forked, number, packed, register, student, unpacked
 from course_lib.data import lm_batch
 from course_lib.grading import forbid
-from course_lib.launch import run_forked
+from course_lib.launch import on_ranks, run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 
@@ -46,8 +46,8 @@ def probe_bytes(ns: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def measured_bytes() -> dict:
     """The bytes each part takes on rank 0 of 2 real ranks training the tiny Llama, full and grad_op."""
-    runs = run_forked(fsdp.sweep, 2, [dict(strategy=s, steps=1, batch=2, seq=8, device="cpu")
-                                      for s in ("full", "grad_op")], timeout=120)
+    runs = on_ranks(fsdp.sweep, 2, "cpu", runs=[dict(strategy=s, steps=1, batch=2, seq=8, device="cpu")
+                                                for s in ("full", "grad_op")], timeout=120)
     return {r["strategy"]: dict(r["bytes"]) for r in runs[0]["runs"]}
 
 
