@@ -104,7 +104,7 @@ def test_on_ranks_runs_one_worker_contract_on_cpu_ranks_and_picks_the_launcher_o
     # CPU ranks: launch's contract (kwargs in, a dict with rank and world size out) through run_forked
     assert on_ranks(_sized, 2, "cpu", n=3) == [{"rank": r, "world_size": 2, "n": 3, "seen": 2} for r in (0, 1)]
     # a machine with one GPU per rank: torchrun, the function named by module and name. What it would launch is
-    # caught here (no GPU to start it on); what a GPU launch does is test_a_failing_rank_ends_the_launch...'s
+    # caught here, with no GPU to start it on (launch itself is what the other tests here run)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     launched = []
     monkeypatch.setattr(course_lib.launch, "launch", lambda target, nprocs, kwargs, **kw: launched.append(
