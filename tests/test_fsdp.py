@@ -80,8 +80,12 @@ def test_an_offloaded_model_computes_where_its_mesh_says(monkeypatch):
         shard = next(model.parameters())
         assert shard.device.type == "cpu" and shard.device_mesh.device_type == "cpu"
         assert compute_device(model) == torch.device("cpu")
-        # what a GPU rank's mesh names while its shards rest on the CPU
-        monkeypatch.setattr(type(shard.device_mesh), "device_type", property(lambda mesh: "cuda"))
+        # what a GPU rank's mesh names while its shards rest on the CPU (a property in newer torch, an attribute in 2.7)
+        mesh = shard.device_mesh
+        if isinstance(getattr(type(mesh), "device_type", None), property):
+            monkeypatch.setattr(type(mesh), "device_type", property(lambda m: "cuda"))
+        else:
+            monkeypatch.setattr(mesh, "device_type", "cuda")
         assert compute_device(model) == torch.device("cuda")
         assert compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     finally:
