@@ -49,8 +49,8 @@ def course_setup(notebook: str, tier: str = "auto", sizes: dict[str, dict] | Non
         raise ValueError(f"sizes has no entry for the tiers {missing}: give every tier of {TIERS} its sizes")
     # One code path, four sizes: a size that one tier lacks fails there alone (11's gpu tier once lacked
     # cli_steps, found only on a GPU), so every tier is held to the same names here, on whichever tier runs.
-    names = set().union(*(set(s) for s in sizes.values())) if sizes else set()
-    lacking = {t: sorted(names - set(s)) for t, s in sizes.items() if names - set(s)}
+    names = set().union(*sizes.values())
+    lacking = {t: sorted(names.difference(s)) for t, s in sizes.items() if not names.issubset(s)}
     if lacking:
         raise ValueError(f"every tier needs the same sizes; {lacking} lacking: give each of them a value there")
     size = dict(sizes.get(tier, {}))
