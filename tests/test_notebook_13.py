@@ -59,10 +59,10 @@ def test_bytes_per_dimension_are_counted(executed):
 def test_pipeline_bubble_and_memory(executed):
     res = executed("13_model_parallelism")
     bubbles = [value(res, f"gpipe_bubble_m{m}") for m in (1, 2, 4, 8)]
-    # p = 2: (p-1)/(m+p-1) is the floor (sleep-padded stages); the runtime between actions only adds, more on a
-    # loaded machine (test_pp.test_measured_gpipe_bubble_matches_the_formula says how much)
+    # p = 2: (p-1)/(m+p-1) is the floor (sleep-padded stages); the runtime between actions only adds a few points of
+    # the step, more on a loaded machine (test_pp.test_measured_gpipe_bubble_matches_the_formula says how much)
     for m, b in zip((1, 2, 4, 8), bubbles):
-        assert 0.95 / (m + 1) <= b <= 1 / (m + 1) + 0.04, m
+        assert 1 / (m + 1) - 0.02 < b < 1 / (m + 1) + 0.05, m
     assert bubbles == sorted(bubbles, reverse=True)
     assert 0.95 * 0.5 <= value(res, "naive_bubble") <= 0.5 + 0.04
     in_flight = value(res, "pp_in_flight")
