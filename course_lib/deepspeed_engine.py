@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from course_lib.data import synthetic_images, to_device
-from course_lib.distributed import param_digest, rank_device, step_batches
+from course_lib.distributed import each_run, param_digest, rank_device, step_batches
 from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
@@ -222,3 +222,10 @@ def engine_placement(engine) -> list[dict]:
                      "dtype": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
                      "bytes": tensor_bytes(tensors), "optimizer": type(inner).__name__})
     return rows
+
+
+def sweep(runs: list[dict] = ()) -> dict:
+    """Several ``train`` runs in one process group, for ``launch("course_lib.deepspeed_engine:sweep", n,
+    {"runs": [...]})``: DeepSpeed's import and the ranks' start-up are most of a small run's time on a CPU.
+    Runs go in order, so a ``resume`` run reads the checkpoint a ``stop_after`` run before it wrote."""
+    return each_run(train, runs)

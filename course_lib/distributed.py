@@ -3,7 +3,8 @@
 - **The process group.** ``rank_device`` is this rank's device (its GPU, ``cuda:LOCAL_RANK``, or the
   CPU) and ``init_process_group`` joins the group with the backend ``device.backend_for`` picks for
   it; ``single_process_group`` makes a world of one inside a notebook; ``free_port`` finds a port
-  nobody uses (fixed MASTER_PORTs collide when tests run side by side).
+  nobody uses (fixed MASTER_PORTs collide when tests run side by side). ``each_run`` runs one worker several
+  times in the group a launch started: on a CPU, starting the ranks costs more than a small run.
 - **The data.** ``sharded_loader`` and ``step_batches``: this rank's share of every global batch,
   step after step, epoch after epoch (``DistributedSampler`` with ``set_epoch``).
 - **Slices of a tensor.** ``rank_slice`` (this rank's 1/N of a flattened, zero-padded tensor) and
@@ -30,7 +31,7 @@ import math
 import os
 import socket
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -168,6 +169,15 @@ def gather_slices(piece: torch.Tensor, numel: int) -> torch.Tensor:
     full = piece.new_empty(n * dist.get_world_size())
     dist.all_gather(list(full.split(n)), piece.detach().contiguous())  # rank r's slice lands at r * n
     return full[:numel]
+
+
+def each_run(fn: Callable[..., dict], runs: list[dict]) -> dict:
+    """``{"runs": [fn(**run) for run in runs]}`` in this process group, one run after another: the body of every
+    technique's ``sweep`` worker (``launch("course_lib.pp:sweep", p, {"runs": [...]})``). Each run seeds itself,
+    so its result is the one a launch of its own would give."""
+    out = {"runs": [fn(**run) for run in runs]}
+    dist.barrier()  # no rank tears the group down while another still uses it
+    return out
 
 
 def param_digest(model: nn.Module) -> float:

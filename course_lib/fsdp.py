@@ -41,7 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.func import functional_call
 
 from course_lib.data import lm_batch
-from course_lib.distributed import gather_slices, param_digest, rank_device, rank_slice
+from course_lib.distributed import each_run, gather_slices, param_digest, rank_device, rank_slice
 from course_lib.loss import forward_loss
 from course_lib.memory import estimate_model_state, optimizer_state_bytes, tensor_bytes
 from course_lib.models import build_llama, empty_llama, llama_config, llama_num_parameters
@@ -226,6 +226,4 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
 def sweep(runs: list[dict] = ()) -> dict:
     """Several ``train`` runs in one process group (process start-up is the slow part on a CPU): a worker for
     ``launch.on_ranks(sweep, n, device, runs=[...])``, which puts the ranks on GPUs or CPU ranks."""
-    out = {"runs": [train(**r) for r in runs]}
-    dist.barrier()  # no rank tears the group down while another still uses it
-    return out
+    return each_run(train, runs)

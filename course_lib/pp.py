@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib.data import lm_batch
-from course_lib.distributed import rank_device
+from course_lib.distributed import each_run, rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
@@ -315,6 +315,4 @@ def reference_losses(steps: int = 5, preset: str = "tiny", layers: int | None = 
 def sweep(runs: list[dict] = ()) -> dict:
     """Several ``train`` runs in one process group, for ``launch("course_lib.pp:sweep", p, {"runs": [...]})``
     (starting the processes is the slow part on a CPU)."""
-    out = {"runs": [train(**r) for r in runs]}
-    dist.barrier()  # no rank tears the group down while another still uses it
-    return out
+    return each_run(train, runs)
