@@ -478,6 +478,9 @@ def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
 
         fn = cloudpickle.loads(fn)
     torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
+    # what torchrun tells each rank: DeepSpeed's engine refuses to start without LOCAL_RANK
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         average_over_gloo()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_lib import deepspeed_engine
 from course_lib.device import gpu_count, ranks_device
 from course_lib.distributed import free_port
 import course_lib.launch
@@ -439,6 +440,29 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling():
     assert {p.name for p in folder.iterdir()} == ops, "the launch built another op"
     print(f"DeepSpeed CPU launch with the prebuilt op: {seconds:.1f} s")
     assert seconds < 30, f"a launch that loads a prebuilt op takes a few seconds, not {seconds:.0f}"
+
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _torchrun_env(rank, world):
+    return {k: os.environ.get(k) for k in TORCHRUN_VARS}
+
+
+def test_forked_ranks_get_torchruns_environment_and_run_deepspeeds_engine_as_torchrun_does():
+    """Notebooks 09 and 10 start DeepSpeed on forked CPU ranks (``on_ranks``), which refuses to build its engine
+    without LOCAL_RANK: each forked rank gets what torchrun gives its workers, and trains as a torchrun rank does."""
+    before = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    ranks = run_forked(_torchrun_env, 2, timeout=120)
+    for rank, env in enumerate(ranks):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == ranks[0]["MASTER_PORT"]
+    assert {k: os.environ.get(k) for k in TORCHRUN_VARS} == before, "the launching process keeps its environment"
+    kw = dict(stage=2, steps=2, global_batch=16, accum_steps=2)
+    forked = on_ranks(deepspeed_engine.train, 2, "cpu", timeout=120, **kw)
+    launched = launch("course_lib.deepspeed_engine:train", 2, kw, device_type="cpu", echo=False, timeout=120)
+    for f, t in zip(forked, launched):
+        assert (f["losses"], f["digest"], f["placement"]) == (t["losses"], t["digest"], t["placement"])
 
 
 def _what_a_rank_sees(rank, world):

@@ -15,7 +15,7 @@ from course_lib.checks import forked, number, packed, register, student, unpacke
 from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, judge_sharded, judge_traffic, my_config, one_process,
                                     sharded_probe, trains)
 from course_lib.grading import forbid, max_rel_diff
-from course_lib.launch import launch
+from course_lib.launch import on_ranks
 from course_lib.zero import check_batch_arithmetic
 
 ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
@@ -40,7 +40,7 @@ def probe_sharded(ns: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def deepspeed_stage1() -> dict:
-    return launch("course_lib.deepspeed_engine:train", 2, {**ZERO_KW, "stage": 1}, echo=False, timeout=300, device_type="cpu")[0]
+    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, stage=1)[0]
 
 
 def judge_sharded_hidden(got: dict) -> str:
