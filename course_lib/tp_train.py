@@ -28,8 +28,9 @@ from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
 from torch.nn.parallel import DistributedDataParallel
 
 from course_lib.data import lm_batch
+from course_lib.device import default_device
 from course_lib.distributed import CollectiveBytes, rank_device
-from course_lib.launch import launch
+from course_lib.launch import on_ranks
 from course_lib.loss import forward_loss
 from course_lib.memory import PeakMemory, tensor_bytes
 from course_lib.models import build_llama
@@ -184,8 +185,9 @@ def bytes_per_dimension(preset: str = "tiny", dp: int = 2, batch: int = 4, seq: 
 
 
 def comm_bytes(preset: str = "tiny", nprocs: int = 4, dp: int = 2, **kwargs) -> dict:
-    """``bytes_per_dimension`` on ``nprocs`` fresh ranks (``launch``): {"ddp"|"dp"|"tp"|"dp_tp": counts} of rank 0."""
-    return launch("course_lib.tp_train:bytes_per_dimension", nprocs, {"preset": preset, "dp": dp, **kwargs}, echo=False)[0]
+    """``bytes_per_dimension`` on ``nprocs`` fresh ranks (``on_ranks``: GPUs where there are enough, else CPU ranks):
+    {"ddp"|"dp"|"tp"|"dp_tp": counts} of rank 0."""
+    return on_ranks(bytes_per_dimension, nprocs, default_device(), preset=preset, dp=dp, **kwargs)[0]
 
 
 def compare(modes: list[str] = ("single", "hand", "torch", "dp_tp"), **kwargs) -> dict:

@@ -19,15 +19,15 @@ from conftest import rel_diff
 from course_lib.data import synthetic_images
 from course_lib.grading import max_rel_diff, params
 from course_lib.distributed import CollectiveBytes
-from course_lib.launch import launch, run_forked
+from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
-from course_lib import memory, offload, zero
+from course_lib import deepspeed_engine, memory, offload, zero
 from course_lib.deepspeed_engine import ds_config
 from course_lib.zero import ShardedOptimizer, check_batch_arithmetic
 
 
 def run(**kw):
-    return launch("course_lib.deepspeed_engine:train", nprocs=2, kwargs={"steps": 5, **kw}, echo=False, timeout=400)
+    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=400, **{"steps": 5, **kw})
 
 
 def test_deepspeed_clips_at_one_unless_told_so_and_the_config_says_it():
