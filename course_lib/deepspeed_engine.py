@@ -225,7 +225,7 @@ def engine_placement(engine) -> list[dict]:
 
 
 def sweep(runs: list[dict] = ()) -> dict:
-    """Several ``train`` runs in one process group, for ``launch("course_lib.deepspeed_engine:sweep", n,
-    {"runs": [...]})``: DeepSpeed's import and the ranks' start-up are most of a small run's time on a CPU.
+    """Several ``train`` runs in one process group, a worker for ``launch.on_ranks(sweep, n, device, runs=[...])``
+    (torchrun on GPUs, forked CPU ranks elsewhere): starting ranks is most of a small run's time on a CPU.
     Runs go in order, so a ``resume`` run reads the checkpoint a ``stop_after`` run before it wrote."""
     return each_run(train, runs)
