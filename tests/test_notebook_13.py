@@ -62,7 +62,7 @@ def test_pipeline_bubble_and_memory(executed):
     # p = 2: (p-1)/(m+p-1) is the floor (sleep-padded stages); the runtime between actions only adds a few points of
     # the step, more on a loaded machine (test_pp.test_measured_gpipe_bubble_matches_the_formula says how much)
     for m, b in zip((1, 2, 4, 8), bubbles):
-        assert 1 / (m + 1) - 0.02 < b < 1 / (m + 1) + 0.05, m
+        assert 0.95 / (m + 1) <= b <= 1 / (m + 1) + 0.04, m
     assert bubbles == sorted(bubbles, reverse=True)
     assert 0.95 * 0.5 <= value(res, "naive_bubble") <= 0.5 + 0.04
     in_flight = value(res, "pp_in_flight")
