@@ -4,7 +4,8 @@
   CPU) and ``init_process_group`` joins the group with the backend ``device.backend_for`` picks for
   it; ``single_process_group`` makes a world of one inside a notebook; ``free_port`` finds a port
   nobody uses (fixed MASTER_PORTs collide when tests run side by side). ``each_run`` runs one worker several
-  times in the group a launch started: on a CPU, starting the ranks costs more than a small run.
+  times in the group a launch started (on a CPU, starting the ranks costs more than a small run), and ``per_run``
+  sorts what the ranks returned by run.
 - **The data.** ``sharded_loader`` and ``step_batches``: this rank's share of every global batch,
   step after step, epoch after epoch (``DistributedSampler`` with ``set_epoch``).
 - **Slices of a tensor.** ``rank_slice`` (this rank's 1/N of a flattened, zero-padded tensor) and
@@ -178,6 +179,11 @@ def each_run(fn: Callable[..., dict], runs: list[dict]) -> dict:
     out = {"runs": [fn(**run) for run in runs]}
     dist.barrier()  # no rank tears the group down while another still uses it
     return out
+
+
+def per_run(answers: list[dict]) -> list[list[dict]]:
+    """What the ranks of an ``each_run`` worker returned, run by run: ``per_run(answers)[i][r]`` is run i on rank r."""
+    return [list(ranks) for ranks in zip(*(answer["runs"] for answer in answers))]
 
 
 def param_digest(model: nn.Module) -> float:
