@@ -489,11 +489,15 @@ def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
         return
     queue.put((rank, "ready", None))
     try:
-        result = fn(rank, world, *args)
-        dist.barrier()  # nobody tears down the store while a slower rank still talks to it
-        queue.put((rank, True, result))
+        ok, payload = True, fn(rank, world, *args)
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        ok, payload = False, traceback.format_exc()
+    # the answer goes out before the teardown: a rank that left a send or a receive unwaited (a student's ring that
+    # raised midway) makes gloo's barrier wait for ever, and run_forked stops every rank once all have answered
+    queue.put((rank, ok, payload))
+    try:
+        if ok:
+            dist.barrier()  # nobody tears down the store while a slower rank still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
