@@ -272,17 +272,24 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
     recorder = Recorder(rank, rank_device())
     mine, run, planned = _build(schedule, model, m, v, batch, seq, recorder, simulate_ms)
     opt = torch.optim.AdamW(mine.parameters(), lr=lr)
-    losses, bubbles, times, meter = [], [], [], SavedTensorMeter(exclude=mine)  # the stages' weights are not activations
-    for step in range(steps):
-        tokens = lm_batch(step, batch, seq, model.config.vocab_size, seed).to(recorder.device)
-        recorder.start_step(step)
+    bubbles, times, meter = [], [], SavedTensorMeter(exclude=mine)  # the stages' weights are not activations
+
+    def pipelined(tokens) -> dict:  # the schedule runs every stage's forward and backward itself
         with meter:
             loss = run(tokens)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(recorder.now())
-        losses.append(_from_last_rank(loss, recorder.device))
+        times.append(recorder.now())  # from the step's shared t0: the barrier before it is not the step's time
+        return {"loss": _from_last_rank(loss, recorder.device)}
+
+    def timed(step: int, record: dict) -> bool:
         bubbles.append(bubble_fraction(recorder.gathered(step)))
+        return False
+
+    history = fit(mine, opt, lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed).to(recorder.device),
+                  steps, step_context=lambda step: _step_started(recorder, step), step=pipelined, after_step=timed,
+                  progress=False)
+    losses = [r["loss"] for r in history]
     timeline, measured = recorder.gathered(steps - 1), bubbles[1:] or bubbles  # the first step sets up: left out
     # other processes on the machine only ever add idle time: the least of the steps is the schedule's own
     # (timeit takes the minimum for the same reason); the median shows the spread
@@ -291,6 +298,13 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
                          formula=bubble_formula(world, m), in_flight_peak=in_flight_peak(timeline),
                          saved_bytes_peak=meter.peak, tokens_per_s=batch * seq * len(measured) / sum(times[-len(measured):]),
                          planned_order=planned, simulated_ms=simulate_ms)
+
+
+@contextlib.contextmanager
+def _step_started(recorder: Recorder, step: int):
+    """Every rank starts the step together (``Recorder.start_step``: a barrier, then the shared t0)."""
+    recorder.start_step(step)
+    yield
 
 
 def _from_last_rank(loss: torch.Tensor | None, device: torch.device) -> float:

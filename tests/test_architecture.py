@@ -110,6 +110,61 @@ def test_functions_fit_on_a_screen_and_public_ones_say_what_they_do(name):
     assert not undocumented, f"{name}.py: public {undocumented} have no docstring"
 
 
+# The one training loop is train.fit over train.train_step (the runner; an engine's step plugs into fit's step=). A
+# backward or an optimizer step anywhere else in the library is a loop of its own, unless the function owns it for
+# a reason fit cannot serve: each such owner is named here with that reason. (The checks are the judges' reference
+# runs, above the library: not counted.)
+OWNS_BACKWARD_OR_STEP = {
+    "train.train_step": "the step itself: backward, clipping, the optimizer step",
+    "deepspeed_engine.deepspeed_step": "DeepSpeed's engine owns backward and step (engine.backward, engine.step): fit's step=",
+    "schedules.run_1f1b": "a pipeline stage backwards its piece with the gradient its successor sent",
+    "pp.naive_step": "a pipeline stage backwards its piece with the gradient its successor sent",
+    "pp._step": "torch's pipeline schedule runs every stage's forward and backward itself (schedule.step)",
+    "pp._train": "the optimizer step after the schedule's: pipelined, fit's step=",
+    "zero.ShardedOptimizer.step": "a sharded optimizer: its step is the inner optimizer's step on this rank's shard",
+    "offload.OffloadedAdamW.step": "an offloaded optimizer: its step is the inner optimizer's step on the CPU masters",
+    "finetune.node_step": "the learning-rate schedule's step after train_step (scheduler.step), not an optimizer's",
+    "memory.measure_training_step": "one step split into forward, backward and optimizer step, to measure each",
+    "checkpointing.activation_memory": "a probe: one backward to measure what checkpointing keeps, no optimizer",
+    "precision.activation_gradients": "a probe: one backward to read the activations' gradients, no optimizer",
+    "cp_train.measure_ring_memory": "a probe: the ring's backward, to measure its memory, no optimizer",
+    "fp8_compute.torchao_fp8_runs": "a probe: whether float8 matmuls run forward and backward here",
+    "qlora.bitsandbytes_4bit_runs": "a probe: whether bitsandbytes' 4-bit layers run forward and backward here",
+    "preflight.sdpa_kernels_used": "a probe: which attention kernels a backward dispatches to",
+    "preflight._adam_step": "a probe: whether the optimizer's implementation runs on the device",
+}
+
+
+def backward_and_step_calls(tree: ast.Module) -> dict[str, list[int]]:
+    """``{function: [lines]}`` of every ``.backward(...)`` and ``.step(...)`` call, by the module-level function or
+    the class's method it sits in (a lambda or a nested function counts for the function around it)."""
+    out: dict[str, list[int]] = {}
+
+    def visit(node: ast.AST, owner: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = owner
+            if owner is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = child.name
+            elif isinstance(node, ast.ClassDef) and owner == node.name and isinstance(child, ast.FunctionDef):
+                inner = f"{owner}.{child.name}"  # a method
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr in ("backward", "step"):
+                out.setdefault(owner or "<module>", []).append(child.lineno)
+            visit(child, inner)
+    visit(tree, None)
+    return out
+
+
+def test_no_training_loop_outside_the_runner():
+    """Counted: every call of ``.backward(`` or ``.step(`` (optimizers, schedulers, engines, torch.autograd) in the
+    library, by the top-level function it sits in; outside train.py each must be an owner named above."""
+    found = {f"{name}.{fn}": lines for name, tree in modules().items() for fn, lines in backward_and_step_calls(tree).items()}
+    unowned = {k: v for k, v in found.items() if k not in OWNS_BACKWARD_OR_STEP}
+    assert not unowned, (f"backward or step outside the runner: {unowned}; run the loop through train.fit (an "
+                         "engine's step through fit's step=), or name the owner and its reason in OWNS_BACKWARD_OR_STEP")
+    stale = set(OWNS_BACKWARD_OR_STEP) - set(found)
+    assert not stale, f"OWNS_BACKWARD_OR_STEP names {stale}, which no longer call backward or step: remove them"
+
+
 # course_lib/checks/: the graded tests (a probe and a judge per test cell) and the grader that runs them. They sit
 # above the whole library, which they test: they may import any of it, and nothing in the library imports them.
 CHECKS = PACKAGE / "checks"
