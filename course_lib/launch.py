@@ -498,6 +498,8 @@ def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
     try:
         if ok:
             dist.barrier()  # nobody tears down the store while a slower rank still talks to it
+    except Exception:  # a peer is gone: run_forked stops the ranks once all have answered, maybe mid-barrier
+        pass  # this rank's answer is out already, and a traceback here would only land in the notebook's output
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
