@@ -12,7 +12,8 @@ What the baseline is (``course_lib.recipe.BASELINE``): what a user writes withou
 transformers' ``LlamaForCausalLM(..., labels=labels).loss``, ``torch.optim.AdamW``, bf16 autocast
 over fp32 trainable weights, transformers' default attention, which is already SDPA ("sdpa"), and,
 under LoRA, the frozen base stored in bf16 with fp32 adapters (a plain LoRA script loads the base
-in bf16). The recipe's gains are only what it adds to that (``course_lib.recipe``).
+in bf16). The recipe's gains are only what it adds to that (``course_lib.recipe``). On a CPU without bf16
+kernels (AVX2) both compute in fp32 (``recipe.baseline_for``): the dtype is the hardware's, not the recipe's.
 
 The batches: instruction examples packed into rows of ``seq`` tokens as notebook 11 teaches,
 prompts masked, ``position_ids`` restarting at 0 for each document and a block-causal document
@@ -57,8 +58,8 @@ from course_lib.instruct import example_texts, make_examples, pack_examples, tok
 from course_lib.lora import ALL_LINEAR, apply_lora, trainable_parameters
 from course_lib.models import llama_config, llama_num_parameters, unwrap_causal_lm
 from course_lib.recipe import (
-    BASELINE,
     Recipe,
+    baseline_for,
     make_optimizer,
     plan_micro_batch,
     prepare,
@@ -237,7 +238,7 @@ def benchmark(preset: str | None = None, seq_len: int | None = None, micro_batch
     batches = packed_batches(a["warmup"] + a["steps"], a["micro_batch"], a["seq_len"], config.vocab_size, seed=seed)
     common = dict(preset=a["preset"], seq_len=a["seq_len"], micro_batch=a["micro_batch"], warmup=a["warmup"],
                   lora=lora, lora_r=lora_r, device=device, seed=seed, lr=lr, **overrides)
-    recipes = {"baseline": BASELINE, "recipe": recipe_for(device, compile=compile)}
+    recipes = {"baseline": baseline_for(device), "recipe": recipe_for(device, compile=compile)}
     runs: dict[str, list[dict]] = {"baseline": [], "recipe": []}
     for rep in range(a["repeats"]):  # alternate the order too: B R, R B, B R, ...
         for name in (("baseline", "recipe") if rep % 2 == 0 else ("recipe", "baseline")):

@@ -54,6 +54,18 @@ def ranks_device(world: int, device: torch.device | str) -> str:
     return "cuda" if gpu_count(device) >= world else "cpu"
 
 
+def bf16_is_native(device: torch.device | str) -> bool:
+    """Whether ``device`` runs bf16 matmuls in hardware: a GPU (the course's, from the A100 and MI200 on), or a CPU
+    whose oneDNN has bf16 kernels (AVX-512 or AMX). An AVX2 CPU only emulates them: bf16 autocast runs there, about
+    six times slower than fp32 (a tiny Llama's training step, measured), and saves nothing a CPU run needs."""
+    if torch.device(device).type != "cpu":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: no bf16 kernels either
+        return False
+
+
 def backend_for(device: torch.device | str) -> str:
     """The torch.distributed backend for ranks on ``device``: NCCL for GPUs (RCCL on ROCm, which PyTorch
     still calls "nccl"), gloo for CPUs. The course's one "which backend?" decision."""
@@ -150,7 +162,8 @@ def system_report() -> dict[str, str]:
         report["bf16 supported"] = str(torch.cuda.is_bf16_supported())
     else:
         report["CPU capability"] = torch.backends.cpu.get_cpu_capability()
-        report["bf16 supported"] = "yes (autocast on CPU)"
+        report["bf16 supported"] = ("yes (oneDNN's bf16 kernels)" if bf16_is_native("cpu") else
+                                    "emulated (autocast runs, several times slower than fp32: no AVX-512 or AMX)")
     report["tier picked"] = pick_tier("auto")
     return report
 

@@ -3,7 +3,9 @@
 ``recipe_for(device)`` turns on, where the hardware has it:
 
 - bf16 autocast with fp32 master weights: the matmuls run in bf16, the optimizer updates fp32
-  weights (notebook 01). Frozen weights (the base model under LoRA) are *stored* in bf16:
+  weights (notebook 01), on a GPU or a CPU with bf16 kernels (``device.bf16_is_native``; an AVX2 CPU
+  would only emulate them, several times slower than fp32, so there both recipe and baseline stay in
+  fp32). Frozen weights (the base model under LoRA) are *stored* in bf16:
   autocast would cast them to bf16 for every matmul anyway, so this changes no number and halves
   their memory and the cast traffic;
 - a fused AdamW (one kernel for the whole update instead of a loop of small ones);
@@ -30,14 +32,14 @@ into the course's one step as
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from course_lib import attention
 from course_lib.checkpointing import checkpoint_layers, transformer_layers
-from course_lib.device import default_device, device_held_bytes, device_memory_bytes
+from course_lib.device import bf16_is_native, default_device, device_held_bytes, device_memory_bytes
 from course_lib.loss import LOSS_CHUNK_TOKENS, forward_loss, lm_loss
 from course_lib.memory import estimate_model_state, llama_activation_bytes
 from course_lib.models import llama_num_parameters, unwrap_causal_lm
@@ -76,7 +78,18 @@ def recipe_for(device: torch.device | str, *, compile: bool | None = None, check
     device = torch.device(device)
     if compile is None:
         compile = device.type == "cuda"
-    return Recipe(compile=compile, checkpointing=checkpointing)
+    return Recipe(compile=compile, checkpointing=checkpointing, amp_dtype=amp_dtype_for(device))
+
+
+def baseline_for(device: torch.device | str) -> Recipe:
+    """``BASELINE`` on ``device``: the plain script's choices, in the matmul dtype the device runs natively (the
+    dtype is the hardware's, not a gain of the recipe's)."""
+    return replace(BASELINE, amp_dtype=amp_dtype_for(device))
+
+
+def amp_dtype_for(device: torch.device | str) -> torch.dtype:
+    """bf16 where ``device`` has bf16 matmuls in hardware, else fp32 (autocast to an emulated bf16 only costs time)."""
+    return torch.bfloat16 if bf16_is_native(device) else torch.float32
 
 
 def _fused_adamw_available(device: torch.device) -> bool:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -243,9 +244,21 @@ def test_fusable_chunk_math_equals_eager():
 
 
 # ---------------------------------------------------------------------------------- recipe, plan
+def test_the_recipe_and_its_baseline_compute_in_bf16_only_where_the_hardware_has_it(monkeypatch):
+    """bf16 autocast on a GPU and on a CPU with oneDNN's bf16 kernels; fp32 on an AVX2 CPU, which only emulates bf16
+    (a tiny Llama's step about six times slower than in fp32 on this machine)."""
+    here = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    assert rc.recipe_for("cpu").amp_dtype == rc.baseline_for("cpu").amp_dtype == here
+    assert rc.recipe_for("cuda").amp_dtype == rc.baseline_for("cuda").amp_dtype == torch.bfloat16  # decided without one
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):  # the other CPU's decision, forced
+        monkeypatch.setattr(rc, "bf16_is_native", lambda device, native=native: native)
+        assert rc.recipe_for("cpu").amp_dtype == rc.baseline_for("cpu").amp_dtype == dtype
+    assert rc.baseline_for("cpu").fused_optimizer is False and rc.baseline_for("cpu").chunked_loss is False
+
+
 def test_prepare_stores_only_frozen_linear_weights_in_bf16(tiny):
     model = lora.apply_lora(twin(tiny), r=4)
-    rc.prepare(model, rc.recipe_for("cpu"))
+    rc.prepare(model, replace(rc.recipe_for("cpu"), amp_dtype=torch.bfloat16))  # as on a GPU, or a CPU with bf16
     lm = model.get_base_model()
     assert lm.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
     assert lm.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
