@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from course_lib.device import TIERS, default_device, emulating_node, pick_tier
+from course_lib.launch import use_extensions_dir
 from course_lib.results import Results
 
 
@@ -62,6 +63,9 @@ def course_setup(notebook: str, tier: str = "auto", sizes: dict[str, dict] | Non
         raise ValueError(f"overrides {unknown} are not sizes of this notebook (it has {sorted(size)})")
     size.update({k: v for k, v in overrides.items() if v is not None})
     device = default_device() if tier in ("gpu", "node") and not emulated else torch.device("cpu")
+    # DeepSpeed's ops where `make setup` built them, for this kernel and every process it starts (ranks, the
+    # grader's child, which copies them): else each graded DeepSpeed check rebuilt them, about 50 s a time
+    use_extensions_dir()
     torch.manual_seed(seed)
     results = Results(notebook)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()

@@ -1,6 +1,8 @@
 """course_lib's utilities, each against an independent computation or a real failure mode."""
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -308,8 +310,11 @@ def test_course_setup_picks_sizes_device_and_results(tmp_path, monkeypatch, caps
     from course_lib import course_setup
 
     monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # a plain `jupyter lab`, without make or the images
     sizes = {t: dict(width=8 * (i + 1), batch=16) for i, t in enumerate(("smoke", "cpu", "gpu", "node"))}
     tier, size, device, res = course_setup("99_setup", "smoke", sizes, seed=3, batch=None)
+    # the kernel, and every process it starts, finds DeepSpeed's ops where `make setup` built them (this venv's)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
     assert (tier, size, device.type) == ("smoke", {"width": 8, "batch": 16}, "cpu")
     assert (tmp_path / "results" / "99_setup.json").exists() and res.notebook == "99_setup"
     assert "99_setup: tier=smoke, device=cpu" in capsys.readouterr().out
