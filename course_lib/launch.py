@@ -225,11 +225,13 @@ def extensions_dir() -> str:
     """Where torch keeps JIT-built extensions (DeepSpeed's ops): TORCH_EXTENSIONS_DIR; else, in the course's
     venv, .venv/torch_extensions, where ``make setup`` (``make ops``) builds DeepSpeed's CPU ops; else torch's
     default. ``make``, the images and .ci/run set the variable; everything else asks here."""
-    from torch.utils.cpp_extension import get_default_build_root
-
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return os.environ["TORCH_EXTENSIONS_DIR"]
-    return os.path.join(sys.prefix, "torch_extensions") if sys.prefix != sys.base_prefix else get_default_build_root()
+    if sys.prefix != sys.base_prefix:
+        return os.path.join(sys.prefix, "torch_extensions")
+    from torch.utils.cpp_extension import get_default_build_root  # 0.2 s of imports: only where it is the answer
+
+    return get_default_build_root()
 
 
 def use_extensions_dir() -> str:
