@@ -444,8 +444,6 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling():
 
 
 def _unwaited_send(rank, world):
-    import torch.distributed as dist
-
     ahead, behind = torch.ones(1000), torch.empty(1000)
     try:  # a ring step that raises after posting its pass, as a student's ring may: nothing waits on the ops
         dist.isend(ahead, (rank + 1) % world), dist.irecv(behind, (rank - 1) % world)
