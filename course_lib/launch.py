@@ -396,16 +396,18 @@ class _SetupFailed(RuntimeError):
 def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, backend: str) -> list:
     import multiprocessing as mp
 
-    if fork_is_safe():
-        ctx, shipped = mp.get_context("fork"), fn
-    else:
+    ctx = mp.get_context("fork" if fork_is_safe() else "spawn")
+    if ships_by_value():
         import cloudpickle
 
-        ctx, shipped = mp.get_context("spawn"), cloudpickle.dumps(fn)  # by value: a notebook's function too
+        shipped = cloudpickle.dumps(fn)  # by value: a notebook's function too
+    else:
+        shipped = fn
     port, queue = free_port(), ctx.SimpleQueue()
     # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
-    procs = [ctx.Process(target=_forked_rank, args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid()),
-                         daemon=True)
+    spawned = ctx.get_start_method() == "spawn"
+    procs = [ctx.Process(target=_forked_rank, daemon=True,
+                         args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid(), spawned))
              for rank in range(nprocs)]
     with _environment(CPU_ONLY_ENV):  # a spawned rank's Python starts with this process's environment
         for p in procs:
@@ -470,12 +472,20 @@ def fork_is_safe() -> bool:
     return torch.cuda.device_count() == 0 and os.environ.get("COURSE_SPAWN_RANKS") != "1"
 
 
-def _forked_rank(fn, rank, world, port, backend, queue, args, parent):
+def ships_by_value() -> bool:
+    """Whether ``run_forked``'s ranks get their function by value (cloudpickle) rather than inheriting it: where they
+    are spawned (``fork_is_safe()`` is False), and under ``COURSE_SPAWN_RANKS=by-value``, which forks the ranks but
+    ships the function as a spawn does. That is the GPU machine's data path at fork's cost: what a rank receives of a
+    notebook (only what the function names, by value) without a fresh Python per rank, which the tests use for every
+    multi-rank check but one."""
+    return not fork_is_safe() or os.environ.get("COURSE_SPAWN_RANKS") == "by-value"
+
+
+def _forked_rank(fn, rank, world, port, backend, queue, args, parent, spawned):
     # a daemon child is only stopped by its parent's normal exit: a killed kernel would leave it running
     if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:  # the parent went before we asked
         os._exit(1)
-    spawned = isinstance(fn, bytes)
-    if spawned:  # the function came by value
+    if isinstance(fn, bytes):  # the function came by value
         import cloudpickle
 
         fn = cloudpickle.loads(fn)

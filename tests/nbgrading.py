@@ -167,12 +167,13 @@ def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> d
     return {**out, **mod.on_the_tests(assignment)}
 
 
-def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float]) -> dict[str, float]:
+def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float], server=None) -> dict[str, float]:
     """grade_id → score of the solution notebook with ``replace``'s solution cells, graded by calling its checks
-    (course_lib.checks.grade: the submission's code in a fenced child, the judges here), without nbgrader."""
+    (course_lib.checks.grade: the submission's code in a fenced child of ``server``, the judges here), without
+    nbgrader."""
     from course_lib.checks import grade
 
-    verdicts = grade.grade(submission(solution, solution, replace=replace))
+    verdicts = grade.grade(submission(solution, solution, replace=replace), server=server)
     return {k: (points[k] if v.passed else 0) for k, v in verdicts.items()}
 
 

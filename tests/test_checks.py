@@ -78,17 +78,22 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
 # One multi-rank check of each notebook whose tests start ranks: on a machine with GPUs, run_forked spawns its
 # ranks and a probe sends them the student's definitions by value (cloudpickle), not the forked namespace. Each
 # notebook's checks name what they send (checks.student(ns, *names)), and a name wrong there fails only on that
-# path: so every such notebook keeps one spawned grading here, though it costs about 40 s of a worker each.
+# path. COURSE_SPAWN_RANKS=by-value takes that data path with forked ranks: what a rank gets of the notebook is the
+# spawned rank's, without a fresh Python per rank (about 40 s of a worker per notebook); one notebook's check spawns
+# its ranks for real (=1), inside the grading fence as on the GPU machine.
 SPAWNED = {"06_ddp": "test_average_gradients", "07_ddp_reducer": "test_BucketedDDP", "08_fsdp": "test_ShardedModule",
            "09_deepspeed_zero": "test_ShardedOptimizer", "13_model_parallelism": "test_tensor_parallel_pair",
            "14_context_expert_parallelism": "test_ring_attention"}
+REALLY_SPAWNED = "07_ddp_reducer"
 
 
 @pytest.mark.parametrize("assignment", sorted(SPAWNED))
 def test_multi_rank_checks_pass_and_fail_on_the_gpu_machines_spawned_ranks(assignment, monkeypatch):
     """The grading path a GPU machine takes (``fork_is_safe()`` is False there), forced on this CPU: the reference
-    passes, and a known-wrong submission of that exercise still fails, in spawned ranks inside the fence."""
-    monkeypatch.setenv("COURSE_SPAWN_RANKS", "1")  # read by the grading server started below, and by its ranks
+    passes, and a known-wrong submission of that exercise still fails, with ranks that got the student's definitions
+    by value (spawned for real in one notebook, inside the fence)."""
+    # read by the grading server started below, and by its ranks
+    monkeypatch.setenv("COURSE_SPAWN_RANKS", "1" if assignment == REALLY_SPAWNED else "by-value")
     solution = g.load_solution(assignment)
     test_id = SPAWNED[assignment]
     meta = lambda c: c.get("metadata", {}).get("nbgrader", {})  # noqa: E731

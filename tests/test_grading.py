@@ -41,8 +41,21 @@ def test_every_exercise_has_known_wrong_submissions_that_score_every_cell(assign
     assert set(g.checked_ids(solution)) == set(points), "every test cell is a check (scored outside the kernel)"
 
 
+@pytest.fixture(scope="module")
+def server(deepspeed_ops):
+    """One grading server for every assignment this worker grades, with every notebook's hidden checks loaded: it
+    imports torch, course_lib and the checks once (10-20 s), where grading one assignment starts one of its own."""
+    from course_lib import checks
+    from course_lib.checks import grade
+
+    checks.load_all()
+    running = grade.Server(grade.hidden_modules(list(checks.REGISTRY)))
+    yield running
+    running.close()
+
+
 @pytest.mark.parametrize("assignment", assignments())
-def test_checks_grade_known_submissions(assignment, deepspeed_ops):
+def test_checks_grade_known_submissions(assignment, server):
     """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
     fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
     is, so a copied reference is a stub and solutions/ cannot be read there either.
@@ -57,7 +70,7 @@ def test_checks_grade_known_submissions(assignment, deepspeed_ops):
     cases = g.bundle(known, solution, points)
     wrong = {}
     for name, case in cases.items():
-        got = g.checks_score(solution, case["cells"], points)  # every test cell calls check() (test above)
+        got = g.checks_score(solution, case["cells"], points, server)  # every test cell calls check() (test above)
         if got != case["scores"]:
             wrong[name] = {k: (got.get(k), v) for k, v in case["scores"].items() if got.get(k) != v}
     assert not wrong, f"{assignment}: (got, expected) where they differ: {wrong}"

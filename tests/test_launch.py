@@ -196,6 +196,30 @@ def test_run_forked_spawns_and_ships_the_function_by_value_where_fork_is_unsafe(
         run_forked(lambda rank, world: 1 / (rank - rank), 2, timeout=120)
 
 
+def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
+    """COURSE_SPAWN_RANKS=by-value (the tests' cheap stand-in for the GPU machine's grading path): the ranks are forked,
+    but they get the function by value, so what cannot be pickled fails as it would on the GPU machine, and a
+    check's ranks get only the definitions it names."""
+    import threading
+
+    from course_lib import checks
+
+    lock = threading.Lock()  # inherited by a forked rank, refused by cloudpickle
+
+    def holds_the_lock(rank, world):
+        with lock:
+            return os.getpid()
+
+    ns = {"mine": 1, "helper": 2}
+    assert run_forked(holds_the_lock, 2, timeout=60) and checks.student(ns, "mine") is ns  # forked: all inherited
+    monkeypatch.setenv("COURSE_SPAWN_RANKS", "by-value")
+    assert checks.student(ns, "mine", "missing") == {"mine": 1}
+    with pytest.raises(TypeError, match="pickle"):
+        run_forked(holds_the_lock, 2, timeout=60)
+    pids = run_forked(lambda rank, world: os.getpid(), 2, timeout=60)
+    assert os.getpid() not in pids
+
+
 def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     """A student who interrupts the cell must not leave ranks running behind the kernel's back."""
     (tmp_path / "pid_worker.py").write_text(textwrap.dedent("""

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from course_lib.launch import WorkerError, fork_is_safe, run_forked
+from course_lib.launch import WorkerError, run_forked, ships_by_value
 
 REGISTRY: dict[str, "Check"] = {}
 
@@ -95,10 +95,10 @@ def tensor_data(x: Any, dtype: torch.dtype | None = None) -> Any:
 
 
 def student(ns: dict, *names: str) -> dict:
-    """What a rank captures of the notebook: its namespace itself where the ranks are forked (``forbid`` then
-    reaches the names the student's code looks up), else only the named definitions, which a spawned rank gets
-    by value (cloudpickle)."""
-    return ns if fork_is_safe() else {name: ns[name] for name in names}
+    """What a rank captures of the notebook: its namespace itself where the ranks inherit it (forked: ``forbid`` then
+    reaches the names the student's code looks up), else only the named definitions the student made, which a
+    spawned rank gets by value (cloudpickle; ``launch.ships_by_value``)."""
+    return {name: ns[name] for name in names if name in ns} if ships_by_value() else ns
 
 
 def packed(data: Any) -> bytes:

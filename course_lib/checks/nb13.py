@@ -17,10 +17,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import course_lib.pp as pp
 import course_lib.schedules as schedules
 import course_lib.tp as tp
-from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
+from course_lib.checks import forked, number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
-from course_lib.launch import fork_is_safe
 
 # What each exercise builds, out of reach while the student's code runs.
 TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
@@ -66,7 +65,7 @@ def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict
 def in_ranks(ns: dict, fn, nprocs: int, *args) -> list:
     """``fn(rank, world, *args, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
     safe (a machine with GPUs) the ranks are spawned and get the student's pair only, by value."""
-    space = ns if fork_is_safe() else {k: ns[k] for k in PAIR if k in ns}
+    space = student(ns, *PAIR)
     return forked(functools.partial(fn, ns=space), nprocs, *args, timeout=45)
 
 
@@ -305,7 +304,7 @@ def pipeline_rank(rank: int, world: int, orders: list, ns: dict) -> bytes:
 
 def pipeline_runs(ns: dict, orders: list) -> dict:
     """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
-    space = ns if fork_is_safe() else {"run_1f1b": ns["run_1f1b"]}
+    space = student(ns, "run_1f1b")
     try:
         runs = forked(functools.partial(pipeline_rank, ns=space), len(orders), orders, timeout=PIPE_TIMEOUT)
     except TimeoutError:

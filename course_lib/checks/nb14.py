@@ -13,10 +13,9 @@ import torch.nn.functional as F
 import course_lib.cp as cp
 import course_lib.cp_train as cp_train
 import course_lib.ep as ep
-from course_lib.checks import forked, number, packed, plain, register, tensor_data, unpacked
+from course_lib.checks import forked, number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
-from course_lib.launch import fork_is_safe
 
 # What each exercise builds, out of reach while the student's code runs. (cp.block_attention, cp.ring_pass,
 # ep.all_to_all, ep.Plan and ep.Routing are the helpers the exercises may use.)
@@ -31,7 +30,7 @@ B, H, D = 2, 2, 8
 def in_ranks(ns: dict, names: tuple, fn, nprocs: int, *args, timeout: float = 45) -> list:
     """``fn(rank, world, *args, ns=...)`` on forked ranks (the whole namespace), or spawned ones with the student's
     definitions only, by value, where forking is not safe."""
-    space = ns if fork_is_safe() else {k: ns[k] for k in names if k in ns}
+    space = student(ns, *names)
     return [unpacked(r) for r in forked(functools.partial(fn, ns=space), nprocs, *args, timeout=timeout)]
 
 
