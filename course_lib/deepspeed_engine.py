@@ -25,6 +25,7 @@ from torch import nn
 
 from course_lib.data import synthetic_images, to_device
 from course_lib.distributed import each_run, param_digest, rank_device, step_batches
+from course_lib.launch import use_extensions_dir
 from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
@@ -191,6 +192,7 @@ def build_deepspeed_ops() -> None:
     from deepspeed.comm.torch import build_shm_op
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
+    use_extensions_dir()  # the folder and the ninja every later load uses
     build_shm_op()
     CPUAdamBuilder().load()
 

@@ -235,9 +235,16 @@ def extensions_dir() -> str:
 
 
 def use_extensions_dir() -> str:
-    """Set TORCH_EXTENSIONS_DIR to ``extensions_dir()`` unless it is set: DeepSpeed and every process started from
-    here (a grading kernel, torchrun's ranks) then load the ops ``make setup`` built instead of building their own."""
+    """Set TORCH_EXTENSIONS_DIR to ``extensions_dir()`` unless it is set, and put this environment's ninja (pip's, which
+    torch's extension builds need) first on PATH: DeepSpeed and every process started from here (a grading kernel,
+    torchrun's ranks) then load the ops ``make setup`` built instead of building their own. A machine's own ninja
+    (Debian's 1.11) and pip's (1.13) each read the other's .ninja_log as foreign and rebuild every op: the floor's
+    notebooks 09 and 10 paid 60-80 s each for that in CI, their ops built from a shell and loaded from a kernel."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    here = os.path.dirname(sys.executable)
+    ninja = os.path.join(here, "ninja")
+    if os.path.exists(ninja) and shutil.which("ninja") != ninja:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     return os.environ["TORCH_EXTENSIONS_DIR"]
 
 

@@ -444,14 +444,19 @@ def test_run_forked_refuses_a_process_that_already_has_a_group():
         dist.destroy_process_group()
 
 
-def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling():
+def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling(monkeypatch):
     """Notebook 09's first graded launch has nbgrader's 60 s: `make ops` (part of `make setup`) must have built
-    exactly the op a CPU launch loads, with the flags it loads it with, so the launch only checks it."""
+    exactly the op a CPU launch loads, with the flags and the ninja it loads it with, so the launch only checks it.
+    `make ops` runs from a shell without the venv on PATH (the machine's ninja first, where it has one), the launch
+    from one with it first, as a kernel of the venv's Jupyter has it."""
     from course_lib.launch import extensions_dir
 
     root = Path(__file__).resolve().parent.parent
     folder = Path(extensions_dir())
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
+    venv_bin = os.path.dirname(sys.executable)
+    shell_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder), "PATH": shell_path}
+    monkeypatch.setenv("PATH", venv_bin + os.pathsep + shell_path)
     # -o: never reinstall the venv from here, only run the op build as `make setup` does
     subprocess.run(["make", "-s", "-o", ".venv/.installed", "ops", f"PY={sys.executable}"], cwd=root, env=env,
                    check=True, capture_output=True, timeout=600)
