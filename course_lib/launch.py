@@ -403,7 +403,8 @@ class _SetupFailed(RuntimeError):
 def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, backend: str) -> list:
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork" if fork_is_safe() else "spawn")
+    spawned = not fork_is_safe()
+    ctx = mp.get_context("spawn" if spawned else "fork")
     if ships_by_value():
         import cloudpickle
 
@@ -412,7 +413,6 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
         shipped = fn
     port, queue = free_port(), ctx.SimpleQueue()
     # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
-    spawned = ctx.get_start_method() == "spawn"
     procs = [ctx.Process(target=_forked_rank, daemon=True,
                          args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid(), spawned))
              for rank in range(nprocs)]
