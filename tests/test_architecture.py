@@ -5,6 +5,7 @@ course's own imports sit at the top of each file, and every function fits on a s
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mod
 MAX_FUNCTION_LINES = 60
 
 
+@functools.cache  # parsed once per process: ~250 tests read the same trees (each parse of the package took ~2 s)
 def modules() -> dict[str, ast.Module]:
     return {p.stem: ast.parse(p.read_text()) for p in sorted(PACKAGE.glob("*.py"))}
 
@@ -171,6 +173,7 @@ CHECKS = PACKAGE / "checks"
 GRADER_API = {"__init__", "child", "grade"}  # what nbgrader_config and the notebooks call: documented like the library
 
 
+@functools.cache
 def checks_modules() -> dict[str, ast.Module]:
     return {p.stem: ast.parse(p.read_text()) for p in sorted(CHECKS.glob("*.py"))}
 

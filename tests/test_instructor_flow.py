@@ -10,8 +10,8 @@ fetch it (fetch_feedback), and the grades are exported to CSV (export).
 This is the suite's one whole-notebook autograde: what autograde adds over calling the checks
 (tests/test_grading.py grades every notebook's known-wrong submissions so) is the same for every notebook, and each
 student here proves one part of it. ada: the reference (full marks); ben: a wrong answer with a test cell he fails
-edited to pass (autograde restores the cell: he scores what his code deserves); cy: one exercise never finishes
-(the cell timeout stops it; only its own test cells lose points); mal0 and mal1: the attacks on the grading kernel
+edited to pass (autograde restores the cell: he scores what his code deserves), and another exercise that never
+finishes (the cell timeout stops it; only its own test cells lose points); mal0 and mal1: the attacks on the grading kernel
 and on the tests (tests/submissions/attacks.py: writing the gradebook, rebinding the tests' helpers, patching their
 judges, swallowing later errors), several exercises wrong in one notebook, each losing only its own points; and zoe,
 graded before, whose grades the gradebook attack tries to raise and must not change. (That the untouched release
@@ -50,13 +50,14 @@ def students(release: dict, solution: dict) -> dict[str, tuple[dict, dict[str, i
     assert points == g.cases(ASSIGNMENT).FULL and sum(points.values()) == 10
     tied = known["lm_head_counted_when_tied"]  # passes the visible test, fails the hidden one
     failed = next(k for k, v in tied["scores"].items() if v == 0)  # the test cell ben edits to pass
+    assert "training_memory" not in tied["cells"], "ben's loop is in another exercise than his wrong answer"
     cohort = {
         "ada": (g.submission(release, solution), points),
-        "ben": (g.submission(release, solution, replace=tied["cells"], tamper={failed: "print('all tests passed')\n"}),
-                tied["scores"]),
-        # never finishes Exercise 2: the cell timeout stops it, and only its two test cells score 0
-        "cy": (g.submission(release, solution, replace={"training_memory": g.LOOP}),
-               {**points, "test_training_memory": 0, "test_training_memory_hidden": 0}),
+        # Exercise 1 wrong, with its failed test cell edited to pass; Exercise 2 never finishes: the cell timeout
+        # stops it, and only its two test cells score 0 beside what Exercise 1's wrong answer loses
+        "ben": (g.submission(release, solution, replace={**tied["cells"], "training_memory": g.LOOP},
+                             tamper={failed: "print('all tests passed')\n"}),
+                {**tied["scores"], "test_training_memory": 0, "test_training_memory_hidden": 0}),
     }
     # the attacks on the kernel and on the tests, several to a notebook where they touch different exercises; the
     # copies of the reference and the reads of solutions/ are the checks' to stop (test_checks_grade_known_submissions)
@@ -118,7 +119,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         sent = dict(zip(cohort, pool.map(student_side, cohort)))
-    lap("fetch+submit (5 students)")
+    lap("fetch+submit (4 students)")
 
     nbgrader(course, "collect", ASSIGNMENT, *ex)
     submitted = {s: course / "submitted" / s / ASSIGNMENT / f"{ASSIGNMENT}.ipynb" for s in cohort}
@@ -145,7 +146,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     by_hand = {k: v for k, v in grades_after.items() if k[1] in cohort and (v[1] is not None or v[2])}
     assert not by_hand, f"manual scores or extra credit appeared during autograde: {by_hand}"
     # the looping student was stopped by the cell timeout: their graded notebook says so
-    looped = json.loads((course / "autograded" / "cy" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
+    looped = json.loads((course / "autograded" / "ben" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())
     assert "CellTimeoutError" in json.dumps(looped) or "timed out" in json.dumps(looped).lower()
 
     nbgrader(course, "generate_feedback", ASSIGNMENT)
@@ -165,7 +166,7 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     with ThreadPoolExecutor(max_workers=3) as pool:
         for s, fetched in zip(totals, pool.map(fetch_feedback, totals)):
             assert len(fetched) == 1 and _score(fetched[0]) == (totals[s], 10.0), f"{s} fetched {fetched}"
-    lap("fetch_feedback (5 students)")
+    lap("fetch_feedback (4 students)")
 
     grades = tmp_path / "grades.csv"
     nbgrader(course, "export", "--to", str(grades))
