@@ -146,6 +146,12 @@ def _unused_parameters_message(unused: list[tuple[int, str]]) -> str:
             "unless it is given find_unused_parameters=True, which searches the graph for them after every forward).")
 
 
+def ddp_bytes_per_rank(n_params: int, dtype_bytes: int = 4) -> int:
+    """Bytes one rank's all-reduces take in per step, as ``CollectiveBytes`` counts them: every gradient once,
+    whatever the number of ranks (a ring all-reduce sends 2(N-1)/N of it from each rank)."""
+    return n_params * dtype_bytes
+
+
 def train(steps: int = 5, global_batch: int = 32, width: int = 8, mode: str = "ddp", lr: float = 0.05,
           accum_steps: int = 1, seed: int = 0, n_samples: int = 512,
           wrap: Callable[[nn.Module], nn.Module] | None = None,

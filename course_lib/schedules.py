@@ -45,6 +45,13 @@ def bubble_formula(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
+def pp_bytes_per_rank(tokens: int, hidden: int, dtype_bytes: int = 4, micro_batches: int = 1) -> int:
+    """Bytes a middle pipeline stage sends per step, as ``CollectiveBytes`` counts them: each micro-batch's
+    activation to the next stage and its gradient back to the one before, ``tokens x hidden`` each (the first
+    and the last stage send one of the two)."""
+    return 2 * micro_batches * tokens * hidden * dtype_bytes
+
+
 def gpipe_order(p: int, m: int) -> list[list[Action]]:
     """Per rank, the actions GPipe runs: every micro-batch's forward, then every backward, in order."""
     return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]

@@ -125,6 +125,13 @@ def split_size(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def tp_bytes_per_rank(layers: int, tokens: int, hidden: int, dtype_bytes: int = 4) -> int:
+    """Bytes one rank's all-reduces take in per step of a Llama split by hand (``parallelize_llama_by_hand``), as
+    ``CollectiveBytes`` counts them: the attention and the MLP of every layer each all-reduce a ``tokens x hidden``
+    activation forward (``reduce_from_tp``) and its gradient backward (``copy_to_tp``), 4 per layer."""
+    return 4 * layers * tokens * hidden * dtype_bytes
+
+
 # graded: 13_model_parallelism tensor_parallel_pair
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` split by output rows: this rank holds ``out_features / world`` rows (and their bias).

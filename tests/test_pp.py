@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from course_lib import pp, schedules
+from course_lib.distributed import CollectiveBytes
 from course_lib.memory import SavedTensorMeter
 from course_lib.launch import launch, run_forked
 
@@ -163,6 +164,23 @@ def _executor(rank, world, m):
 
 def _executors(rank, world):
     return {m: _executor(rank, world, m) for m in (5, 2)}
+
+
+def _sent_by_1f1b(rank, world, m):
+    """The bytes this rank's ``run_1f1b`` sends over one step of m micro-batches, counted."""
+    stage, data = _mlp_stages(world)[rank], _micro_batches(m)
+    with CollectiveBytes() as sent:
+        schedules.run_1f1b(stage, rank, world, data, schedules.one_f_one_b_order(world, m)[rank], _mse, (3, 8))
+    return sent.bytes_by_kind.get("send", 0)
+
+
+def test_a_middle_stage_sends_an_activation_and_a_gradient_per_micro_batch():
+    """Notebook 14's PP row: 3 forked stages, 5 micro-batches of 3 x 8 floats; the middle stage sends each one's
+    activation up and its gradient down, the first and the last stage one of the two."""
+    m = 5
+    sent = run_forked(_sent_by_1f1b, 3, m, timeout=60)
+    assert sent[1] == schedules.pp_bytes_per_rank(3, 8, 4, micro_batches=m) == 2 * m * 3 * 8 * 4
+    assert sent[0] == sent[2] == sent[1] // 2
 
 
 def test_run_1f1b_equals_one_process_and_holds_what_the_order_says():
