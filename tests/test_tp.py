@@ -169,7 +169,8 @@ def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks
             assert r[label]["losses"] == pytest.approx(reference, rel=1e-5), label
     hand = ranks[0]["hand"]  # 2 layers × (attention + MLP) × (forward + backward) all-reduces of B×T×d fp32
     assert hand["calls_by_kind"] == {"all_reduce": 8}
-    assert hand["bytes_by_kind"] == {"all_reduce": 8 * 4 * 16 * 64 * 4} == {"all_reduce": tp.tp_bytes_per_rank(2, 4 * 16, 64)}
+    assert hand["bytes_by_kind"]["all_reduce"] == 8 * 4 * 16 * 64 * 4 == tp.tp_bytes_per_rank(2, 4 * 16, 64)
+    assert set(hand["bytes_by_kind"]) == {"all_reduce"}
     # sequence parallelism: each block's all-reduce becomes an all-gather before and a reduce-scatter after
     assert {"all_gather", "reduce_scatter"} <= set(ranks[0]["torch"]["calls_by_kind"])
     assert ranks[0]["torch, no SP, loss parallel"]["calls_by_kind"]["all_reduce"] >= 10
@@ -197,8 +198,8 @@ def test_bytes_per_step_per_dimension_are_counted_and_match_the_formulas():
     batch, seq, d, vocab = 4, 16, 64, 512
     counted = tp_train.comm_bytes("tiny", nprocs=4, dp=2, batch=batch, seq=seq, num_key_value_heads=4)
     params = 4 * llama_num_parameters(llama_config("tiny", num_key_value_heads=4))  # fp32 bytes of the whole model
-    assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params  # DDP's C++ reducer is seen: one bucket here
-    assert params == ddp.ddp_bytes_per_rank(params // 4, 4)  # notebook 14's DP row
+    # DDP's C++ reducer is seen: one bucket here; ddp_bytes_per_rank is notebook 14's DP row
+    assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params == ddp.ddp_bytes_per_rank(params // 4, 4)
     assert counted["dp"]["bytes_by_kind"]["reduce_scatter"] == params  # FSDP2: every gradient reduce-scattered once
     act = batch * seq * d * 4  # one hidden state, fp32
     # torch 2.7's DTensor has no sharding rule for slice_backward (2.8 added one): the backward of transformers'
