@@ -87,9 +87,9 @@ def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = F
     return loss / (len(tokens) * (seq - 1))
 
 
-def train_ring_llama(rank: int, world: int, steps: int = 3, zigzag: bool = False, *, seq: int = 30, batch: int = 2,
-                     lr: float = 1e-3, seed: int = 0, merge=None) -> list[float]:
-    """Train the tiny Llama with context parallelism by hand (for ``launch.run_forked``): the losses per step.
+def train_ring_llama(steps: int = 3, zigzag: bool = False, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,
+                     seed: int = 0, merge=None) -> list[float]:
+    """Train the tiny Llama with context parallelism by hand on this process group's ranks: the losses per step.
 
     Every rank holds the whole model and its part of every sequence (``train.fit``, the course's loop); its loss
     is its tokens' share of the sequence's mean, so the gradients are summed over the ring's ranks after backward,
@@ -105,7 +105,7 @@ def train_ring_llama(rank: int, world: int, steps: int = 3, zigzag: bool = False
                   lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
                   loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=zigzag, merge=merge),
                   sync_grads=sum_gradients, progress=False)
-    return [r["loss"] * world for r in history]
+    return [r["loss"] * dist.get_world_size() for r in history]
 
 
 def reference_llama_losses(steps: int = 3, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,

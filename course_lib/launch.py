@@ -20,8 +20,10 @@ here as ``WorkerError``, and the whole launch has a ``timeout``. The same entry 
 runs across machines: give each node ``nnodes``, its ``node_rank`` and one
 ``rdzv_endpoint`` (host:port of node 0), exactly as torchrun's rendezvous wants.
 
-``run_forked`` is the other way in: it runs a function defined in the notebook itself on N
-CPU ranks over gloo (plain spawned processes cannot unpickle those). It forks the notebook's
+``run_forked(fn, nprocs, kwargs)`` is the other way in, with the same worker contract (``fn(**kwargs)`` in an
+initialised group; a rank asks ``torch.distributed`` for its rank, as a torchrun worker does): it runs a function
+defined in the notebook itself, a lambda or a closure too, on N CPU ranks over gloo (plain spawned processes cannot
+unpickle those), and returns whatever each rank returned (anything picklable, not only JSON). It forks the notebook's
 process where that is safe, which is instant. On a machine with GPUs it is not: the parent's
 first backward starts autograd's per-device threads, and a forked child that then calls
 backward fails. There it starts fresh processes instead and ships the function by value with
@@ -349,10 +351,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60) -> list:
-    """Fork ``nprocs`` copies of this process; each runs ``fn(rank, world_size, *args)`` in a CPU (gloo) group.
+def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, timeout: float = 60) -> list:
+    """Fork ``nprocs`` copies of this process; each runs ``fn(**kwargs)`` in a CPU (gloo) group.
 
-    Returns the ranks' return values (picklable) in rank order. A rank that raises ends the
+    ``launch``'s worker contract: a rank learns its place from ``torch.distributed`` (``dist.get_rank()``,
+    ``dist.get_world_size()``, or ``train.rank_and_world()``), so one worker runs under either. Returns the ranks'
+    return values (picklable) in rank order. A rank that raises ends the
     run and its traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout``
     (counted from the moment every rank has joined the group) every rank is killed and
     ``TimeoutError`` is raised.
@@ -363,7 +367,7 @@ def run_forked(fn: Callable, nprocs: int = 2, *args, timeout: float = 60) -> lis
                            f"{dist.get_world_size()}): call torch.distributed.destroy_process_group() first")
     for attempt in range(3):
         try:
-            return _run_forked_once(fn, nprocs, args, timeout, backend_for("cpu"))
+            return _run_forked_once(fn, nprocs, kwargs or {}, timeout, backend_for("cpu"))
         except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
             last = err
     raise WorkerError(f"the process group could not be set up three times: {last}")
@@ -385,12 +389,12 @@ def on_ranks(fn: Callable, nprocs: int, device: torch.device | str, *, timeout: 
                              "their function by name, so put it at the top level of a module (a course_lib one, or a "
                              "file the notebook writes with %%writefile)")
         return launch(f"{module}:{name}", nprocs, kwargs, timeout=timeout, device_type="cuda", echo=False)
-    return run_forked(_as_worker, nprocs, fn, kwargs, timeout=timeout)
+    return run_forked(_with_rank, nprocs, {"fn": fn, "kwargs": kwargs}, timeout=timeout)
 
 
-def _as_worker(rank: int, world: int, fn: Callable, kwargs: dict) -> dict:
-    """``run_forked``'s call, given ``launch``'s contract: ``fn(**kwargs)``, its result with the rank and world size."""
-    return {"rank": rank, "world_size": world, **(fn(**kwargs) or {})}
+def _with_rank(fn: Callable, kwargs: dict) -> dict:
+    """``fn(**kwargs)``'s dict with the rank and world size, as ``launch``'s ranks return it (``workers``)."""
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **(fn(**kwargs) or {})}
 
 
 STARTUP_TIMEOUT = 120.0  # seconds for the ranks of run_forked to start and join their group
@@ -400,7 +404,7 @@ class _SetupFailed(RuntimeError):
     pass
 
 
-def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, backend: str) -> list:
+def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, backend: str) -> list:
     import multiprocessing as mp
 
     spawned = not fork_is_safe()
@@ -408,13 +412,13 @@ def _run_forked_once(fn: Callable, nprocs: int, args: tuple, timeout: float, bac
     if ships_by_value():
         import cloudpickle
 
-        shipped = cloudpickle.dumps(fn)  # by value: a notebook's function too
+        shipped = cloudpickle.dumps((fn, kwargs))  # by value: a notebook's function too, and one among the kwargs
     else:
-        shipped = fn
+        shipped = (fn, kwargs)
     port, queue = free_port(), ctx.SimpleQueue()
     # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
     procs = [ctx.Process(target=_forked_rank, daemon=True,
-                         args=(shipped, rank, nprocs, port, backend, queue, args, os.getpid(), spawned))
+                         args=(shipped, rank, nprocs, port, backend, queue, os.getpid(), spawned))
              for rank in range(nprocs)]
     with _environment(CPU_ONLY_ENV):  # a spawned rank's Python starts with this process's environment
         for p in procs:
@@ -488,14 +492,15 @@ def ships_by_value() -> bool:
     return not fork_is_safe() or os.environ.get("COURSE_SPAWN_RANKS") == "by-value"
 
 
-def _forked_rank(fn, rank, world, port, backend, queue, args, parent, spawned):
+def _forked_rank(work, rank, world, port, backend, queue, parent, spawned):
     # a daemon child is only stopped by its parent's normal exit: a killed kernel would leave it running
     if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:  # the parent went before we asked
         os._exit(1)
-    if isinstance(fn, bytes):  # the function came by value
+    if isinstance(work, bytes):  # the function and its kwargs came by value
         import cloudpickle
 
-        fn = cloudpickle.loads(fn)
+        work = cloudpickle.loads(work)
+    fn, kwargs = work
     torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
     # what torchrun tells each rank: DeepSpeed's engine refuses to start without LOCAL_RANK
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -508,7 +513,7 @@ def _forked_rank(fn, rank, world, port, backend, queue, args, parent, spawned):
         return
     queue.put((rank, "ready", None))
     try:
-        ok, payload = True, fn(rank, world, *args)
+        ok, payload = True, fn(**kwargs)
     except BaseException:
         ok, payload = False, traceback.format_exc()
     # the answer goes out before the teardown: a rank that left a send or a receive unwaited (a student's ring that

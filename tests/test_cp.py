@@ -10,6 +10,7 @@ comparison must catch. The course's Llama trains with the ring loss for loss wit
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import cp, cp_train
@@ -58,7 +59,8 @@ def _ring(rank, world, seq, causal, zigzag, **kw):
             bwd.bytes_by_kind.get("send", 0))
 
 
-def _every_check(rank, world):
+def _every_check():
+    rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for seq in LENGTHS[world]:
         for causal in (True, False):
@@ -111,7 +113,7 @@ def test_ring_llama_trains_like_one_process():
     """The course's Llama with ring attention, 3 steps of AdamW: 3 ranks plain, 4 zig-zag (30 tokens: padded)."""
     reference = cp_train.reference_llama_losses(3, seq=30)
     for world, zigzag in ((3, False), (4, True)):
-        ranks = run_forked(cp_train.train_ring_llama, world, 3, zigzag, timeout=120)
+        ranks = run_forked(cp_train.train_ring_llama, world, dict(steps=3, zigzag=zigzag), timeout=120)
         assert all(r == pytest.approx(reference, rel=1e-5) for r in ranks), (world, zigzag, ranks[0], reference)
 
 

@@ -29,7 +29,8 @@ def test_buckets_fill_from_the_last_parameter_up_to_the_cap():
     assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, w0]])  # frozen: left out
 
 
-def _bucketed_against_ddp(rank, world_size, steps, cap):
+def _bucketed_against_ddp(steps, cap):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # different weights on every rank: wrapping must broadcast rank 0's
     mine = ddp.BucketedDDP(SmallCNN(width=8), bucket_cap_mb=cap)
@@ -56,7 +57,7 @@ def _bucketed_against_ddp(rank, world_size, steps, cap):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bucketed_ddp_gives_ddp_gradients_with_one_overlapped_all_reduce_per_bucket(world):
-    runs = run_forked(_bucketed_against_ddp, world, 3, 0.01, timeout=120)
+    runs = run_forked(_bucketed_against_ddp, world, dict(steps=3, cap=0.01), timeout=120)
     for run in runs:
         assert run["buckets"] == 5  # SmallCNN(width=8) at 0.01 MiB: see bucket_parameters
         for gap, events in run["steps"]:
@@ -69,7 +70,7 @@ def test_bucketed_ddp_gives_ddp_gradients_with_one_overlapped_all_reduce_per_buc
 
 
 def test_a_bucket_never_waited_on_is_seen_by_the_log():
-    def never_wait(rank, world_size):
+    def never_wait():
         with CollectiveLog() as log:
             t = torch.ones(3)
             dist.all_reduce(t, async_op=True)
@@ -87,7 +88,7 @@ def test_a_bucket_never_waited_on_is_seen_by_the_log():
 @pytest.mark.parametrize("mode", ["bucketed", "manual"])
 def test_train_with_accumulation_matches_ddp(mode):
     kw = dict(steps=3, global_batch=16, width=8, accum_steps=2, n_samples=64)
-    runs = {m: run_forked(lambda rank, world_size, m: ddp.train(mode=m, **kw), 2, m, timeout=120)[0]
+    runs = {m: run_forked(ddp.train, 2, dict(mode=m, **kw), timeout=120)[0]
             for m in ("ddp", mode)}
     assert max(abs(a - b) / b for a, b in zip(runs[mode]["losses"], runs["ddp"]["losses"])) < 1e-5
     assert runs[mode]["digest"] == pytest.approx(runs["ddp"]["digest"], rel=1e-6)
@@ -101,7 +102,7 @@ def test_train_runs_a_gradient_sync_of_your_own():
         for p in model.parameters():
             dist.all_reduce(p.grad)
 
-    def runs(rank, world_size):
+    def runs():
         return {"ddp": ddp.train(**kw), "yours": ddp.train(mode="yours", sync_grads=ddp.all_reduce_gradients, **kw),
                 "summed": ddp.train(mode="summed", sync_grads=summed, **kw),
                 "wrapped": ddp.train(mode="wrapped", wrap=DDP, **kw)}
@@ -128,7 +129,8 @@ def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
     forward_loss(whole, {"input_ids": ids, "labels": labels}).backward()
     want = {n: p.grad.clone() for n, p in whole.named_parameters()}
 
-    def step(rank, world_size):
+    def step():
+        rank = dist.get_rank()
         model = DDP(copy.deepcopy(base))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         seen = {}
@@ -145,7 +147,7 @@ def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
 
 
 def test_throughput_times_every_data_parallel_mode_and_refuses_unknown_ones():
-    def modes(rank, world_size):
+    def modes():
         out = {m: ddp.throughput(global_batch=8, width=8, steps=1, mode=m)["samples_per_s"]
                for m in ("ddp", "bucketed", "manual")}
         out["own"] = ddp.throughput(global_batch=8, width=8, steps=1, mode="own", wrap=copy.deepcopy,
@@ -172,7 +174,8 @@ class _Detour(nn.Module):
         return self.spare(out) if self.use_spare else out
 
 
-def _skip_a_layer_then_use_it(rank, world_size, cap):
+def _skip_a_layer_then_use_it(cap):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     mine = ddp.BucketedDDP(_Detour(), bucket_cap_mb=cap)
     x, y = synthetic_images(8, seed=1).tensors
@@ -198,7 +201,7 @@ def _skip_a_layer_then_use_it(rank, world_size, cap):
 @pytest.mark.parametrize("cap", [100.0, 0.001])
 def test_bucketed_ddp_names_a_parameter_the_forward_skipped_and_recovers(cap):
     """torch's DDP raises where a parameter gets no gradient; silence would leave its bucket unreduced."""
-    for run in run_forked(_skip_a_layer_then_use_it, 2, cap, timeout=120):
+    for run in run_forked(_skip_a_layer_then_use_it, 2, dict(cap=cap), timeout=120):
         assert run["buckets"] == (1 if cap > 1 else 7)  # one bucket, or several that did leave before the error
         assert run["error"] is not None, "a bucket that never filled must raise, not diverge silently"
         assert "spare.weight" in run["error"] and "spare.bias" in run["error"], run["error"]

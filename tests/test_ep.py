@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from course_lib import ep
 from course_lib.distributed import CollectiveBytes
@@ -63,7 +64,8 @@ def _ep(rank, world, factor):
             "traffic": moe.traffic, "fwd": fwd.bytes_by_kind.get("all_to_all"), "bwd": bwd.bytes_by_kind.get("all_to_all")}
 
 
-def _every_check(rank, world):
+def _every_check():
+    rank, world = dist.get_rank(), dist.get_world_size()
     results = {factor: _ep(rank, world, factor) for factor in FACTORS}
     ep.combine = _wrong_combine  # this forked rank's module only
     results["wrong combine"] = _ep(rank, world, None)["out"]
@@ -117,10 +119,10 @@ def _dispatch_without_counts(tokens, routing, n_experts, group=None):
     return ep.all_to_all(tokens[routing.token[order]], splits, splits, group), ep.Plan(order, splits, splits, counts)
 
 
-def _without_counts(rank, world):
+def _without_counts():
     ep.dispatch = _dispatch_without_counts
     torch.manual_seed(0)  # fixed routing: unseeded, the ranks' split sizes could happen to agree and nothing fails
-    return ep.expert_parallel_forward(ep.MoE(D, 4, TOP_K, None), torch.randn(5 + rank, D)).shape
+    return ep.expert_parallel_forward(ep.MoE(D, 4, TOP_K, None), torch.randn(5 + dist.get_rank(), D)).shape
 
 
 def test_split_sizes_not_exchanged_fail_loudly():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import ROOT
 
 from course_lib import accelerate_configs
@@ -468,11 +469,12 @@ def test_cli_reads_local_model_and_jsonl_counts_truncation_and_follows_the_sched
     assert res["losses"][-1] < res["losses"][0] and all(g is not None for g in res["grad_norms"])
 
 
-def _rank_grads(rank, world, model, halves):
+def _rank_grads(model, halves):
     """On 2 real ranks: this rank's half weighted by train.token_weights (what node_step's train_step uses), and
     its plain per-rank mean; the gradients of both, and the weight."""
     from course_lib.train import token_weights
 
+    rank = dist.get_rank()
     ranks, means = twin(model), twin(model)
     (weight,) = token_weights([halves[rank]])
     (losses.forward_loss(ranks, halves[rank]) * weight).backward()
@@ -496,7 +498,7 @@ def test_loss_over_ranks_is_normalised_by_global_scored_tokens(hub, tok):
     whole = twin(model)
     losses.forward_loss(whole, batch).backward()  # one process: the whole batch's token mean
     out = [(w, *({n: torch.tensor(g) for n, g in d.items()} for d in ds))
-           for w, *ds in run_forked(_rank_grads, 2, model, halves)]
+           for w, *ds in run_forked(_rank_grads, 2, dict(model=model, halves=halves))]
     for r, (weight, _, _) in enumerate(out):  # rank r's mean loss counts as its share of the sum of token losses
         assert abs(weight - counts[r] * 2 / sum(counts)) < 1e-9
     averaged = {n: (out[0][1][n] + out[1][1][n]) / 2 for n in out[0][1]}  # what DDP's all-reduce does
@@ -525,7 +527,7 @@ def test_fsdp_ranks_other_than_0_build_on_meta(hub):
 
 
 
-def _fsdp2_rank(rank, world, model_dir, halves, lr):
+def _fsdp2_rank(model_dir, halves, lr):
     """One rank of a node's FSDP2 fine-tune on CPU ranks: the node config's loading mode (rank 0 reads the checkpoint,
     the others build on meta), the optimizer made before ``prepare`` as ``main`` makes it, then one ``node_step``.
     accelerate takes FSDP only on an accelerator's distributed type, so the rank says it has GPUs (its device stays
@@ -534,6 +536,7 @@ def _fsdp2_rank(rank, world, model_dir, halves, lr):
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     AcceleratorState._reset_state(reset_partial_state=True)  # the forked test process may hold a one-process state
     PartialState(cpu=True)  # joins run_forked's gloo group: MULTI_CPU
@@ -574,7 +577,7 @@ def test_fsdp2_prepare_gives_every_rank_an_optimizer_over_its_own_shards(hub, to
     ref_opt = rc.make_optimizer(ref, rc.BASELINE, lr=lr, weight_decay=0.01)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_loss = train_step(ref, ref_opt, batch, token_weighted=True, clip_norm=1.0)["loss"]
-    ranks = run_forked(_fsdp2_rank, 2, str(hub["model"]), halves, lr, timeout=120)
+    ranks = run_forked(_fsdp2_rank, 2, dict(model_dir=str(hub["model"]), halves=halves, lr=lr), timeout=120)
     assert ranks[0]["real"] and ranks[1]["meta"]  # the node config's loading mode
     for r, res in enumerate(ranks):
         assert res["distinct"] == res["held"] == res["trained"] == len(start), \

@@ -14,12 +14,13 @@ from course_lib.data import lm_batch
 from course_lib.launch import run_forked
 
 
-def _accumulate_and_count(rank, world):
+def _accumulate_and_count():
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
 
     from course_lib.memory import tensor_bytes
 
+    world = dist.get_world_size()
     # what FSDP2 calls to reduce-scatter gradients: reduce_scatter_single (torch 2.13), reduce_scatter_tensor (2.7-2.11)
     name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     calls, reduce_scatter = [], getattr(dist, name)
@@ -103,7 +104,8 @@ def _mlp(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))  # sizes 3 does not divide
 
 
-def _hand_sharded_against_one_process_and_fully_shard(rank, world_size):
+def _hand_sharded_against_one_process_and_fully_shard():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     mine, ref, theirs = fsdp.ShardedModule(_mlp()), _mlp(), _mlp()
     fsdp.fully_shard(theirs)
     opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (mine.shards, ref.parameters(), theirs.parameters())]

@@ -123,17 +123,17 @@ def test_world_sizes_the_hardware_lacks_are_refused():
 def test_run_forked_runs_a_function_defined_here_and_reports_failures():
     import torch.distributed as dist
 
-    def rank_sum(rank, world, offset):  # a closure: spawn could not pickle it, fork needs not
-        t = torch.tensor([rank + offset], dtype=torch.float32)
+    def rank_sum(offset):  # a closure: spawn could not pickle it, fork needs not
+        t = torch.tensor([dist.get_rank() + offset], dtype=torch.float32)
         dist.all_reduce(t)
         return t.item()
 
-    assert run_forked(rank_sum, 2, 10) == [21.0, 21.0]
+    assert run_forked(rank_sum, 2, {"offset": 10}) == [21.0, 21.0]
 
-    def broken(rank, world):
-        if rank == 1:
+    def broken():
+        if dist.get_rank() == 1:
             raise ValueError("rank one is broken")
-        return rank
+        return dist.get_rank()
 
     with pytest.raises(WorkerError, match="(?s)rank 1 failed.*rank one is broken"):
         run_forked(broken, 2, timeout=30)
@@ -143,7 +143,7 @@ def test_step_batches_shard_every_epoch_once_and_reshuffle_the_next():
     """ddp, zero and the fine-tune CLI read their data through step_batches: ranks split each epoch exactly."""
     from torch.utils.data import TensorDataset
 
-    def read(rank, world):
+    def read():
         from course_lib.distributed import step_batches
 
         ids = TensorDataset(torch.arange(64))
@@ -174,17 +174,18 @@ def test_run_forked_spawns_and_ships_the_function_by_value_where_fork_is_unsafe(
     monkeypatch.setattr(launch_mod, "fork_is_safe", lambda: False)
     offset = 10
 
-    def rank_sum(rank, world):  # a closure over a local: only by-value pickling can ship it
-        t = torch.tensor([rank + offset], dtype=torch.float32)
+    def rank_sum(scale):  # a closure over a local: only by-value pickling can ship it
+        t = torch.tensor([scale(dist.get_rank() + offset)], dtype=torch.float32)
         torch.nn.Linear(2, 1)(t.expand(1, 2)).sum().backward()  # autograd runs in the child
         dist.all_reduce(t)
         return {"sum": t.item(), "pid": os.getpid()}
 
-    got = run_forked(rank_sum, 2, timeout=120)
-    assert [g["sum"] for g in got] == [21.0, 21.0]
+    # a function among the kwargs (a notebook's sync_grads=...) goes by value too
+    got = run_forked(rank_sum, 2, {"scale": lambda x: 2 * x}, timeout=120)
+    assert [g["sum"] for g in got] == [42.0, 42.0]
     assert os.getpid() not in {g["pid"] for g in got}
     with pytest.raises(WorkerError, match="(?s)rank [01] failed.*ZeroDivisionError"):
-        run_forked(lambda rank, world: 1 / (rank - rank), 2, timeout=120)
+        run_forked(lambda: 1 / (dist.get_rank() - dist.get_rank()), 2, timeout=120)
 
 
 def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
@@ -197,7 +198,7 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
 
     lock = threading.Lock()  # inherited by a forked rank, refused by cloudpickle
 
-    def holds_the_lock(rank, world):
+    def holds_the_lock():
         with lock:
             return os.getpid()
 
@@ -207,7 +208,7 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
     assert checks.student(ns, "mine", "missing") == {"mine": 1}
     with pytest.raises(TypeError, match="pickle"):
         run_forked(holds_the_lock, 2, timeout=60)
-    pids = run_forked(lambda rank, world: os.getpid(), 2, timeout=60)
+    pids = run_forked(os.getpid, 2, timeout=60)
     assert os.getpid() not in pids
 
 
@@ -257,9 +258,6 @@ STUBBORN = textwrap.dedent("""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         Path(folder, f"{os.getpid()}.pid").write_text("")
         time.sleep(3600)
-
-    def forked_stubborn(rank, world, folder):
-        stubborn(folder)
 """)
 
 
@@ -338,13 +336,13 @@ def test_forked_ranks_die_with_a_killed_kernel_and_a_timeout(tmp_path):
 
         (tmp_path / "a").mkdir()
         with pytest.raises(TimeoutError):
-            run_forked(stubborn_forked.forked_stubborn, 2, str(tmp_path / "a"), timeout=3)
+            run_forked(stubborn_forked.stubborn, 2, {"folder": str(tmp_path / "a")}, timeout=3)
         assert not [pid for pid in _wait_for_pids(tmp_path / "a", 2, 1) if _alive(pid)], "a rank outlived the timeout"
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("stubborn_forked", None)
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from course_lib.launch import run_forked; "
-              f"from stubborn_forked import forked_stubborn; run_forked(forked_stubborn, 2, {str(tmp_path)!r})")
+              f"from stubborn_forked import stubborn; run_forked(stubborn, 2, {{'folder': {str(tmp_path)!r}}})")
     assert _ranks_die_with_a_killed_kernel(script, tmp_path), "forked ranks outlived the process that forked them"
 
 
@@ -430,7 +428,7 @@ def test_run_forked_refuses_a_process_that_already_has_a_group():
     single_process_group()
     try:
         with pytest.raises(RuntimeError, match="destroy_process_group"):
-            run_forked(lambda rank, world: rank, 2)
+            run_forked(dist.get_rank, 2)
     finally:
         dist.destroy_process_group()
 
@@ -463,7 +461,8 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling(mo
     assert seconds < 30, f"a launch that loads a prebuilt op takes a few seconds, not {seconds:.0f}"
 
 
-def _unwaited_send(rank, world):
+def _unwaited_send():
+    rank, world = dist.get_rank(), dist.get_world_size()
     ahead, behind = torch.ones(1000), torch.empty(1000)
     try:  # a ring step that raises after posting its pass, as a student's ring may: nothing waits on the ops
         dist.isend(ahead, (rank + 1) % world), dist.irecv(behind, (rank - 1) % world)
@@ -480,16 +479,16 @@ def test_ranks_that_leave_a_send_unwaited_still_answer_at_once():
     assert time.monotonic() - start < 30
 
 
-def _all_reduce_one(rank, world):
+def _all_reduce_one():
     t = torch.ones(1)
     dist.all_reduce(t)
     return float(t)
 
 
-def _one_rank_raises(rank, world):
-    if rank == 1:
+def _one_rank_raises():
+    if dist.get_rank() == 1:
         raise ValueError("rank 1 raises")
-    return _all_reduce_one(rank, world)
+    return _all_reduce_one()
 
 
 def test_ranks_stopped_mid_teardown_print_nothing(capfd):
@@ -507,13 +506,14 @@ def test_ranks_stopped_mid_teardown_print_nothing(capfd):
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _torchrun_env(rank, world):
+def _torchrun_env():
     return {k: os.environ.get(k) for k in TORCHRUN_VARS}
 
 
 def test_forked_ranks_get_torchruns_environment_and_run_deepspeeds_engine_as_torchrun_does():
     """Notebooks 09 and 10 start DeepSpeed on forked CPU ranks (``on_ranks``), which refuses to build its engine
-    without LOCAL_RANK: each forked rank gets what torchrun gives its workers, and trains as a torchrun rank does."""
+    without LOCAL_RANK: each forked rank gets what torchrun gives its workers, and the same worker with the same kwargs
+    trains as a torchrun rank does."""
     before = {k: os.environ.get(k) for k in TORCHRUN_VARS}
     ranks = run_forked(_torchrun_env, 2, timeout=120)
     for rank, env in enumerate(ranks):
@@ -521,13 +521,13 @@ def test_forked_ranks_get_torchruns_environment_and_run_deepspeeds_engine_as_tor
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == ranks[0]["MASTER_PORT"]
     assert {k: os.environ.get(k) for k in TORCHRUN_VARS} == before, "the launching process keeps its environment"
     kw = dict(stage=2, steps=2, global_batch=16, accum_steps=2)
-    forked = on_ranks(deepspeed_engine.train, 2, "cpu", timeout=120, **kw)
+    forked = run_forked(deepspeed_engine.train, 2, kw, timeout=120)  # one worker contract: the same call as launch's
     launched = launch("course_lib.deepspeed_engine:train", 2, kw, device_type="cpu", echo=False, timeout=120)
     for f, t in zip(forked, launched):
         assert (f["losses"], f["digest"], f["placement"]) == (t["losses"], t["digest"], t["placement"])
 
 
-def _what_a_rank_sees(rank, world):
+def _what_a_rank_sees():
     import os
 
     import torch

@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib import pp, schedules
@@ -37,7 +38,7 @@ def test_simulator_refuses_a_deadlock():
         schedules.schedule_makespan([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
-def _every_schedule(rank, world):
+def _every_schedule():
     runs = {s: pp.train(schedule=s, microbatches=4, steps=STEPS, layers=LAYERS) for s in pp.SCHEDULES}
     # fewer micro-batches than stages: GPipe runs it (m = 1 is the naive split's bubble), 1F1B refuses it
     runs["gpipe m=1"] = pp.train(schedule="gpipe", microbatches=1, steps=STEPS, layers=LAYERS)
@@ -162,12 +163,14 @@ def _executor(rank, world, m):
     return out
 
 
-def _executors(rank, world):
+def _executors():
+    rank, world = dist.get_rank(), dist.get_world_size()
     return {m: _executor(rank, world, m) for m in (5, 2)}
 
 
-def _sent_by_1f1b(rank, world, m):
+def _sent_by_1f1b(m):
     """The bytes this rank's ``run_1f1b`` sends over one step of m micro-batches, counted."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     stage, data = _mlp_stages(world)[rank], _micro_batches(m)
     with CollectiveBytes() as sent:
         schedules.run_1f1b(stage, rank, world, data, schedules.one_f_one_b_order(world, m)[rank], _mse, (3, 8))
@@ -178,7 +181,7 @@ def test_a_middle_stage_sends_an_activation_and_a_gradient_per_micro_batch():
     """Notebook 14's PP row: 3 forked stages, 5 micro-batches of 3 x 8 floats; the middle stage sends each one's
     activation up and its gradient down, the first and the last stage one of the two."""
     m = 5
-    sent = run_forked(_sent_by_1f1b, 3, m, timeout=60)
+    sent = run_forked(_sent_by_1f1b, 3, dict(m=m), timeout=60)
     assert sent[1] == schedules.pp_bytes_per_rank(3, 8, 4, micro_batches=m) == 2 * m * 3 * 8 * 4
     assert sent[0] == sent[2] == sent[1] // 2
 

@@ -171,8 +171,8 @@ PROBE = textwrap.dedent('''
             return "ok"
         except Exception as err:
             return type(err).__name__
-    def summed(rank, world):  # what a graded exercise's measurement does: ranks over gloo, from the kernel
-        t = torch.tensor([rank + 1.0])
+    def summed():  # what a graded exercise's measurement does: ranks over gloo, from the kernel
+        t = torch.tensor([dist.get_rank() + 1.0])
         dist.all_reduce(t)
         return t.item()
     try:

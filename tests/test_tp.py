@@ -53,7 +53,8 @@ def _run(block: nn.Module, x: torch.Tensor, **kwargs):
     return out.detach(), x.grad
 
 
-def _pair_and_blocks(rank, world):
+def _pair_and_blocks():
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     d, h = 12, 8 * world
     first, second = nn.Linear(d, h), nn.Linear(h, d)
@@ -106,7 +107,8 @@ class _NoCopy(tp.ColumnParallelLinear):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-def _mistakes(rank, world):
+def _mistakes():
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     first, second = nn.Linear(6, 8), nn.Linear(8, 4)
     x = torch.randn(B, 6)
@@ -152,7 +154,7 @@ def test_sizes_that_do_not_split_say_what_to_change():
         tp_train.parallelize_llama(tied, tp_mesh=None)
 
 
-def _train_runs(rank, world, runs):
+def _train_runs(runs):
     return {label: tp_train.train(**kwargs) for label, kwargs in runs.items()}
 
 
@@ -161,7 +163,7 @@ def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks
     base = {"steps": 5, "batch": 4, "seq": 16}
     runs = {"single": {"mode": "single", **base}, "hand": {"mode": "hand", **base}, "torch": {"mode": "torch", **base},
             "torch, no SP, loss parallel": {"mode": "torch", "sequence_parallel": False, "loss_parallel": True, **base}}
-    ranks = run_forked(_train_runs, 2, runs, timeout=120)
+    ranks = run_forked(_train_runs, 2, dict(runs=runs), timeout=120)
     reference = ranks[0]["single"]["losses"]
     assert len(reference) == 5 and reference[-1] < reference[0]
     for r in ranks:
@@ -181,7 +183,7 @@ def test_torch_tp_and_dp_by_tp_on_4_ranks_train_like_one_process():
     base = {"steps": 5, "batch": 4, "seq": 16, "num_key_value_heads": 4}
     runs = {"single": {"mode": "single", **base}, "torch": {"mode": "torch", **base},
             "dp_tp": {"mode": "dp_tp", "dp": 2, **base}}
-    ranks = run_forked(_train_runs, 4, runs, timeout=180)
+    ranks = run_forked(_train_runs, 4, dict(runs=runs), timeout=180)
     reference = ranks[0]["single"]["losses"]
     for r in ranks:
         assert r["torch"]["losses"] == pytest.approx(reference, rel=1e-5)

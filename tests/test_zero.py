@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import rel_diff
@@ -98,9 +99,10 @@ def _cnn(state=None):
     return model
 
 
-def _sharded_on_ranks(rank, world_size):
+def _sharded_on_ranks():
     """ShardedOptimizer (no DDP) against SGD in one process on the whole batch: groups, a scheduler, a closure, the
     bytes it sends, and a checkpoint of this rank's shard resumed by a fresh model and optimizer."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     mine, ref = _cnn(), _cnn()
     (opt, sched), (ref_opt, ref_sched) = _grouped(mine, True), _grouped(ref, False)
     x, y = synthetic_images(12 * 4, seed=1).tensors
@@ -174,7 +176,7 @@ def test_sharded_optimizer_in_one_process_is_its_inner_optimizer_and_refuses_mix
 
 
 def test_zero1_sends_what_ddp_sends():
-    ddp, mine = (run_forked(lambda rank, world_size: zero.step_traffic(engine), 2, timeout=60)[0] for engine in ("ddp", "zero1"))
+    ddp, mine = (run_forked(zero.step_traffic, 2, dict(engine=engine), timeout=60)[0] for engine in ("ddp", "zero1"))
     assert ddp["calls"] == {"all_reduce": 1} and mine["calls"] == {"reduce_scatter": 1, "all_gather": 1}
     assert ddp["sent_bytes_per_param"] == mine["sent_bytes_per_param"] == 2 * (2 - 1) / 2 * 4
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from course_lib.launch import WorkerError, run_forked, ships_by_value
+from course_lib.launch import ships_by_value
 
 REGISTRY: dict[str, "Check"] = {}
 
@@ -113,17 +113,6 @@ def packed(data: Any) -> bytes:
 def unpacked(data: bytes) -> Any:
     """What ``packed`` packed, read as plain data only."""
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def forked(fn: Callable, nprocs: int, *args, timeout: float = 30) -> list:
-    """``fn(rank, world_size, *args)`` on ``nprocs`` ranks (``run_forked``), with a rendezvous that failed before any
-    code ran retried (twice): a busy machine, not the student's code."""
-    for attempt in range(3):
-        try:
-            return run_forked(fn, nprocs, *args, timeout=timeout)
-        except WorkerError as err:
-            if "init_process_group" not in str(err) or attempt == 2:
-                raise
 
 
 def check(name: str, namespace: dict) -> None:

@@ -16,10 +16,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib.distributed as toolkit
 from course_lib import ddp
-from course_lib.checks import forked, packed, register, student, unpacked
+from course_lib.checks import packed, register, student, unpacked
 from course_lib.checks.nb05 import as_data
 from course_lib.data import synthetic_images
 from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 
 # course_lib's and torch's answers, out of reach while the student's code runs
@@ -32,12 +33,12 @@ def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tup
     """Per rank, ``{epoch: the student's rank_batches(...)}`` on ``nprocs`` forked ranks, course_lib's loaders forbidden."""
     space = student(ns, "rank_batches")
 
-    def rank(r, world):
+    def rank():
         with forbid(*LOADERS, namespace=space):
             return {e: as_data(space["rank_batches"](n, dist.get_rank(), dist.get_world_size(), e, batch_size, seed))
                     for e in epochs}
 
-    return forked(rank, nprocs, timeout=15)
+    return run_forked(rank, nprocs, timeout=15)
 
 
 def judge_shards(got: list) -> str:
@@ -84,7 +85,8 @@ def average_probe(ns: dict, nprocs: int, n: int, frozen_bias: bool = False) -> l
     """Per rank, the gradients after the student's ``average_gradients``, each rank on its part of a batch of ``n``."""
     space = student(ns, "average_gradients")
 
-    def rank(r, world):
+    def rank():
+        r, world = dist.get_rank(), dist.get_world_size()
         m = cnn(frozen_bias)
         x, y = synthetic_images(n, seed=3).tensors
         F.cross_entropy(m(x.chunk(world)[r]), y.chunk(world)[r]).backward()
@@ -92,11 +94,12 @@ def average_probe(ns: dict, nprocs: int, n: int, frozen_bias: bool = False) -> l
             space["average_gradients"](m)
         return packed(grads(m))
 
-    return [unpacked(g) for g in forked(rank, nprocs, timeout=15)]
+    return [unpacked(g) for g in run_forked(rank, nprocs, timeout=15)]
 
 
-def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
+def ddp_rank_grads(n: int, frozen_bias: bool) -> bytes:
     """torch's DDP on this rank's part of the batch: its gradients."""
+    r, world = dist.get_rank(), dist.get_world_size()
     d = DDP(cnn(frozen_bias))
     x, y = synthetic_images(n, seed=3).tensors
     F.cross_entropy(d(x.chunk(world)[r]), y.chunk(world)[r]).backward()
@@ -105,7 +108,7 @@ def ddp_rank_grads(r: int, world: int, n: int, frozen_bias: bool) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def ddp_grads(nprocs: int, n: int, frozen_bias: bool = False) -> list:
-    return [unpacked(g) for g in forked(ddp_rank_grads, nprocs, n, frozen_bias, timeout=15)]
+    return [unpacked(g) for g in run_forked(ddp_rank_grads, nprocs, dict(n=n, frozen_bias=frozen_bias), timeout=15)]
 
 
 def one_process_grads(n: int, frozen_bias: bool = False) -> dict:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import ddp
-from course_lib.checks import forked, outcome, packed, register, student, unpacked
+from course_lib.checks import outcome, packed, register, student, unpacked
 from course_lib.checks.nb06 import cnn
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
 from course_lib.grading import forbid, grads, max_rel_diff, params
+from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 
 # course_lib's and torch's answers, out of reach while the student's code runs
@@ -37,7 +39,8 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_b
     buckets (by name), each step's gradients after finish_gradient_synchronization and collectives, the weights."""
     space = student(ns, "BucketedDDP")
 
-    def rank(r, world):
+    def rank():
+        r, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
         x, y = synthetic_images(n * steps, seed=3).tensors
         logs = []
@@ -64,7 +67,7 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_b
         out["weights"] = params(mine.module)
         return packed(out)
 
-    return [unpacked(run) for run in forked(rank, nprocs, timeout=15)]
+    return [unpacked(run) for run in run_forked(rank, nprocs, timeout=15)]
 
 
 def seeded(seed: int, frozen: bool) -> torch.nn.Module:
@@ -75,8 +78,9 @@ def seeded(seed: int, frozen: bool) -> torch.nn.Module:
     return m
 
 
-def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> bytes:
+def reference_rank(n: int, steps: int, frozen: bool) -> bytes:
     """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients."""
+    r, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     theirs, one = DDP(cnn(frozen)), cnn(frozen)
     x, y = synthetic_images(n * steps, seed=3).tensors
@@ -96,7 +100,8 @@ def reference_rank(r: int, world: int, n: int, steps: int, frozen: bool) -> byte
 
 @functools.lru_cache(maxsize=None)
 def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    return [unpacked(run) for run in forked(reference_rank, nprocs, n, steps, frozen, timeout=15)]
+    runs = run_forked(reference_rank, nprocs, dict(n=n, steps=steps, frozen=frozen), timeout=15)
+    return [unpacked(run) for run in runs]
 
 
 def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:
@@ -179,7 +184,8 @@ def probe_unused(ns: dict) -> list:
     same wrapper, a step that uses every parameter (the all-reduces it launched)."""
     space = student(ns, "BucketedDDP")
 
-    def rank(r, world):
+    def rank():
+        r, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
         x, y = synthetic_images(16, seed=3).tensors
         xs, ys = x.chunk(world)[r], y.chunk(world)[r]
@@ -199,7 +205,7 @@ def probe_unused(ns: dict) -> list:
             runs.append({"skipped": skipped, "after": after, "n_buckets": len(mine.buckets)})
         return packed(runs)
 
-    return [unpacked(run) for run in forked(rank, 2, timeout=15)]
+    return [unpacked(run) for run in run_forked(rank, 2, timeout=15)]
 
 
 def judge_unused(got: list) -> str:

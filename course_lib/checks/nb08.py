@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import course_lib.distributed as toolkit
 from course_lib import fsdp, memory
-from course_lib.checks import forked, number, packed, register, student, unpacked
+from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.data import lm_batch
 from course_lib.grading import forbid
 from course_lib.launch import on_ranks, run_forked
@@ -101,7 +101,8 @@ def probe_wrap(ns: dict) -> dict:
     """On 2 forked ranks: what the student's wrapping made of the tiny Llama, and its gathered gradients (rank 0's)."""
     space, batch = student(ns, "apply_fsdp"), tokens()
 
-    def wrap(rank, world):
+    def wrap():
+        rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh("cpu", (world,))
         with forbid(fsdp.shard_model, namespace=space):  # course_lib's wrapping, out of reach
             m = space["apply_fsdp"](build_llama("tiny", seed=0), mesh)
@@ -166,7 +167,8 @@ def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False) 
     batch of ``n``: per rank, each step's global loss and shard gradients, then the bytes held and the shard sizes."""
     space = student(ns, "ShardedModule", "GatherParameter")
 
-    def hand(rank, world):
+    def hand():
+        rank, world = dist.get_rank(), dist.get_world_size()
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*HAND, namespace=space):
@@ -192,7 +194,7 @@ def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False) 
         out["shard_sizes"] = [int(t.numel()) for t in mine.shards]
         return packed(out)
 
-    return [unpacked(run) for run in forked(hand, nprocs)]
+    return [unpacked(run) for run in run_forked(hand, nprocs, timeout=30)]
 
 
 def rank_piece(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -217,8 +219,9 @@ def one_process(n: int, steps: int, frozen: bool) -> tuple[list, list, list]:
     return [(name, p.numel(), p.requires_grad) for name, p in ref.named_parameters()], losses, grads
 
 
-def fully_shard_run(rank: int, world: int, n: int, steps: int, frozen: bool) -> list:
+def fully_shard_run(n: int, steps: int, frozen: bool) -> list:
     """fully_shard's gradients of the same training, this rank's slice of each (None where frozen), per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     theirs = frozen_mlp(frozen)
@@ -236,7 +239,8 @@ def fully_shard_run(rank: int, world: int, n: int, steps: int, frozen: bool) -> 
 
 @functools.lru_cache(maxsize=None)
 def fsdp_reference(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    return [unpacked(run) for run in forked(fully_shard_run, nprocs, n, steps, frozen, timeout=120)]
+    runs = run_forked(fully_shard_run, nprocs, dict(n=n, steps=steps, frozen=frozen), timeout=120)
+    return [unpacked(run) for run in runs]
 
 
 def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False) -> None:

@@ -54,7 +54,8 @@ def probe_reshard(ns: dict) -> dict:
     are sharded between forward and backward with and without resharding, and the placements on a 2-D mesh."""
     space, batch = student(ns, "apply_fsdp"), tokens()
 
-    def reshard(rank, world):
+    def reshard():
+        world = dist.get_world_size()
         out = {"gathered": []}
         for flag in (True, False):
             with forbid(fsdp.shard_model, namespace=space):

@@ -15,16 +15,17 @@ import json
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib import deepspeed_engine, zero
-from course_lib.checks import forked, number, packed, register, student, unpacked
+from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid, max_rel_diff, params
-from course_lib.launch import on_ranks
+from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
 
 SHARDED = (zero.ShardedOptimizer, ZeroRedundancyOptimizer)  # course_lib's and torch's answers, out of reach
@@ -93,7 +94,8 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
                 if s == resume_at:
                     record["saved"] = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
 
-    def run(rank, world_size):
+    def run():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         warnings.filterwarnings("ignore", category=FutureWarning)  # this rank only: torch deprecates some collectives
         torch.set_num_threads(1)
         model = cnn(frozen)
@@ -113,7 +115,7 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
             out["resumed"] = params(again)
         return packed(out)
 
-    return [unpacked(r) for r in forked(run, nprocs)]
+    return [unpacked(r) for r in run_forked(run, nprocs, timeout=30)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,8 +144,9 @@ def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool) -
     return weights, state_bytes(opt), sum(1 for p in model.parameters() if p.requires_grad)
 
 
-def whole_run(rank, world_size, n, steps, opt_name, kw, frozen):
+def whole_run(n, steps, opt_name, kw, frozen):
     """DDP with a whole optimizer on every rank: this rank's weights after each step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     model = cnn(frozen)
@@ -163,7 +166,8 @@ def whole_run(rank, world_size, n, steps, opt_name, kw, frozen):
 
 @functools.lru_cache(maxsize=None)
 def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> list:
-    return [unpacked(r) for r in forked(whole_run, nprocs, n, steps, opt_name, dict(kw), frozen, timeout=120)]
+    runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen), timeout=120)
+    return [unpacked(r) for r in runs]
 
 
 def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, steps: int, opt_name: str, kw: dict,

@@ -11,11 +11,11 @@ import warnings
 import torch
 
 from course_lib import deepspeed_engine
-from course_lib.checks import forked, number, packed, register, student, unpacked
+from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, judge_sharded, judge_traffic, my_config, one_process,
                                     sharded_probe, trains)
 from course_lib.grading import forbid, max_rel_diff
-from course_lib.launch import on_ranks
+from course_lib.launch import on_ranks, run_forked
 from course_lib.zero import check_batch_arithmetic
 
 ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
@@ -25,7 +25,7 @@ ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_no
 def probe_sharded(ns: dict) -> dict:
     space = student(ns, "ShardedOptimizer")
 
-    def yours_in_zero_train(rank, world_size):
+    def yours_in_zero_train():
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*SHARDED, namespace=space):
@@ -35,7 +35,7 @@ def probe_sharded(ns: dict) -> dict:
 
     return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
             "state": [number(run["state_bytes"]) for run in sharded_probe(ns, 3, 24, 1, *ADAMW)],
-            "zero_train": unpacked(forked(yours_in_zero_train, 2)[0])}
+            "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0])}
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -17,9 +18,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import course_lib.pp as pp
 import course_lib.schedules as schedules
 import course_lib.tp as tp
-from course_lib.checks import forked, number, packed, plain, register, student, tensor_data, unpacked
+from course_lib.checks import number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
+from course_lib.launch import run_forked
 
 # What each exercise builds, out of reach while the student's code runs.
 TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
@@ -38,7 +40,7 @@ def mlp_input(d: int) -> torch.Tensor:
     return torch.randn(6, d, generator=torch.Generator().manual_seed(1))
 
 
-def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict:
+def tp_rank(d: int, h: int, bias: bool, ns: dict) -> dict:
     """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's;
     their output, the gradients of every weight (this rank's slice) and of the input, and the collectives."""
     warnings.filterwarnings("ignore")
@@ -62,15 +64,15 @@ def tp_rank(rank: int, world: int, d: int, h: int, bias: bool, ns: dict) -> dict
                    "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
 
 
-def in_ranks(ns: dict, fn, nprocs: int, *args) -> list:
-    """``fn(rank, world, *args, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
+def in_ranks(ns: dict, fn, nprocs: int, **kwargs) -> list:
+    """``fn(**kwargs, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
     safe (a machine with GPUs) the ranks are spawned and get the student's pair only, by value."""
     space = student(ns, *PAIR)
-    return forked(functools.partial(fn, ns=space), nprocs, *args, timeout=45)
+    return run_forked(functools.partial(fn, ns=space), nprocs, kwargs, timeout=45)
 
 
 def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
-    return [unpacked(run) for run in in_ranks(ns, tp_rank, world, d, h, bias)]
+    return [unpacked(run) for run in in_ranks(ns, tp_rank, world, d=d, h=h, bias=bias)]
 
 
 def reference(d: int, h: int, bias: bool) -> tuple[torch.Tensor, dict]:
@@ -197,7 +199,7 @@ register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
 
 
 # ---------------------------------------------------------------- one_f_one_b_order: what torch ran
-def measured_rank(rank: int, world: int, m: int, layers: int, batch: int) -> list:
+def measured_rank(m: int, layers: int, batch: int) -> list:
     warnings.filterwarnings("ignore")
     res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
     return schedules.rank_orders(res["timeline"])
@@ -206,7 +208,8 @@ def measured_rank(rank: int, world: int, m: int, layers: int, batch: int) -> lis
 @functools.lru_cache(maxsize=None)
 def torch_ran(p: int, m: int, layers: int, batch: int) -> tuple:
     """The order torch's Schedule1F1B ran on p real ranks (one step), per rank: measured here, in the grader."""
-    return tuple(tuple(tuple(a) for a in rank) for rank in forked(measured_rank, p, m, layers, batch, timeout=45)[0])
+    ranks = run_forked(measured_rank, p, dict(m=m, layers=layers, batch=batch), timeout=45)[0]
+    return tuple(tuple(tuple(a) for a in rank) for rank in ranks)
 
 
 def ran(p: int, m: int, layers: int, batch: int) -> list:
@@ -285,9 +288,10 @@ class InFlight:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def pipeline_rank(rank: int, world: int, orders: list, ns: dict) -> bytes:
+def pipeline_rank(orders: list, ns: dict) -> bytes:
     """One rank of the student's ``run_1f1b`` on its stage, following ``orders[rank]``: the losses and peak it
     reports, the in-flight peak measured beside it, and its stage's gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     counter = InFlight()
@@ -306,7 +310,8 @@ def pipeline_runs(ns: dict, orders: list) -> dict:
     """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
     space = student(ns, "run_1f1b")
     try:
-        runs = forked(functools.partial(pipeline_rank, ns=space), len(orders), orders, timeout=PIPE_TIMEOUT)
+        runs = run_forked(functools.partial(pipeline_rank, ns=space), len(orders), dict(orders=orders),
+                          timeout=PIPE_TIMEOUT)
     except TimeoutError:
         return {"timeout": PIPE_TIMEOUT}
     return {"ranks": [unpacked(run) for run in runs]}

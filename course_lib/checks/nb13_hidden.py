@@ -14,7 +14,7 @@ from course_lib.grading import forbid
 
 
 # ---------------------------------------------------------------- tensor_parallel_pair
-def bad_size_rank(rank: int, world: int, ns: dict) -> list:
+def bad_size_rank(ns: dict) -> list:
     """Each layer made from a Linear whose 6 features do not divide by the ranks: its ValueError's message, or None."""
     out = []
     for name, layer in (("ColumnParallelLinear", nn.Linear(4, 6)), ("RowParallelLinear", nn.Linear(6, 4))):

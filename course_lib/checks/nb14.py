@@ -8,14 +8,16 @@ import functools
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import course_lib.cp as cp
 import course_lib.cp_train as cp_train
 import course_lib.ep as ep
-from course_lib.checks import forked, number, packed, plain, register, student, tensor_data, unpacked
+from course_lib.checks import number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
+from course_lib.launch import run_forked
 
 # What each exercise builds, out of reach while the student's code runs. (cp.block_attention, cp.ring_pass,
 # ep.all_to_all, ep.Plan and ep.Routing are the helpers the exercises may use.)
@@ -27,11 +29,11 @@ EXPERTS = ("within_capacity", "dispatch", "combine")
 B, H, D = 2, 2, 8
 
 
-def in_ranks(ns: dict, names: tuple, fn, nprocs: int, *args, timeout: float = 45) -> list:
-    """``fn(rank, world, *args, ns=...)`` on forked ranks (the whole namespace), or spawned ones with the student's
+def in_ranks(ns: dict, names: tuple, fn, nprocs: int, timeout: float = 45, **kwargs) -> list:
+    """``fn(**kwargs, ns=...)`` on forked ranks (the whole namespace), or spawned ones with the student's
     definitions only, by value, where forking is not safe."""
     space = student(ns, *names)
-    return [unpacked(r) for r in forked(functools.partial(fn, ns=space), nprocs, *args, timeout=timeout)]
+    return [unpacked(r) for r in run_forked(functools.partial(fn, ns=space), nprocs, kwargs, timeout=timeout)]
 
 
 # ---------------------------------------------------------------- ring_attention: the merge
@@ -94,8 +96,9 @@ def qkv(seq: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(B, H, seq, D, generator=g) for _ in range(3)]
 
 
-def ring_rank(rank: int, world: int, seq: int, causal: bool, ns: dict) -> bytes:
+def ring_rank(seq: int, causal: bool, ns: dict) -> bytes:
     """One rank: the student's ring_forward on its block of the sequence (padded where seq does not divide)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     q, k, v = (cp.split_sequence(t, world)[rank] for t in qkv(seq))
@@ -111,7 +114,7 @@ def ring_rank(rank: int, world: int, seq: int, causal: bool, ns: dict) -> bytes:
 
 
 def ring_runs(ns: dict, world: int, seq: int, causal: bool) -> list:
-    return in_ranks(ns, RING, ring_rank, world, seq, causal)
+    return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal)
 
 
 def reference(seq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +178,9 @@ def ep_data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, EP_D, generator=g), torch.randn(n, EP_D, generator=g)  # tokens, the loss's weights
 
 
-def ep_rank(rank: int, world: int, n_experts: int, factor, ns: dict) -> bytes:
+def ep_rank(n_experts: int, factor, ns: dict) -> bytes:
     """One rank: the layer's experts spread over the ranks with the student's capacity rule, dispatch and combine."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
@@ -199,7 +203,7 @@ def ep_rank(rank: int, world: int, n_experts: int, factor, ns: dict) -> bytes:
 
 
 def ep_runs(ns: dict, world: int, n_experts: int, factor) -> list:
-    return in_ranks(ns, EXPERTS, ep_rank, world, n_experts, factor, timeout=30)
+    return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, n_experts=n_experts, factor=factor)
 
 
 def ep_reference(world: int, n_experts: int, factor) -> dict:
