@@ -210,6 +210,7 @@ def _check(q, k, v, world, seq_len, zigzag) -> int:
     return seq_len
 
 
+# graded: 14_context_expert_parallelism ring_attention
 @torch.no_grad()
 def ring_forward(q, k, v, *, causal: bool, group=None, seq_len: int | None = None, zigzag: bool = False,
                  scale: float | None = None, merge=online_softmax_merge):
@@ -299,9 +300,12 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, group, seq_len, zigzag, scale, merge):
-        out, lse, _ = ring_forward(q, k, v, causal=causal, group=group, seq_len=seq_len, zigzag=zigzag,
-                                   scale=scale, merge=merge)
+    def forward(ctx, q, k, v, causal, group, seq_len, zigzag, scale, merge, forward):
+        if forward is None:
+            out, lse, _ = ring_forward(q, k, v, causal=causal, group=group, seq_len=seq_len, zigzag=zigzag,
+                                       scale=scale, merge=merge)
+        else:  # a ring of the notebook's contract: the default group and scale, the true length given
+            out, lse = forward(q, k, v, causal, _check(q, k, v, _rank_world()[1], seq_len, zigzag), zigzag)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = dict(causal=causal, group=group, seq_len=seq_len, zigzag=zigzag, scale=scale)
         return out.to(q.dtype)
@@ -310,17 +314,22 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, group=None,
                    seq_len: int | None = None, zigzag: bool = False, scale: float | None = None,
-                   merge=online_softmax_merge) -> torch.Tensor:
+                   merge=online_softmax_merge, forward=None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, its K/V blocks passed round ``group``'s ring.
 
     q, k, v: this rank's block (``split_sequence(x, world, zigzag=zigzag)[rank]``), all ranks the same
     length; ``seq_len`` the true length when the split padded it (the padded keys are masked). Equals
     ``F.scaled_dot_product_attention`` on the whole sequence, output and gradients. ``merge``: the online
-    softmax merge to use (the notebook passes the student's).
+    softmax merge ``ring_forward`` uses. ``forward``: another ring forward to run instead, notebook 14's
+    contract ``forward(q, k, v, causal, seq_len, zigzag) -> (out, lse)`` on the default group with the default
+    scale (the notebook passes the student's ring; the backward stays ``ring_backward``).
     """
-    return RingAttention.apply(q, k, v, causal, group, seq_len, zigzag, scale, merge)
+    if forward is not None and (group is not None or scale not in (None, q.shape[-1] ** -0.5)):
+        raise ValueError("a ring given as forward= runs on the default process group with scale 1/sqrt(head_dim): "
+                         "pass group=None and scale=None, or leave forward=None for course_lib's ring_forward")
+    return RingAttention.apply(q, k, v, causal, group, seq_len, zigzag, scale, merge, forward)

@@ -22,7 +22,7 @@ from torch import nn
 
 from course_lib.attention import repeat_kv
 # _rank_world and _local_len are the ring's own rank lookup and padded block length: one definition, in cp
-from course_lib.cp import _local_len, _rank_world, local_positions, online_softmax_merge, ring_attention, split_sequence
+from course_lib.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
 from course_lib.data import lm_batch
 from course_lib.loss import IGNORE_INDEX, next_token_loss
 from course_lib.memory import SavedTensorMeter, llama_activation_bytes
@@ -66,13 +66,13 @@ def ring_llama(seed: int = 0, preset: str = "tiny"):
     return build_llama(preset, attn_implementation=IMPLEMENTATION, seed=seed)
 
 
-def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False, merge=None) -> torch.Tensor:
+def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False, forward=None) -> torch.Tensor:
     """This rank's share of the next-token loss of ``tokens`` (the whole batch, batch x S, on every rank).
 
     Each rank keeps its part of the sequence: input ids, their global positions (the rotary embedding needs
     them) and the targets, shifted *before* the split (the target of the last local token lives on the next
     rank). Its loss is its tokens' summed cross-entropy over the whole batch's count: the ranks' losses
-    sum to the mean, and so do their gradients. ``merge``: the ring's online-softmax merge (the student's).
+    sum to the mean, and so do their gradients. ``forward``: the ring forward (``cp.ring_attention``'s; the student's).
     """
     rank, world = _rank_world(group)
     seq = tokens.shape[-1]
@@ -80,7 +80,7 @@ def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = F
     ids, labels = (split_sequence(t, world, dim=-1, zigzag=zigzag)[rank] for t in (tokens, targets))
     positions = local_positions(rank, world, ids.shape[1], zigzag, tokens.device)
     labels = torch.where(positions < seq, labels, IGNORE_INDEX)  # the padding scores nothing
-    _RING.update(seq_len=seq, zigzag=zigzag, group=group, merge=merge or online_softmax_merge)
+    _RING.update(seq_len=seq, zigzag=zigzag, group=group, forward=forward)
     logits = model(input_ids=ids, position_ids=positions.expand(len(ids), -1)).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
@@ -88,7 +88,7 @@ def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = F
 
 
 def train_ring_llama(steps: int = 3, zigzag: bool = False, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,
-                     seed: int = 0, merge=None) -> list[float]:
+                     seed: int = 0, forward=None) -> list[float]:
     """Train the tiny Llama with context parallelism by hand on this process group's ranks: the losses per step.
 
     Every rank holds the whole model and its part of every sequence (``train.fit``, the course's loop); its loss
@@ -103,7 +103,7 @@ def train_ring_llama(steps: int = 3, zigzag: bool = False, *, seq: int = 30, bat
 
     history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
                   lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
-                  loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=zigzag, merge=merge),
+                  loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=zigzag, forward=forward),
                   sync_grads=sum_gradients, progress=False)
     return [r["loss"] * dist.get_world_size() for r in history]
 
@@ -185,16 +185,15 @@ def longest_sequence(config, budget_bytes: int, world: int = 1, *, batch: int = 
 
 def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = True, batch: int = 1, group=None,
                         dtype: torch.dtype = torch.float32, zigzag: bool = False, seed: int = 0,
-                        device: torch.device | str = "cpu", merge=None) -> int:
+                        device: torch.device | str = "cpu", forward=None) -> int:
     """Bytes this rank's ring attention keeps for backward, measured with ``SavedTensorMeter`` (call on every rank);
-    ``merge``: the online-softmax merge the ring uses (the notebook passes the student's)."""
+    ``forward``: the ring forward it runs (``cp.ring_attention``'s; the notebook passes the student's ring)."""
     rank, world = _rank_world(group)
     torch.manual_seed(seed)
     full = torch.randn(3, batch, heads, seq, head_dim, dtype=dtype, device=device)  # the same q, k, v on every rank
     q, k, v = (split_sequence(t, world, zigzag=zigzag)[rank].requires_grad_() for t in full)
     with SavedTensorMeter() as meter:
-        out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag,
-                             merge=merge or online_softmax_merge)
+        out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag, forward=forward)
     out.sum().backward()  # every rank runs the backward ring, so no peer is left waiting
     return meter.bytes
 

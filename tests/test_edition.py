@@ -41,16 +41,13 @@ KEPT = {
     ("09_deepspeed_zero", "make_ds_config"):
         "course_lib.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
         "sweep) launches with; one dict key matches the exercise's, whose arithmetic and errors are graded by behaviour",
-    ("14_context_expert_parallelism", "ring_attention"):
-        "course_lib.cp.ring_forward is the general ring (zig-zag splits, process groups, a pluggable merge) that 14's "
-        "measurements and its Llama run need in the student edition; the merge it calls is the student's (stubbed "
-        "here), but its ring step is readable: open until the measurements run on the student's own ring",
 }
 # Idioms any training code writes; a match on one of them gives no exercise away.
 COMMON = {
     "for p in model.parameters():",
     "optimizer.zero_grad(set_to_none=True)",
     "rank, world = dist.get_rank(), dist.get_world_size()",
+    "for step in range(world):",  # every ring's loop, ring_backward's too (the backward is no exercise)
     "return contextlib.nullcontext()",
     "for layer in model.model.layers:",
     "d, ffn = config.hidden_size, config.intermediate_size",

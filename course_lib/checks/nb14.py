@@ -1,6 +1,7 @@
-"""Notebook 14's visible tests: the online-softmax merge (one process), the student's ring on 2 forked ranks against
-attention over the whole sequence (output, log-sum-exp, the bytes it sends), and the student's expert-parallel
-dispatch and combine on 2 forked ranks against the one-process mixture of experts (output, gradients, drops, bytes)."""
+"""Notebook 14's visible tests: the online-softmax merge (one process); the student's ring on 2 forked ranks, plain
+and zig-zag, against attention over the whole sequence (output, log-sum-exp, the bytes it sends, a causal ring's
+tiles); and the student's expert-parallel dispatch and combine on 2 forked ranks against the one-process mixture of
+experts (output, gradients, drops, bytes)."""
 
 from __future__ import annotations
 
@@ -96,25 +97,35 @@ def qkv(seq: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(B, H, seq, D, generator=g) for _ in range(3)]
 
 
-def ring_rank(seq: int, causal: bool, ns: dict) -> bytes:
-    """One rank: the student's ring_forward on its block of the sequence (padded where seq does not divide)."""
+def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
+    """One rank: the student's ring_forward on its part of the sequence (padded where seq does not divide), the
+    bytes it moved and the scores its ``cp.block_attention`` calls computed (in blocks of local x local)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    q, k, v = (cp.split_sequence(t, world)[rank] for t in qkv(seq))
+    q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq))
+    work, inner = [0.0], cp.block_attention
+
+    def counted(q_tile, k_tile, *args, **kwargs):  # this rank's copy of the module only
+        work[0] += q_tile.shape[-2] * k_tile.shape[-2] / q.shape[-2] ** 2
+        return inner(q_tile, k_tile, *args, **kwargs)
+
+    cp.block_attention = counted
     try:
         with forbid(*CP_ANSWERS, namespace=ns):
             with CollectiveBytes() as comm:
-                out, lse = ns["ring_forward"](q, k, v, causal, seq)
+                out, lse = ns["ring_forward"](q, k, v, causal, seq, *([True] if zigzag else []))
         got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
-               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}
+               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(work[0])}
     except Exception as err:
         got = {"raised": f"{type(err).__name__}: {err}"[:300]}
+    finally:
+        cp.block_attention = inner
     return packed(plain(got))
 
 
-def ring_runs(ns: dict, world: int, seq: int, causal: bool) -> list:
-    return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal)
+def ring_runs(ns: dict, world: int, seq: int, causal: bool, zigzag: bool = False) -> list:
+    return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal, zigzag=zigzag)
 
 
 def reference(seq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,39 +137,52 @@ def reference(seq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.softmax(s, -1) @ v).float(), torch.logsumexp(s, -1).float()
 
 
-def judge_ring(runs: list, world: int, seq: int, causal: bool) -> None:
-    label = f"{world} ranks, {seq} tokens, causal={causal}"
+def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = False) -> None:
+    label = f"{world} ranks, {seq} tokens, causal={causal}{', zig-zag' if zigzag else ''}"
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
     for r, run in enumerate(runs):
         assert "raised" not in run, f"{label}, rank {r}: your ring raised {run.get('raised')}"
         assert isinstance(run["out"], torch.Tensor) and isinstance(run["lse"], torch.Tensor), \
             f"{label}, rank {r}: ring_forward must return (out, lse) tensors, got {run['out']}, {run['lse']}"
     out, lse = reference(seq, causal)
-    got = cp.merge_sequence([run["out"] for run in runs], seq)
+    got = cp.merge_sequence([run["out"] for run in runs], seq, zigzag=zigzag)
     assert got.shape == out.shape, f"{label}: the ranks' outputs make {tuple(got.shape)}, expected {tuple(out.shape)}"
     gap = float((got - out).abs().max())
     hint = ("a causal ring: a block from an earlier rank is whole, the rank's own block is the triangle, a later "
-            "rank's block is skipped; the padded keys (position >= seq_len) are never seen" if causal else
+            "rank's block is skipped; the padded keys (position >= seq_len) are never seen" if causal and not zigzag
+            else "with zig-zag your rows are chunks rank and 2N-1-rank (cp.local_positions), and so are the keys you "
+            "receive; the padded keys (position >= seq_len) are never seen" if zigzag else
             "the padded keys (position >= seq_len) are never seen")
     assert gap < 1e-4, f"{label}: the output differs from attention over the whole sequence by {gap:.1e} ({hint})"
-    got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq).squeeze(-1)
+    got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq, zigzag=zigzag).squeeze(-1)
     assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
         f"{float((got_lse - lse).abs().max()):.1e}: return the merged lse over every key the row sees"
-    want = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B)
+    want = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
     for r, run in enumerate(runs):
         assert run["bytes"] == {"send": want, "recv": want}, (
             f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
             f"V block N-1 times, and nothing else: {{'send': {want}, 'recv': {want}}}")
+    if causal and seq % (2 * world if zigzag else world) == 0:  # no padding: every tile has a real key
+        work = cp_train.causal_work(world, zigzag)
+        for r, run in enumerate(runs):
+            assert run["work"] == work[r], (
+                f"{label}, rank {r}: your cp.block_attention calls computed {run['work']} blocks of scores, a causal "
+                f"ring computes {work[r]} here: skip every {'tile (query chunk x key chunk)' if zigzag else 'block'} "
+                "no query sees, and compute each other one once")
 
 
-def probe_ring(ns: dict) -> dict:
-    return {causal: ring_runs(ns, 2, 8, causal) for causal in (True, False)}
+VISIBLE_RINGS = ((2, 8, True, False), (2, 8, False, False), (2, 8, True, True))
 
 
-def judge_ring_visible(got: dict) -> str:
-    for causal in (True, False):
-        judge_ring(got[causal], 2, 8, causal)
-    return "2 ranks, causal and not: full attention's output and lse, and K/V sent N-1 times"
+def probe_ring(ns: dict) -> list:
+    return [ring_runs(ns, *case) for case in VISIBLE_RINGS]
+
+
+def judge_ring_visible(got: list) -> str:
+    for runs, case in zip(got, VISIBLE_RINGS):
+        judge_ring(runs, *case)
+    return ("2 ranks, causal and not, plain and zig-zag: full attention's output and lse, K/V sent N-1 times, and the "
+            "causal ring's tiles")
 
 
 register("test_ring_attention", probe_ring, judge_ring_visible)

@@ -1,5 +1,6 @@
 """Notebook 14's hidden tests (instructor edition only): the merge on scores large enough to overflow exp() without
-rescaling; the ring on 3 and 4 ranks with lengths that do not divide (padded keys masked); expert parallelism on 3
+rescaling; the ring on 3 and 4 ranks, plain and zig-zag, with lengths that do not divide (padded keys masked);
+expert parallelism on 3
 and 4 ranks with unequal token counts, with and without dropping."""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from course_lib.checks import register
 from course_lib.checks.nb14 import blocks, ep_runs, judge_ep, judge_merged, merged, ring_runs
 from course_lib.checks.nb14 import judge_ring as judge_ring_case
 
-RING_CASES = ((3, 10, True), (3, 10, False), (4, 13, True))
+RING_CASES = ((3, 10, True, False), (3, 10, False, False), (4, 13, True, False),  # (ranks, tokens, causal, zig-zag)
+              (3, 12, True, True), (4, 13, True, True))
 EP_CASES = ((3, 6, None), (4, 8, 1.0))
 
 
@@ -22,7 +24,7 @@ def judge_ring(got: dict) -> str:
     judge_merged(got["large"], whole, "scores of hundreds (exp overflows without the max)")
     for runs, case in zip(got["rings"], RING_CASES):
         judge_ring_case(runs, *case)
-    return "large scores; 3 and 4 ranks, 10 and 13 tokens (padded), causal and not"
+    return "large scores; 3 and 4 ranks, 10, 12 and 13 tokens (padded), causal and not, plain and zig-zag"
 
 
 register("test_ring_attention_hidden", probe_ring, judge_ring)

@@ -13,25 +13,27 @@ def merge(out_a, lse_a, out_b, lse_b):
     total = sum_a + sum_b
     out = (sum_a.unsqueeze(-1) * out_a + sum_b.unsqueeze(-1) * out_b) / total.clamp_min(1e-30).unsqueeze(-1)
     return out, top + torch.log(total)
-
-
-def ring_forward(q, k, v, causal, seq_len):
+def ring_forward(q, k, v, causal, seq_len, zigzag=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = q.shape[-2]
-    q_pos = rank * local + torch.arange(local)
+    chunks = [slice(0, local // 2), slice(local // 2, local)] if zigzag else [slice(0, local)]
+    q_pos = cp.local_positions(rank, world, local, zigzag)
     out = torch.zeros(*q.shape[:-1], v.shape[-1])
     lse = torch.full(q.shape[:-1], float("-inf"))
     kv = torch.stack([k, v])  # K and V travel as one message
     for step in range(world):
         incoming = torch.empty_like(kv)
         pending = cp.ring_pass(kv, incoming) if step < world - 1 else []  # the next block fills while we compute
-        k_pos = ((rank - step) % world) * local + torch.arange(local)
-        mask = (k_pos < seq_len).expand(local, -1)  # padding is never seen
-        if causal:
-            mask = mask & (k_pos[None, :] <= q_pos[:, None])  # a key at or before the query
-        if mask.any():  # a later rank's block: no query sees it, skip it
-            o, l = cp.block_attention(q, kv[0], kv[1], None if mask.all() else mask)
-            out, lse = merge(out, lse, o, l)
+        k_pos = cp.local_positions((rank - step) % world, world, local, zigzag)
+        for qs in chunks:  # one tile per (query chunk, key chunk): the whole block where the split is plain
+            for ks in chunks:
+                mask = (k_pos[ks] < seq_len).expand(qs.stop - qs.start, -1)  # padding is never seen
+                if causal:
+                    mask = mask & (k_pos[ks][None, :] <= q_pos[qs][:, None])  # a key at or before the query
+                if mask.any():  # a tile no query sees (a later block or chunk): skip it
+                    o, l = cp.block_attention(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
+                                              None if mask.all() else mask)
+                    out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, l)
         for p in pending:
             p.wait()
         kv = incoming
@@ -89,11 +91,23 @@ MERGE_OVERFLOWS = changed(("""    top = torch.where(torch.isfinite(top), top, 0.
                            """    top = torch.zeros_like(top)  # wrong: exp(lse) unscaled overflows on large scores"""))
 
 # the causal mask on the wrong side: later keys seen, earlier ones hidden
-CAUSAL_WRONG_BLOCKS = changed(("mask = mask & (k_pos[None, :] <= q_pos[:, None])", "mask = mask & (k_pos[None, :] >= q_pos[:, None])"))
+CAUSAL_WRONG_BLOCKS = changed(("mask = mask & (k_pos[ks][None, :] <= q_pos[qs][:, None])",
+                               "mask = mask & (k_pos[ks][None, :] >= q_pos[qs][:, None])"))
 
 # the padded keys seen: right wherever the length divides (the visible test), wrong where it does not (hidden)
-PADDING_SEEN = changed(("mask = (k_pos < seq_len).expand(local, -1)  # padding is never seen",
-                        "mask = torch.ones(local, local, dtype=torch.bool)  # wrong: the padded keys are seen"))
+PADDING_SEEN = changed(("mask = (k_pos[ks] < seq_len).expand(qs.stop - qs.start, -1)  # padding is never seen",
+                        "mask = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)  # wrong"))
+# zig-zag's rows placed as the plain split's: right for a plain ring, wrong wherever the split is zig-zag
+ZIGZAG_AS_PLAIN = changed(("q_pos = cp.local_positions(rank, world, local, zigzag)",
+                           "q_pos = cp.local_positions(rank, world, local)"),
+                          ("k_pos = cp.local_positions((rank - step) % world, world, local, zigzag)",
+                           "k_pos = cp.local_positions((rank - step) % world, world, local)  # wrong: zig-zag ignored"))
+# zig-zag's block attended whole, masked: the right output, but every rank computes N blocks (no balance, no saving)
+ZIGZAG_WHOLE_BLOCKS = changed(("[slice(0, local // 2), slice(local // 2, local)] if zigzag else [slice(0, local)]",
+                               "[slice(0, local)]  # wrong: zig-zag's tiles never skipped"))
+# every block attended, those no query sees too (all masked): the right output, a causal ring's saving thrown away
+NO_SKIP = changed(("                if mask.any():  # a tile no query sees (a later block or chunk): skip it",
+                   "                if True:  # wrong: a tile no query sees is computed anyway"))
 
 CALLS_LIBRARY_RING = '''
 import course_lib.cp as _cp
@@ -101,8 +115,8 @@ import course_lib.cp as _cp
 merge = _cp.online_softmax_merge
 
 
-def ring_forward(q, k, v, causal, seq_len):
-    return _cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, merge=merge)[:2]
+def ring_forward(q, k, v, causal, seq_len, zigzag=False):
+    return _cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, zigzag=zigzag, merge=merge)[:2]
 '''
 
 # each rank expects to receive what it sends: the ranks' different token counts make gloo fail the all-to-all
@@ -141,6 +155,12 @@ CASES = {
     "causal_wrong_blocks": {"cells": {"ring_attention": CAUSAL_WRONG_BLOCKS},
                             "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "padding_seen": {"cells": {"ring_attention": PADDING_SEEN}, "scores": scores("test_ring_attention_hidden")},
+    "zigzag_as_plain": {"cells": {"ring_attention": ZIGZAG_AS_PLAIN},
+                        "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "zigzag_whole_blocks": {"cells": {"ring_attention": ZIGZAG_WHOLE_BLOCKS},
+                            "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "no_skip": {"cells": {"ring_attention": NO_SKIP},
+                "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "calls_library_ring_attention": {"cells": {"ring_attention": CALLS_LIBRARY_RING}, "scores": scores(*RING)},
     "splits_not_exchanged": {"cells": {"expert_parallel": SPLITS_NOT_EXCHANGED}, "scores": scores(*EXPERTS)},
     "combine_wrong_order": {"cells": {"expert_parallel": COMBINE_WRONG_ORDER}, "scores": scores(*EXPERTS)},
