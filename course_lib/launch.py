@@ -38,6 +38,8 @@ GPU per rank where the machine has that many, else CPU ranks through ``run_forke
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io
 import json
 import os
 import selectors
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -355,11 +358,11 @@ def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, tim
     """Fork ``nprocs`` copies of this process; each runs ``fn(**kwargs)`` in a CPU (gloo) group.
 
     ``launch``'s worker contract: a rank learns its place from ``torch.distributed`` (``dist.get_rank()``,
-    ``dist.get_world_size()``, or ``train.rank_and_world()``), so one worker runs under either. Returns the ranks'
-    return values (picklable) in rank order. A rank that raises ends the
-    run and its traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout``
-    (counted from the moment every rank has joined the group) every rank is killed and
-    ``TimeoutError`` is raised.
+    ``dist.get_world_size()``, or ``train.rank_and_world()``), so one worker runs under either.
+
+    Returns the ranks' return values (picklable) in rank order. A rank that raises ends the run and its
+    traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout`` (counted from the moment
+    every rank has joined the group) every rank is killed and ``TimeoutError`` is raised.
     """
     check_world(nprocs, "cpu")
     if dist.is_initialized():  # the forked ranks would inherit it and could not start their own
@@ -410,9 +413,7 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
     spawned = not fork_is_safe()
     ctx = mp.get_context("spawn" if spawned else "fork")
     if ships_by_value():
-        import cloudpickle
-
-        shipped = cloudpickle.dumps((fn, kwargs))  # by value: a notebook's function too, and one among the kwargs
+        shipped = by_value((fn, kwargs))  # a notebook's function too, and one among the kwargs
     else:
         shipped = (fn, kwargs)
     port, queue = free_port(), ctx.SimpleQueue()
@@ -490,6 +491,29 @@ def ships_by_value() -> bool:
     notebook (only what the function names, by value) without a fresh Python per rank, which the tests use for every
     multi-rank check but one."""
     return not fork_is_safe() or os.environ.get("COURSE_SPAWN_RANKS") == "by-value"
+
+
+def by_value(obj) -> bytes:
+    """``obj`` pickled as a spawned rank receives it: cloudpickle, a notebook's functions by value, and a module by
+    reference even where it is not a plain ``ModuleType``.
+
+    cloudpickle ships, with a function, each submodule of a module it uses whose name the function's code spells:
+    a worker that reads ``dist.get_rank()`` and some ``stage.config`` takes ``torch.distributed.config`` along
+    (torch 2.13 has it, 2.7 not), and torch's config modules are a ``ModuleType`` subclass that pickle refuses
+    ("cannot pickle 'ConfigModuleInstance' object"): notebook 13's executor on the Llama failed so wherever ranks
+    are spawned, i.e. on every GPU machine (found forcing that path here: ``COURSE_SPAWN_RANKS=1``).
+    """
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType and obj.__name__ in sys.modules:
+                return importlib.import_module, (obj.__name__,)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _forked_rank(work, rank, world, port, backend, queue, parent, spawned):

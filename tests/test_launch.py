@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,13 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
         run_forked(holds_the_lock, 2, timeout=60)
     pids = run_forked(os.getpid, 2, timeout=60)
     assert os.getpid() not in pids
+    stage = types.SimpleNamespace(config=types.SimpleNamespace(layers=3))
+
+    def reads_a_config():  # notebook 13's executor: `dist` and an attribute named config (stage.config)
+        return dist.get_world_size() + stage.config.layers
+
+    # cloudpickle ships torch.distributed.config with it where torch has one (2.13), a module pickle alone refuses
+    assert run_forked(reads_a_config, 2, timeout=60) == [5, 5]
 
 
 def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
