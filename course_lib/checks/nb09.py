@@ -166,7 +166,8 @@ def whole_run(n, steps, opt_name, kw, frozen):
 
 @functools.lru_cache(maxsize=None)
 def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> list:
-    runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen), timeout=120)
+    runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen),
+                      timeout=120)
     return [unpacked(r) for r in runs]
 
 

@@ -1,7 +1,6 @@
 """Notebook 14's hidden tests (instructor edition only): the merge on scores large enough to overflow exp() without
 rescaling; the ring on 3 and 4 ranks, plain and zig-zag, with lengths that do not divide (padded keys masked);
-expert parallelism on 3
-and 4 ranks with unequal token counts, with and without dropping."""
+expert parallelism on 3 and 4 ranks with unequal token counts, with and without dropping."""
 
 from __future__ import annotations
 
