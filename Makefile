@@ -69,13 +69,13 @@ ops: $(VENV)/.installed
 	$(BUILD_OPS)
 
 course: setup
-	$(PY) -m course_lib.run_all
+	$(PY) -m course_lib.apps.run_all
 
 # The workshop host's first command: every GPU path the course uses (GPUs, NCCL/RCCL and gloo ranks, SDPA kernels,
 # DeepSpeed's ops, FP8, bitsandbytes, seed 001's checks, version floors) run once at tiny size; one table of
 # pass/FAIL with the reason and the fix, exit 1 if a path the course needs fails. PREFLIGHT_ARGS: e.g. --json FILE.
 preflight: setup
-	$(PY) -m course_lib.preflight $(PREFLIGHT_ARGS)
+	$(PY) -m course_lib.apps.preflight $(PREFLIGHT_ARGS)
 
 # The course on its floor, torch 2.7, in a second environment (.ci/floor: what it installs, runs and why); CI runs it.
 floor:
@@ -84,7 +84,7 @@ floor:
 # What a GPU node would run (8 ranks, its meshes, micro-batch counts and pipeline stages), on CPU ranks over gloo at
 # tiny widths: a node-only shape fails here first. Summary in runs-node-emulated/summary.md.
 node-emulation: setup
-	$(PY) -m course_lib.run_all --tier node --emulate --out runs-node-emulated
+	$(PY) -m course_lib.apps.run_all --tier node --emulate --out runs-node-emulated
 
 # torchao, for tests/test_fp8.py's run of notebook 02's FP8 training path (torchao's Float8Linear trains on a CPU
 # too): beside the venv, not in it, because transformers imports torchao whenever it can, and on a CPU that import
@@ -109,16 +109,16 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
 
 release: setup
-	$(PY) -m course_lib.release
+	$(PY) -m course_lib.apps.release
 
 release-check: setup
-	$(PY) -m course_lib.release --check
+	$(PY) -m course_lib.apps.release --check
 
-# The student edition (course_lib/edition.py): release notebooks, course_lib with every graded reference stubbed,
+# The student edition (course_lib/apps/edition.py): release notebooks, course_lib with every graded reference stubbed,
 # and what a student needs to set up; no solutions/, tests/ or runs/. Standard library only: needs no setup.
 STUDENT_EDITION ?= build/student-edition
 student-edition:
-	$(PYTHON) course_lib/edition.py student $(STUDENT_EDITION) --archive
+	$(PYTHON) course_lib/apps/edition.py student $(STUDENT_EDITION) --archive
 
 # Grade one assignment of the submissions in submitted/<student>/$(ASSIGNMENT)/, then export grades.csv.
 grade: setup

@@ -1,7 +1,7 @@
 """nbgrader configuration of the course: run nbgrader's commands from the project root.
 
 solutions/<assignment>/<assignment>.ipynb is the source (one notebook per assignment);
-``nbgrader generate_assignment`` writes release/, and ``python -m course_lib.release``
+``nbgrader generate_assignment`` writes release/, and ``python -m course_lib.apps.release``
 copies that into notebooks/ (committed, so a clone opens and runs with no instructor step).
 Collected work goes to submitted/<student>/<assignment>/; ``nbgrader autograde``,
 ``generate_feedback`` and ``export`` do the rest (see README, "Instructors", and docs/grading.md).
@@ -67,25 +67,25 @@ if sys.prefix != sys.base_prefix:  # in the course's venv
 # ---------------------------------------------------------------- the grading kernel runs in a sandbox
 # Autograde runs each submission's cells in a kernel. Unfenced, that kernel has the grader's rights: a solution
 # cell could read solutions/, the hidden tests and the instructor's course_lib (every graded reference), or open
-# gradebook.db and write its own grades. So the kernel starts through course_lib.sandbox (Landlock): it reads the
+# gradebook.db and write its own grades. So the kernel starts through course_lib.apps.sandbox (Landlock): it reads the
 # Python installation, the system folders, the student edition of course_lib (first on PYTHONPATH, so `import
 # course_lib` finds the student's, stubbed one) and its own submission; it writes a fresh scratch folder (HOME,
 # TMPDIR, caches, COURSE_RUN_DIR) and its own autograded folder. Nothing else of the course can be opened.
 # nbgrader's own processes (outside the kernel) are unchanged. COURSE_GRADE_UNSANDBOXED=1 grades without Landlock
 # (practice only: the scores are then not class-safe).
 def course_lib_file(name: str) -> str:
-    """The instructor's course_lib/<name>.py (beside this file, or the installed one), found without importing the
+    """The instructor's course_lib/apps/<name>.py (beside this file, or the installed one), found without importing the
     package (that would load torch into every nbgrader command)."""
     beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "course_lib")
     spec = None if os.path.isdir(beside) else importlib.util.find_spec("course_lib")
     if not os.path.isdir(beside) and spec is None:
         raise RuntimeError("nbgrader cannot find course_lib: run it from the course folder, or install the course "
                            "(make setup, or pip install -e .) into the Python that runs nbgrader")
-    return os.path.join(beside if spec is None else spec.submodule_search_locations[0], f"{name}.py")
+    return os.path.join(beside if spec is None else spec.submodule_search_locations[0], "apps", f"{name}.py")
 
 
 def load_module(name: str):
-    """course_lib/<name>.py loaded on its own: sandbox and edition use the standard library only."""
+    """course_lib/apps/<name>.py loaded on its own: sandbox and edition use the standard library only."""
     spec = importlib.util.spec_from_file_location(f"_course_{name}", course_lib_file(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -93,7 +93,7 @@ def load_module(name: str):
 
 
 class SandboxedKernelManager(AsyncKernelManager):
-    """A kernel started through course_lib.sandbox, with its own scratch folder (removed when the kernel is)."""
+    """A kernel started through course_lib.apps.sandbox, with its own scratch folder (removed when the kernel is)."""
 
     scratch = None
 
@@ -109,7 +109,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         kw["env"] = sandbox.grading_env(dict(kw.get("env") or os.environ), self.scratch, edition_path)
         cmd, kw = await super()._async_pre_start_kernel(**kw)
         read, write = sandbox.allow_lists([submission], self.scratch, [self.connection_file], edition.grading_cache(),
-                                          edition_path, os.path.dirname(course_lib_file("sandbox")))
+                                          edition_path, os.path.dirname(os.path.dirname(course_lib_file("sandbox"))))
         return sandbox.fenced(cmd, read, write), kw
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:

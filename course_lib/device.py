@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 TIERS = ("smoke", "cpu", "gpu", "node")
-# Set (to 1) by ``python -m course_lib.run_all --tier node --emulate``: the node tier's layout (world sizes,
+# Set (to 1) by ``python -m course_lib.apps.run_all --tier node --emulate``: the node tier's layout (world sizes,
 # meshes, micro-batch counts, pipeline stages) runs on CPU ranks over gloo, at the widths the notebook gives
 # for it, so that a node-only shape fails on a laptop or in CI before it meets a GPU node.
 EMULATE_NODE_ENV = "COURSE_EMULATE_NODE"

@@ -10,7 +10,7 @@ CPU), seeds torch, opens the notebook's results file, and prints one line that s
 The sizes stay in the notebook: they are part of what it teaches (one code path, four sizes).
 
 A notebook that launches ranks also gives ``emulate``: the widths (model preset, sequence, batch, ...)
-that replace the node tier's when ``python -m course_lib.run_all --tier node --emulate`` runs the
+that replace the node tier's when ``python -m course_lib.apps.run_all --tier node --emulate`` runs the
 node's layout (its world sizes, meshes, micro-batch counts and pipeline stages) on CPU ranks over gloo.
 Every other size keeps the node tier's value, so a layout that cannot run fails there, on a CPU.
 """

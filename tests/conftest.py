@@ -50,7 +50,7 @@ def executed(course_run_dir, deepspeed_ops):
     with papermill's error naming the cell.
     """
     from course_lib import results
-    from course_lib.run_all import execute
+    from course_lib.apps.run_all import execute
 
     cache: dict[str, dict] = {}
 

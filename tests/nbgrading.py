@@ -14,7 +14,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from course_lib.release import nbgrader
+from course_lib.apps.release import nbgrader
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = "while True:  # a submission that never finishes\n    pass\n"

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from course_lib import accelerate_configs as ac
+from course_lib.apps import accelerate_configs as ac
 
 SEED_003_FSDP_FIELDS = {"fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_cpu_ram_efficient_loading",
                         "fsdp_forward_prefetch", "fsdp_offload_params", "fsdp_sharding_strategy",
@@ -69,9 +69,9 @@ def test_a_deepspeed_config_deepspeed_would_refuse_is_rejected(tmp_path, field, 
 def test_unknown_names_and_the_cli():
     with pytest.raises(ValueError, match="use one of"):
         ac.config_path("zero4")
-    out = subprocess.run([sys.executable, "-m", "course_lib.accelerate_configs"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "course_lib.apps.accelerate_configs"], capture_output=True, text=True,
                          check=True).stdout
     assert out.count("-> ok") == len(ac.CONFIGS) == 5 and "accelerate launch --config_file" in out
-    path = subprocess.run([sys.executable, "-m", "course_lib.accelerate_configs", "--path", "fsdp"],
+    path = subprocess.run([sys.executable, "-m", "course_lib.apps.accelerate_configs", "--path", "fsdp"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert path.endswith("accelerate_fsdp.yaml")

@@ -1,6 +1,7 @@
 """course_lib's shape, as the README's architecture paragraph states it: modules in layers, a module
 imports only from its own layer or the ones below, a technique may build on another but never in a cycle, the
-course's own imports sit at the top of each file, and every function fits on a screen."""
+applications sit in their own folder (course_lib/apps/), the course's own imports sit at the top of each file, and
+every function fits on a screen."""
 
 from __future__ import annotations
 
@@ -21,14 +22,36 @@ LAYERS = {
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "preflight", "edition", "sandbox", "__init__"},
 }
+# The folders say the layers: the applications (what a user runs: the course's main job, the release, the grading
+# fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/. Two application modules stay
+# at the top, because a notebook's first line imports them: the package itself and notebook (course_setup).
+FOLDER_OF_LAYER = {"application": "apps"}
+AT_THE_TOP = {"__init__", "notebook"}
 ORDER = list(LAYERS)
 LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mods}
 MAX_FUNCTION_LINES = 60
 
 
+def module_paths() -> dict[str, Path]:
+    """Each library module's file by its name: course_lib/*.py and the applications' course_lib/apps/*.py."""
+    paths = {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
+    for folder in FOLDER_OF_LAYER.values():
+        clash = {p.stem for p in (PACKAGE / folder).glob("*.py")} & set(paths) - {"__init__"}
+        assert not clash, f"{clash} in course_lib/ and course_lib/{folder}/: a module's name is unique in course_lib"
+        paths.update({p.stem: p for p in sorted((PACKAGE / folder).glob("*.py")) if p.stem != "__init__"})
+    return paths
+
+
 @functools.cache  # parsed once per process: ~250 tests read the same trees (each parse of the package took ~2 s)
 def modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text()) for p in sorted(PACKAGE.glob("*.py"))}
+    return {name: ast.parse(path.read_text()) for name, path in module_paths().items()}
+
+
+def course_module(dotted: str) -> str | None:
+    """The module name of ``course_lib.X`` or ``course_lib.apps.X`` (None for a package: course_lib.apps itself)."""
+    parts = dotted.split(".")[1:]
+    parts = parts[1:] if parts and parts[0] in FOLDER_OF_LAYER.values() else parts
+    return parts[0] if parts else None
 
 
 def course_imports(node: ast.AST) -> list[tuple[str, int]]:
@@ -36,18 +59,28 @@ def course_imports(node: ast.AST) -> list[tuple[str, int]]:
     out = []
     for n in ast.walk(node):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "course_lib":
-            if n.module == "course_lib":  # from course_lib import results, plots, ...
-                out += [(a.name, n.lineno) for a in n.names if (PACKAGE / f"{a.name}.py").exists()]
-                out += [("__init__", n.lineno) for a in n.names if not (PACKAGE / f"{a.name}.py").exists()]
+            if course_module(n.module) is None:  # from course_lib import results, plots / from course_lib.apps import ...
+                known = [a.name for a in n.names if a.name in module_paths() or a.name == "checks"]
+                out += [(name, n.lineno) for name in known]
+                out += [("__init__", n.lineno)] * (n.module == "course_lib" and len(known) < len(n.names))
             else:
-                out.append((n.module.split(".")[1], n.lineno))
+                out.append((course_module(n.module), n.lineno))
         elif isinstance(n, ast.Import):
-            out += [(a.name.split(".")[1], n.lineno) for a in n.names if a.name.startswith("course_lib.")]
+            out += [(course_module(a.name), n.lineno) for a in n.names if a.name.startswith("course_lib.")
+                    and course_module(a.name)]
     return out
 
 
 def test_every_module_has_a_layer():
     assert set(modules()) == set(LAYER_OF), f"place {set(modules()) ^ set(LAYER_OF)} in LAYERS (and the README)"
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_OF))
+def test_the_folder_says_the_layer(name):
+    layer = ORDER[LAYER_OF[name]]
+    want = FOLDER_OF_LAYER.get(layer) if name not in AT_THE_TOP else None
+    got = module_paths()[name].parent.relative_to(PACKAGE).as_posix()
+    assert got == (want or "."), f"{name}.py is a {layer} module: move it to course_lib/{want or ''}"
 
 
 @pytest.mark.parametrize("name", sorted(LAYER_OF))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from course_lib import attention
-from course_lib import benchmark as bm
-from course_lib import finetune as ft
+from course_lib.apps import benchmark as bm
 from course_lib import recipe as rc
+from course_lib.apps import finetune as ft
 from course_lib.checkpointing import CheckpointedBlock
 from course_lib.grading import grads, max_abs_diff, twin
 from course_lib.instruct import packed_attention_mask

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import nbgrading as g
-from course_lib import checks, edition
+from course_lib import checks
+from course_lib.apps import edition
 from course_lib.checks import grade
 
 SOLUTION = g.load_solution("00_orientation")

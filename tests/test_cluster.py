@@ -1,4 +1,4 @@
-"""course_lib.cluster's SLURM scripts, tested without a SLURM cluster.
+"""course_lib.apps.cluster's SLURM scripts, tested without a SLURM cluster.
 
 The scripts are rendered, checked by bash, and run with stand-ins for srun and scontrol: the
 torchrun form starts real torchrun ranks that meet at the c10d rendezvous and all-reduce; the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import cluster
+from course_lib.apps import cluster
 from course_lib.distributed import free_port
 
 BIN = Path(sys.executable).parent
@@ -80,7 +80,7 @@ def test_bad_parameters_are_refused_with_a_clear_message(kw, message):
 
 
 def test_cli_prints_and_writes_scripts(tmp_path):
-    py = [sys.executable, "-m", "course_lib.cluster"]
+    py = [sys.executable, "-m", "course_lib.apps.cluster"]
     out = subprocess.run([*py, "torchrun", "--nodes", "2", "--partition", "mi300x", "--", "train.py", "--lr", "1e-4"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "#SBATCH --nodes=2" in out and "train.py --lr 1e-4" in out

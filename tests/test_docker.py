@@ -19,7 +19,7 @@
   through --torch-version, which the real libraries read); each Dockerfile's base tag is the documented one and
   its torch and Python meet the floors that pyproject.toml and environment.yml declare alike.
 
-The SLURM scripts of course_lib.cluster are tested in test_cluster.py.
+The SLURM scripts of course_lib.apps.cluster are tested in test_cluster.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import cluster
-from course_lib.edition import graded_references
+from course_lib.apps import cluster
+from course_lib.apps.edition import graded_references
 from labserver import START, http_get, lab_env, start_lab, stop_lab
 from course_lib.distributed import free_port
 
@@ -51,7 +51,7 @@ BIN = Path(sys.executable).parent
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
 
-EDITION_RUN = "python3 course_lib/edition.py student /opt/student-edition"  # convention E's command, as the stage runs it
+EDITION_RUN = "python3 course_lib/apps/edition.py student /opt/student-edition"  # convention E's command, as the stage runs it
 EDITION_OUT = "/opt/student-edition"
 
 
@@ -310,7 +310,7 @@ def test_grader_target_has_the_whole_course(dockerfile):
     assert any(f.startswith("tests/submissions/") for f in copied), "the known-wrong submissions"
     # the grading kernel's course_lib (convention E) is built at build time, into a folder the user cannot write
     runs = [a for w, a in chain[0].instructions if w == "RUN"]
-    assert len(runs) == 1 and "course_lib/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
+    assert len(runs) == 1 and "course_lib/apps/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
     # and the context the edition and grader stages read leaves out nothing of the course
     for must in ("solutions", "tests", "course_lib", "notebooks", "nbgrader_config.py", "pyproject.toml", "Makefile"):
         assert any(f == must or f.startswith(must + "/") for f in files), f"the .dockerignore leaves out {must}"
@@ -376,8 +376,8 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
                            "-w", str(tmp_path / "wheel"), str(course)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
-    assert "course_lib/ddp.py" in names and any(n.startswith("course_lib/templates/") for n in names) and \
-        any(n.startswith("course_lib/configs/") for n in names), names
+    assert "course_lib/ddp.py" in names and any(n.startswith("course_lib/apps/templates/") for n in names) and \
+        any(n.startswith("course_lib/apps/configs/") for n in names), names
 
 
 # --- docker/check_image.py and the floors -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The student edition (course_lib/edition.py): what a student receives holds no solution, no hidden test and no
+"""The student edition (course_lib/apps/edition.py): what a student receives holds no solution, no hidden test and no
 graded reference, and the grading kernel's course_lib is that same stubbed package.
 
 The scan builds the real edition and looks in every file of it for every solution body and hidden test of
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import edition
-from course_lib.edition import MARKER_FILE, MarkerError, build_student_edition, for_grading, graded_references
+from course_lib.apps import edition
+from course_lib.apps.edition import MARKER_FILE, MarkerError, build_student_edition, for_grading, graded_references
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB_ONLY = [sys.executable, "-S"]  # no site-packages: the script must run on a bare python3, before any setup
@@ -201,7 +201,7 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 300
 def built(tmp_path_factory) -> Path:
     """The student edition, written by the command line on a bare interpreter, with its archive."""
     dest = tmp_path_factory.mktemp("edition") / "student-edition"
-    out = run(STDLIB_ONLY + ["course_lib/edition.py", "student", str(dest), "--archive"], cwd=ROOT)
+    out = run(STDLIB_ONLY + ["course_lib/apps/edition.py", "student", str(dest), "--archive"], cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return dest
 
@@ -258,7 +258,7 @@ STUB_CHECK = """
 import asyncio, importlib, inspect, json, sys
 out = {}
 for ref in json.loads(sys.argv[1]):
-    module, name = ref.split(".")
+    module, name = ref.rsplit(".", 1)
     mod = importlib.import_module("course_lib." + module)
     obj = getattr(mod, name)
     try:
@@ -298,7 +298,7 @@ def test_every_graded_reference_is_a_stub_that_names_its_exercise(built, tmp_pat
     imports = "; ".join(f"import course_lib.{m}" for m in modules) + "; import course_lib; print(course_lib.__file__)"
     out = run([sys.executable, "-c", imports], cwd=tmp_path, env=env)
     assert out.returncode == 0 and Path(out.stdout.strip()).is_relative_to(built), out.stderr[-3000:]
-    for path in (built / "course_lib").glob("*.py"):
+    for path in (built / "course_lib").rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
 
 
@@ -357,6 +357,18 @@ def test_stubs_keep_signature_and_docstring_and_leave_the_rest_byte_for_byte(tmp
     assert results["toy.fetch"][0] == ("course_lib.toy.fetch is written in notebook 05_input_pipeline's exercise Prefetcher: "
                                        "use the one you wrote there")
     assert all(msg.startswith("course_lib.toy.") for msg, _ in results.values()), results
+
+
+def test_a_marked_reference_in_a_subfolder_is_stubbed_too(tmp_path):
+    """The applications sit in course_lib/apps/: a reference marked there is found, named by its dotted path, and
+    stubbed in the edition's copy of that folder."""
+    root = course_copy(tmp_path / "course")
+    (root / "course_lib" / "apps" / "toy.py").write_text(TOY)
+    assert {k for k in graded_references(root) if "toy." in k} == {"apps.toy.Buckets", "apps.toy.average", "apps.toy.fetch"}
+    out = build_student_edition(tmp_path / "edition", root=root)
+    assert "x + 1" not in (out / "course_lib" / "apps" / "toy.py").read_text()
+    results = stub_messages(out, ["apps.toy.fetch"], cwd=tmp_path)
+    assert results["apps.toy.fetch"][0].startswith("course_lib.apps.toy.fetch is written in notebook 05_input_pipeline")
 
 
 def test_unmarked_code_is_identical(built):
@@ -437,7 +449,7 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     dry = run(["make", "-n", "setup", "lab", "preflight", "ops"], cwd=built)
     assert dry.returncode == 0, dry.stderr
     assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout and "jupyter lab notebooks/" in dry.stdout
-    assert "course_lib.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
+    assert "course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
     assert "deepspeed_engine.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
     for target in ("test", "course", "release", "grade"):  # they need tests/ or solutions/: not in the edition
@@ -466,7 +478,7 @@ def test_a_foreign_folder_is_refused_and_kept_and_a_previous_edition_is_replaced
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.txt").write_text("a user's work")
-    out = run([sys.executable, "-m", "course_lib.edition", "student", str(mine)], cwd=ROOT)
+    out = run([sys.executable, "-m", "course_lib.apps.edition", "student", str(mine)], cwd=ROOT)
     assert out.returncode == 2 and "is not a student edition" in out.stderr, out.stderr
     assert files_of(mine) == {"thesis.txt"} and (mine / "thesis.txt").read_text() == "a user's work"
     dest = build_student_edition(tmp_path / "ed", archive=True)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT
 
-from course_lib import accelerate_configs
-from course_lib import finetune as ft
+from course_lib.apps import accelerate_configs
 from course_lib import instruct as ins
+from course_lib.apps import finetune as ft
 from course_lib import lora
 from course_lib import loss as losses
 from course_lib import recipe as rc
@@ -297,7 +297,7 @@ def test_node_configs_parse_and_commands_build():
     cmd = ft.node_launch_command("zero3_8gpu", preset="70b", lora=True)
     assert cmd.startswith("accelerate launch --config_file ") and "--num_processes 8" in cmd
     assert "accelerate_deepspeed_zero3_8gpu.yaml" in cmd
-    assert "-m course_lib.finetune" in cmd and cmd.endswith("--lora")
+    assert "-m course_lib.apps.finetune" in cmd and cmd.endswith("--lora")
     with pytest.raises(ValueError, match="unknown accelerate config 'zero4'"):
         ft.node_launch_command("zero4")
 
@@ -612,7 +612,7 @@ WORKER = '''
 import json, sys, types, torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-from course_lib import finetune as ft
+from course_lib.apps import finetune as ft
 from course_lib.distributed import param_digest
 from course_lib.train import rank_and_world
 

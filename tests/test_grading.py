@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import nbgrading as g
-from course_lib.release import assignments
+from course_lib.apps.release import assignments
 
 # Grading rule 2 (README, "What the exercises grade"): every exercise of every notebook has a known-wrong
 # submission named calls_library_<exercise> that calls course_lib's counterpart, and it must score 0 on every

@@ -110,7 +110,7 @@ def hub(tmp_path_factory):
     (tmp / "exchange").chmod(0o777)  # local mode: one user; start.sh gives the root to root, the course to the grader
     # the labs run the student edition (start.sh builds it for slurm); local mode lets it use the checkout's .venv
     edition = tmp / "student-edition"
-    subprocess.run([sys.executable, str(ROOT / "course_lib" / "edition.py"), "student", str(edition)],
+    subprocess.run([sys.executable, str(ROOT / "course_lib" / "apps" / "edition.py"), "student", str(edition)],
                    check=True, capture_output=True, timeout=120)
     (edition / ".venv").symlink_to(ROOT / ".venv")
     # the grader's course: the course's own nbgrader config, and this small assignment as its only source
@@ -565,7 +565,7 @@ def test_slurm_config_runs_each_lab_as_a_gpu_job(tmp_path, monkeypatch):
 
     from batchspawner import SlurmSpawner
 
-    from course_lib.cluster import Job
+    from course_lib.apps.cluster import Job
 
     config = load_config(tmp_path, monkeypatch, COURSE_HUB_SPAWNER="slurm")
     assert config.JupyterHub.spawner_class == "batchspawner.SlurmSpawner"
@@ -573,7 +573,7 @@ def test_slurm_config_runs_each_lab_as_a_gpu_job(tmp_path, monkeypatch):
     check_hub_services(config)
     sp = spawner_for(SlurmSpawner, config, "ada")
     defaults = Job(command=("x.py",))
-    assert (sp.req_partition, sp.req_runtime) == (defaults.partition, defaults.time)  # course_lib.cluster's
+    assert (sp.req_partition, sp.req_runtime) == (defaults.partition, defaults.time)  # course_lib.apps.cluster's
     sp.req_homedir, sp.req_keepvars = "/home/ada", "JUPYTERHUB_API_TOKEN"  # from the cluster's passwd, the hub
     subvars = sp.get_req_subvars()
     subvars["cmd"] = sp.cmd_formatted_for_batch()

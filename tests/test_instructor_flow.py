@@ -1,6 +1,6 @@
 """The instructor's flow end to end, with nbgrader's real commands and a real exchange folder: the one whole autograde.
 
-A course made by course_lib.release.make_course from solutions/ (generate_assignment), less its long demonstrations
+A course made by course_lib.apps.release.make_course from solutions/ (generate_assignment), less its long demonstrations
 (the cells tagged "demo", as make_course's exercise-only course leaves them out), releases 00_orientation, the
 cheapest notebook, into a temporary exchange (release_assignment). The students fetch it
 (fetch_assignment), put in their answers (built like tests/nbgrading.py does) and submit (submit). The
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 import nbgrading as g
-from course_lib.release import make_course, nbgrader
+from course_lib.apps.release import make_course, nbgrader
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENT = "00_orientation"

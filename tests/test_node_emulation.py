@@ -1,4 +1,4 @@
-"""The node tier's layout on CPU ranks (issue 21): ``python -m course_lib.run_all --tier node --emulate``.
+"""The node tier's layout on CPU ranks (issue 21): ``python -m course_lib.apps.run_all --tier node --emulate``.
 
 Every notebook that launches ranks runs the node tier's world sizes, meshes, micro-batch counts and pipeline
 stages, as 8 CPU ranks over gloo at tiny widths, so a node-only shape fails here before it meets a GPU node
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import ROOT, claim, value
-from course_lib import results, run_all
+from course_lib import results
+from course_lib.apps import run_all
 from course_lib.device import EMULATE_NODE_ENV, pick_tier
 from course_lib.launch import check_world
 from course_lib.notebook import course_setup
@@ -27,7 +28,7 @@ SIZES = {"smoke": dict(ranks=2, seq=8), "cpu": dict(ranks=2, seq=16), "gpu": dic
 
 def emulate(notebook: str, out) -> dict:
     """Run one notebook through the CLI, in a process of its own (the CLI sets the emulation's variable)."""
-    proc = subprocess.run([sys.executable, "-m", "course_lib.run_all", "--tier", "node", "--emulate", notebook[:2],
+    proc = subprocess.run([sys.executable, "-m", "course_lib.apps.run_all", "--tier", "node", "--emulate", notebook[:2],
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "node (emulated on CPU ranks)" in (out / "summary.md").read_text()

@@ -51,7 +51,7 @@ def test_a_batch_that_does_not_divide_stops_before_training(tmp_path):
     import papermill
     import pytest
 
-    from course_lib.run_all import ROOT, execute
+    from course_lib.apps.run_all import ROOT, execute
 
     nb = ROOT / "solutions" / "03_gradient_accumulation" / "03_gradient_accumulation.ipynb"
     with pytest.raises(papermill.PapermillExecutionError) as err:

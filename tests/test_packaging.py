@@ -9,7 +9,7 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 
-from course_lib.release import ROOT
+from course_lib.apps.release import ROOT
 
 CONDA_TO_PIP = {"pytorch": "torch"}
 

@@ -1,4 +1,4 @@
-"""The workshop host's preflight, run for real on this machine: `python -m course_lib.preflight`.
+"""The workshop host's preflight, run for real on this machine: `python -m course_lib.apps.preflight`.
 
 On a CPU machine its CPU rows run (versions, attention kernels, FP8 matmul, bitsandbytes, two gloo ranks,
 DeepSpeed's CPU ops) and its GPU rows say "no GPU"; a needed path that fails makes it exit 1. The version
@@ -21,7 +21,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from course_lib import preflight
+from course_lib.apps import preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHAO_FOR_TESTS = ROOT / ".venv" / "torchao-for-tests"  # where `make test` puts torchao (pyproject.toml says why)
@@ -37,9 +37,9 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine ha
 
 
 def run_preflight(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """`python -m course_lib.preflight --json ... *args`: the finished process and its rows by check."""
+    """`python -m course_lib.apps.preflight --json ... *args`: the finished process and its rows by check."""
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "-m", "course_lib.preflight", "--json", str(out), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "course_lib.apps.preflight", "--json", str(out), *args], cwd=ROOT,
                           env=env or dict(os.environ), capture_output=True, text=True, timeout=600)
     rows = {r["check"]: r for r in json.loads(out.read_text())} if out.exists() else {}
     return proc, rows

@@ -2,7 +2,7 @@
 
 import json
 
-from course_lib.release import ROOT, assignments, make_course, released
+from course_lib.apps.release import ROOT, assignments, make_course, released
 
 
 def test_release_in_sync_with_solutions(tmp_path):
@@ -10,7 +10,7 @@ def test_release_in_sync_with_solutions(tmp_path):
     committed = {p.stem: json.loads(p.read_text()) for p in (ROOT / "notebooks").glob("*.ipynb")}
     assert set(committed) == set(fresh), "notebooks/ and solutions/ hold different notebooks"
     for aid, nb in fresh.items():
-        assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_lib.release"
+        assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_lib.apps.release"
 
 
 def test_release_hides_solutions_and_hidden_tests():

@@ -2,7 +2,8 @@
 
 import pytest
 
-from course_lib import results, run_all
+from course_lib import results
+from course_lib.apps import run_all
 
 
 def test_summary_gathers_values_claims_and_figures(executed, course_run_dir):

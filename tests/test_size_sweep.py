@@ -1,4 +1,4 @@
-"""course_lib.size_sweep: the prediction of the largest model per strategy, the search (out-of-memory caught and
+"""course_lib.apps.size_sweep: the prediction of the largest model per strategy, the search (out-of-memory caught and
 freed, other errors not), and real trials: a tiny Llama's step timed, DeepSpeed's offload engines with its CPU Adam.
 
 The sweep itself needs a GPU (notebook 10 runs it there); here everything around it runs on the CPU.
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from course_lib import size_sweep
+from course_lib.apps import size_sweep
 from course_lib.launch import launch
 from course_lib.models import llama_num_parameters
 
@@ -90,7 +90,7 @@ def test_a_real_trial_measures_a_tiny_llama_and_the_search_runs_on_it():
 
 def test_offload_sweep_runs_deepspeeds_real_engines_with_cpu_adam():
     for strategy in ("zero2_offload", "zero3_offload"):  # on the GPU these run unverified here: at least the code runs
-        out = launch("course_lib.size_sweep:sweep", 1, {"strategy": strategy, "shapes": [[128, 2]], "micro_batches": [1],
+        out = launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": strategy, "shapes": [[128, 2]], "micro_batches": [1],
                                                    "seq_len": 16, "steps": 1, "vocab_size": 512}, echo=False,
                      timeout=300, device_type="cpu")[0]
         assert [r["fits"] for r in out["rows"]] == [True] and out["largest"]["tokens_per_s"] > 0, out

@@ -3,7 +3,7 @@
 The server loads torch, course_lib (the student edition: first on its path) and the checks once (the hidden
 modules by path: the student edition has none), and snapshots what the probes use. It runs no student code itself.
 For each job file named on its stdin it forks; the fork redirects its output to the job's log, moves into the
-job's scratch folder, fences itself (``course_lib.sandbox.restrict``: the Python installation and the edition to
+job's scratch folder, fences itself (``course_lib.apps.sandbox.restrict``: the Python installation and the edition to
 read, the scratch folder to write), runs the notebook's setup cells and the student's solution cells in one
 namespace, as a kernel would (an error is kept and the next cell runs), restores what the probes use, runs each
 probe, and writes their data (or errors) with ``torch.save``. The grader reads that file with
@@ -22,7 +22,8 @@ import traceback
 
 import torch
 
-from course_lib import checks, grading, sandbox
+from course_lib import checks, grading
+from course_lib.apps import sandbox
 
 
 class OutOfTime(Exception):

@@ -3,7 +3,7 @@
     verdicts = grade(notebook)   # {grade_id: Verdict(passed, message)} for every test cell that calls check()
 
 The submission's setup cells (the code cells before its first exercise), its solution cells and the given
-read-only cells run in a fork of a grading server (``course_lib.checks.child``), fenced by ``course_lib.sandbox``:
+read-only cells run in a fork of a grading server (``course_lib.checks.child``), fenced by ``course_lib.apps.sandbox``:
 it reads the Python installation and the student edition of course_lib, and writes one scratch folder. The probes'
 data come back as a file read with ``torch.load(weights_only=True)``; every judge runs here, on the instructor's
 course_lib. nbgrader_config.py's ``GradeByChecks`` writes the verdicts into the autograded notebook's test cells,
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from course_lib import checks, edition, sandbox
+from course_lib import checks
+from course_lib.apps import edition, sandbox
 
 CALL = re.compile(r"""^\s*check\(\s*["'](\w+)["']""", re.MULTILINE)
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ from course_lib import lora, qlora  # noqa: F401  qlora first: it quiets the bit
 import peft
 from peft.tuners.lora import Linear as PeftLinear, LoraLayer as PeftLoraLayer
 from course_lib.checks import number, register
-from course_lib.finetune import load_tokenizer
+from course_lib.apps.finetune import load_tokenizer
 from course_lib.grading import forbid
 from course_lib.instruct import (IGNORE_INDEX, example_texts, load_instruction_data, pack_examples, pad_batch,
                                  tokenize_example)

@@ -5,7 +5,7 @@
                                student edition that start.sh builds
     COURSE_HUB_SPAWNER=local   a plain process per user, no isolation: only for tests/test_hub.py
 
-Students get the student edition (no solutions, tests or graded references: course_lib/edition.py); the Formgrader
+Students get the student edition (no solutions, tests or graded references: course_lib/apps/edition.py); the Formgrader
 runs from the instructor's checkout (COURSE_DIR). Students submit through the exchange service
 (exchange_service.py), which files each submission under the hub user and its own clock's time; the
 Formgrader's collect (grader/grader_exchange.py) takes only what that service filed.
@@ -41,13 +41,13 @@ GRADER_PORT = int(os.environ.get("COURSE_HUB_GRADER_PORT", "9999"))
 GRADER_USER = os.environ.get("COURSE_HUB_GRADER_USER", "grader")  # runs students' code when autograding: not root
 START_LAB = str(COURSE_DIR / "docker" / "start-lab.sh")  # the images' entrypoint, also run by the grader
 # slurm and local: what the labs run on, never COURSE_DIR (start.sh builds the edition, copies the student config)
-EDITION = Path(os.environ.get("COURSE_HUB_EDITION", STATE / "student-edition"))  # course_lib.edition student
+EDITION = Path(os.environ.get("COURSE_HUB_EDITION", STATE / "student-edition"))  # course_lib.apps.edition student
 LAB_VENV = Path(os.environ.get("COURSE_HUB_LAB_VENV", STATE / "lab-venv"))  # slurm: the labs' Python (README)
 EXCHANGE_SERVICE = "course-exchange"  # files submissions (exchange_service.py); the labs post to it directly
 EXCHANGE_PORT = int(os.environ.get("COURSE_HUB_EXCHANGE_PORT", "9998"))
 EXCHANGE_MAX_MB = os.environ.get("COURSE_HUB_EXCHANGE_MAX_MB", "100")  # one submission; nbgrader's max_dir_size
 LEDGER = os.environ.get("COURSE_HUB_LEDGER", f"{GRADER_DIR}/exchange-ledger.jsonl")  # what the service filed
-SLURM = dict(partition="gpu", time="01:00:00", cpus_per_gpu=12)  # course_lib.cluster.Job's defaults
+SLURM = dict(partition="gpu", time="01:00:00", cpus_per_gpu=12)  # course_lib.apps.cluster.Job's defaults
 assert MODE in ("docker", "slurm", "local"), f"COURSE_HUB_SPAWNER={MODE}: use docker, slurm or local"
 assert PLATFORM in ("rocm", "cuda"), f"COURSE_HUB_GPU={PLATFORM}: use rocm or cuda"
 

@@ -53,7 +53,7 @@ chmod 0700 "$state"  # the hub's database, cookie secret and password hashes
 if [ "$mode" = slurm ]; then
   # The labs read the student edition, its jupyter config and their Python from here, never from the checkout:
   # the state folder opens for traversal only (0711), the hub's own files stay 0600 (umask below).
-  "$course/.venv/bin/python" "$course/course_lib/edition.py" student "$edition"
+  "$course/.venv/bin/python" "$course/course_lib/apps/edition.py" student "$edition"
   mkdir -p "$student_config" && cp -R "$here/student/." "$student_config/"
   chmod -R a+rX "$edition" "$student_config"
   [ -x "$lab_venv/bin/jupyterhub-singleuser" ] \

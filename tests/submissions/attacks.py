@@ -1,6 +1,6 @@
 """Known-wrong submissions that attack the grader instead of solving (issue 22, item 6), for every assignment.
 
-Three attacks, each stopped by the grading kernel's sandbox (course_lib.sandbox, started by nbgrader_config.py):
+Three attacks, each stopped by the grading kernel's sandbox (course_lib.apps.sandbox, started by nbgrader_config.py):
 
 - ``copy_reference_<exercise>``: the solution cell copies course_lib's reference of the mechanism, by
   ``exec(inspect.getsource(...))`` or by exec'ing the reference's module file, so that ``forbid()`` (which

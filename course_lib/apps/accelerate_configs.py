@@ -1,11 +1,11 @@
 """The accelerate configs the course ships, and their validation by accelerate itself.
 
-    python -m course_lib.accelerate_configs            # check all, print their launch lines
-    accelerate launch --config_file "$(python -m course_lib.accelerate_configs --path fsdp)" train.py
+    python -m course_lib.apps.accelerate_configs            # check all, print their launch lines
+    accelerate launch --config_file "$(python -m course_lib.apps.accelerate_configs --path fsdp)" train.py
 
 ``ddp``, ``fsdp`` and ``deepspeed`` are seed 003's YAML files for one node of 8 GPUs (MI300X or
 NVIDIA); ``fsdp_8gpu`` (FSDP2) and ``zero3_8gpu`` (DeepSpeed ZeRO-3) run the course's Llama
-fine-tune on such a node (``course_lib.finetune.node_launch_command``). ``validate`` runs them through what ``accelerate launch`` does before it starts a
+fine-tune on such a node (``course_lib.apps.finetune.node_launch_command``). ``validate`` runs them through what ``accelerate launch`` does before it starts a
 process: its argument parser, its config loading and checks, the environment it hands each
 rank, and the plugin (``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``) the training
 script's ``Accelerator`` builds from that environment. A misspelt strategy or a stage that does
@@ -119,7 +119,7 @@ def _has_gpu() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.accelerate_configs``: validate every shipped config and print its launch line (or ``--path NAME``)."""
+    """``python -m course_lib.apps.accelerate_configs``: validate every shipped config and print its launch line (or ``--path NAME``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", metavar="NAME", help="print the path of one config and exit")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Grading's sandbox: run a command that can reach only the folders it is given (Linux Landlock).
 
-    python -m course_lib.sandbox --read /usr /opt/venv --write /tmp/scratch -- python -m ipykernel_launcher -f k.json
+    python -m course_lib.apps.sandbox --read /usr /opt/venv --write /tmp/scratch -- python -m ipykernel_launcher -f k.json
 
 Autograde runs a student's solution cells with the grader's rights. Without a fence a cell can read
 solutions/, the hidden tests and the instructor's course_lib (every graded reference), or open the grader's
@@ -219,12 +219,12 @@ def fenced(command: list[str], read: list[str], write: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m course_lib.sandbox --read P... --write P... -- CMD ARGS...``: restrict, then exec CMD."""
+    """``python -m course_lib.apps.sandbox --read P... --write P... -- CMD ARGS...``: restrict, then exec CMD."""
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv or argv.index("--") == len(argv) - 1:
-        sys.exit("usage: python -m course_lib.sandbox [--read PATH...] [--write PATH...] -- COMMAND [ARGS...]")
+        sys.exit("usage: python -m course_lib.apps.sandbox [--read PATH...] [--write PATH...] -- COMMAND [ARGS...]")
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m course_lib.sandbox", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.sandbox", description=__doc__.splitlines()[0])
     parser.add_argument("--read", nargs="*", default=[], help="paths the command may read and execute")
     parser.add_argument("--write", nargs="*", default=[], help="paths the command may read and change")
     args = parser.parse_args(argv[:split])
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         restrict(args.read, args.write)
     except SandboxUnavailable as e:
-        sys.exit(f"course_lib.sandbox: {e}")
+        sys.exit(f"course_lib.apps.sandbox: {e}")
     os.execvp(command[0], command)
 
 

@@ -1,7 +1,7 @@
 """Regenerate the student notebooks (``notebooks/``) from the instructor's ``solutions/``.
 
-    python -m course_lib.release          # rewrite notebooks/ from solutions/
-    python -m course_lib.release --check  # exit 1 if notebooks/ is out of date
+    python -m course_lib.apps.release          # rewrite notebooks/ from solutions/
+    python -m course_lib.apps.release --check  # exit 1 if notebooks/ is out of date
 
 It runs nbgrader's own ``generate_assignment`` (solutions removed, hidden tests stripped,
 outputs cleared) in a scratch copy of the course, so the project's gradebook is untouched,
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 
 
 def assignments(root: Path = ROOT) -> list[str]:
@@ -66,7 +66,7 @@ def released(course: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.release``: regenerate ``notebooks/`` from ``solutions/``; with ``--check``, exit 1 if they differ."""
+    """``python -m course_lib.apps.release``: regenerate ``notebooks/`` from ``solutions/``; with ``--check``, exit 1 if they differ."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only report whether notebooks/ is in sync")
     args = parser.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb") if p.stem not in fresh)
     if args.check:
         if stale or extra:
-            print(f"notebooks/ is out of date: {stale + extra}; run python -m course_lib.release")
+            print(f"notebooks/ is out of date: {stale + extra}; run python -m course_lib.apps.release")
             return 1
         print("notebooks/ is in sync with solutions/")
         return 0

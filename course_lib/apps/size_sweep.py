@@ -9,7 +9,7 @@ Seed 004's claim is about size: plain PyTorch runs out of GPU memory above about
 - measured, on a GPU: ``search_largest`` grows the model, then the micro-batch, until
   ``torch.OutOfMemoryError`` (freed, and recorded), with ``train_trial`` as the real step: torch's AdamW under
   bf16 autocast, or DeepSpeed's engine with the optimizer (and for ZeRO-3 the weights) offloaded. Each
-  strategy runs in a fresh process (``sweep_all``); ``python -m course_lib.size_sweep`` prints the table.
+  strategy runs in a fresh process (``sweep_all``); ``python -m course_lib.apps.size_sweep`` prints the table.
 
 An application of ``deepspeed_engine`` (the configs, the step, the offload strategies) and ``train`` (the plain step).
 """
@@ -292,7 +292,7 @@ def sweep_all(strategies=("pytorch", "zero2_offload", "zero3_offload"), shapes=S
               steps: int = 3, micro_batches=MICRO_BATCHES, batch_shapes=(), nvme_path: str | None = None,
               cpu_adam: bool = True, checkpointing: bool = False, timeout: float = 24 * 3600) -> list[dict]:
     """``sweep`` for each strategy, each in a fresh one-rank process (``launch``) on this machine's first GPU."""
-    return [launch("course_lib.size_sweep:sweep", 1, {"strategy": s, "shapes": [list(x) for x in shapes], "seq_len": seq_len,
+    return [launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": s, "shapes": [list(x) for x in shapes], "seq_len": seq_len,
                                                 "steps": steps, "micro_batches": list(micro_batches),
                                                 "batch_shapes": [list(x) for x in batch_shapes], "nvme_path": nvme_path,
                                                 "cpu_adam": cpu_adam, "checkpointing": checkpointing},
@@ -301,8 +301,8 @@ def sweep_all(strategies=("pytorch", "zero2_offload", "zero3_offload"), shapes=S
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """``python -m course_lib.size_sweep``: the size sweep on this machine's first GPU, printed as a table."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.size_sweep", description=main.__doc__)
+    """``python -m course_lib.apps.size_sweep``: the size sweep on this machine's first GPU, printed as a table."""
+    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.size_sweep", description=main.__doc__)
     parser.add_argument("--strategies", nargs="+", default=["pytorch", "zero2_offload", "zero3_offload"],
                         choices=sorted(OFFLOAD_STRATEGIES))
     parser.add_argument("--seq-len", type=int, default=1024)

@@ -1,6 +1,6 @@
 """SLURM launch scripts for the course's training beyond one machine (for example 8×MI300X nodes).
 
-Two forms, rendered from ``course_lib/templates/``:
+Two forms, rendered from ``course_lib/apps/templates/``:
 
 - ``torchrun``: ``sbatch`` with one task per node; each task runs ``torchrun`` with the c10d
   rendezvous at the first node of the allocation (its name from ``scontrol show hostnames``),
@@ -9,9 +9,9 @@ Two forms, rendered from ``course_lib/templates/``:
   (``<node> slots=<gpus>`` per line) and runs ``deepspeed --hostfile ... --num_gpus <gpus>``
   on the first node, which reaches the others over ssh (pdsh).
 
-    python -m course_lib.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
+    python -m course_lib.apps.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
         -- -m course_lib.workers course_lib.deepspeed_engine:train /shared/run1
-    python -m course_lib.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
+    python -m course_lib.apps.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
 
 The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments
 (``deepspeed`` gets ``--module module``). Nothing here talks to a cluster: the scripts are text
@@ -103,7 +103,7 @@ def template(form: str) -> str:
     """The raw template text of a form ('torchrun' or 'deepspeed')."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
-    return resources.files("course_lib").joinpath("templates", f"{form}.sbatch").read_text()
+    return resources.files("course_lib.apps").joinpath("templates", f"{form}.sbatch").read_text()
 
 
 def render(form: str, job: Job) -> str:
@@ -153,14 +153,14 @@ def hostfile(nodelist: list[str], gpus_per_node: int = 8) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.cluster FORM [options] -- COMMAND``: print (or ``-o`` write) the sbatch script of a form."""
+    """``python -m course_lib.apps.cluster FORM [options] -- COMMAND``: print (or ``-o`` write) the sbatch script of a form."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, command = argv[:i], argv[i + 1:]
     parser = argparse.ArgumentParser(
-        prog="python -m course_lib.cluster", description=__doc__,
+        prog="python -m course_lib.apps.cluster", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s {torchrun,deepspeed} [options] -- SCRIPT [ARGS...] | -- -m MODULE [ARGS...]")
     parser.add_argument("form", choices=FORMS)

@@ -1,9 +1,9 @@
 """The course's main job: execute every notebook with papermill and write one summary.
 
-    python -m course_lib.run_all                 # every notebook, tier picked from the hardware
-    python -m course_lib.run_all --tier cpu 00 02 # some notebooks, a given tier
-    python -m course_lib.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks that launch ranks)
-    python -m course_lib.run_all --tier smoke --jobs 2   # two notebooks at a time: a check that they run, not timings
+    python -m course_lib.apps.run_all                 # every notebook, tier picked from the hardware
+    python -m course_lib.apps.run_all --tier cpu 00 02 # some notebooks, a given tier
+    python -m course_lib.apps.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks that launch ranks)
+    python -m course_lib.apps.run_all --tier smoke --jobs 2   # two notebooks at a time: a check that they run, not timings
 
 Executed notebooks go to ``runs/executed/``, each notebook's recorded values and figures
 to ``runs/results/`` and ``runs/figures/``, and ``runs/summary.md`` gathers them: a table
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from course_lib import results
 from course_lib.device import EMULATE_NODE_ENV, pick_tier, system_report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 # One notebook's wall-clock budget per tier, in seconds: the cpu tier on 2 cores, the gpu tier on one H100 and the
 # node tier on an 8-GPU node must each fit a workshop slot with time to read. The measurements that cannot (10's
 # size sweep, 12's 8B benchmark) sit behind the notebooks' long_runs parameter (--long-runs), which has no budget.
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
+    """``python -m course_lib.apps.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.jobs < 1:

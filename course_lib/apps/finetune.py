@@ -9,8 +9,8 @@
     score, answers = exact_match_eval(model, tokenizer, test_examples)
 
 Training is the course's one step (``course_lib.train.train_step``) with the recipe's loss and
-autocast. ``python -m course_lib.finetune`` is one rank of a run that ``accelerate launch`` starts
-on every GPU of a node, with the FSDP or ZeRO-3 config of ``course_lib.accelerate_configs``
+autocast. ``python -m course_lib.apps.finetune`` is one rank of a run that ``accelerate launch`` starts
+on every GPU of a node, with the FSDP or ZeRO-3 config of ``course_lib.apps.accelerate_configs``
 (``node_launch_command`` writes the line). On the node, only one full copy of the model exists
 (``node_model``), each rank reads its share of every global batch (``distributed.step_batches``),
 the loss is the global batch's loss per scored token (``node_step``), the learning rate warms up
@@ -27,7 +27,8 @@ import time
 import torch
 from torch import nn
 
-from course_lib import accelerate_configs, attention
+from course_lib import attention
+from course_lib.apps import accelerate_configs
 from course_lib.data import to_device, train_tokenizer
 from course_lib.distributed import step_batches
 from course_lib.instruct import (IGNORE_INDEX, batches, example_texts, exact_match, load_instruction_data,
@@ -216,7 +217,7 @@ def node_launch_command(config: str = "fsdp_8gpu", *, num_processes: int = 8, pr
     ``config`` is one of ``accelerate_configs.NODE_CONFIGS`` (FSDP or ZeRO-3 for 8 GPUs) or a YAML path;
     ``dataset_name`` a Hugging Face data set or a local ``.jsonl`` file.
     """
-    args = ["-m", "course_lib.finetune", "--steps", str(steps), "--seq-len", str(seq_len),
+    args = ["-m", "course_lib.apps.finetune", "--steps", str(steps), "--seq-len", str(seq_len),
             "--micro-batch", str(micro_batch)]
     args += ["--model-name", model_name] if model_name else ["--preset", preset]
     args += ["--dataset-name", dataset_name] if dataset_name else []
@@ -342,7 +343,7 @@ def node_step(model: nn.Module, optimizer, scheduler, batch: dict, accelerator, 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The CLI's arguments, checked."""
-    p = argparse.ArgumentParser(prog="python -m course_lib.finetune", description=main.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m course_lib.apps.finetune", description=main.__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", help="random-weight Llama preset when --model-name is not given")
     p.add_argument("--model-name", default=None, help="Hugging Face name or local directory (from_pretrained)")
     p.add_argument("--dataset-name", default=None, help="Hugging Face data set, 'json', or a .json/.jsonl path")

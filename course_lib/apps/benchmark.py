@@ -1,8 +1,8 @@
 """The course's fine-tune recipe against a fair plain baseline, side by side, in one process.
 
-    python -m course_lib.benchmark                               # CPU: a tiny shape, seconds
-    python -m course_lib.benchmark --preset 1b --seq 2048 --steps 20 --micro-batch 4 --check-targets
-    python -m course_lib.benchmark --preset 8b --seq 2048 --steps 10 --micro-batch 4 --lora --check-targets
+    python -m course_lib.apps.benchmark                               # CPU: a tiny shape, seconds
+    python -m course_lib.apps.benchmark --preset 1b --seq 2048 --steps 20 --micro-batch 4 --check-targets
+    python -m course_lib.apps.benchmark --preset 8b --seq 2048 --steps 10 --micro-batch 4 --lora --check-targets
 
 Both runs build the same model from the same seed (identical weights), see the same batches and
 run the same number of steps, each through the course's one loop (``fit``); warm-up steps (where
@@ -53,7 +53,7 @@ import torch
 from course_lib import attention
 from course_lib.data import train_tokenizer
 from course_lib.device import default_device, device_held_bytes, device_memory_bytes, free_memory
-from course_lib.finetune import load_model
+from course_lib.apps.finetune import load_model
 from course_lib.instruct import example_texts, make_examples, pack_examples, tokenize_example
 from course_lib.lora import ALL_LINEAR, apply_lora, trainable_parameters
 from course_lib.models import llama_config, llama_num_parameters, unwrap_causal_lm
@@ -369,9 +369,9 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m course_lib.benchmark``: the baseline and the recipe on one shape, printed as a table
+    """``python -m course_lib.apps.benchmark``: the baseline and the recipe on one shape, printed as a table
     (``--json`` saves it, ``--check-targets`` states the issue's targets and exits 1 if one fails)."""
-    p = argparse.ArgumentParser(prog="python -m course_lib.benchmark",
+    p = argparse.ArgumentParser(prog="python -m course_lib.apps.benchmark",
                                 description="Fine-tune recipe vs a fair plain baseline, same shapes, one process.")
     p.add_argument("--preset", default=None, help="a course_lib.models.LLAMA_PRESETS name (CPU default tiny, GPU 1b)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (CPU 128, GPU 2048)")

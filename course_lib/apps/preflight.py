@@ -1,9 +1,9 @@
 """Preflight: is this machine ready for the course? One table, one row per path, each with its reason and fix.
 
-    python -m course_lib.preflight                  # every check: under 5 minutes on a GPU node
-    python -m course_lib.preflight --json rows.json # also save the rows
-    python -m course_lib.preflight --quick          # skip what starts processes (ranks, DeepSpeed's ops, probes)
-    python -m course_lib.preflight --floor 'torch>=2.9'  # judge against a floor of your own
+    python -m course_lib.apps.preflight                  # every check: under 5 minutes on a GPU node
+    python -m course_lib.apps.preflight --json rows.json # also save the rows
+    python -m course_lib.apps.preflight --quick          # skip what starts processes (ranks, DeepSpeed's ops, probes)
+    python -m course_lib.apps.preflight --floor 'torch>=2.9'  # judge against a floor of your own
 
 What a workshop host runs first: on the GPU node, inside either image, or on a laptop. Every GPU path
 the course uses runs once at tiny size: the GPUs and their memory; an all-reduce and an all-gather on
@@ -333,7 +333,7 @@ def collective_row(device_type: str, nprocs: int) -> Row:
            "ROCm --device /dev/kfd --device /dev/dri" if device_type == "cuda" else
            "gloo connects ranks over 127.0.0.1: check that localhost resolves and that GLOO_SOCKET_IFNAME is unset or lo")
     try:
-        results = launch("course_lib.preflight:collective_worker", nprocs=nprocs, timeout=180, device_type=device_type,
+        results = launch("course_lib.apps.preflight:collective_worker", nprocs=nprocs, timeout=180, device_type=device_type,
                          echo=False)
     except (WorkerError, TimeoutError, ValueError) as err:
         return Row(check, FAIL, " ".join(str(err).split())[-400:], fix)
@@ -356,11 +356,11 @@ def check_collectives(quick: bool = False) -> list[Row]:
 # ------------------------------------------------------------------ probes in processes of their own
 
 def run_probe(call: str, env: dict[str, str] | None = None, timeout: float = 240) -> tuple[bool, object, str]:
-    """Run ``course_lib.preflight.<call>`` in a fresh interpreter: (whether it returned, its JSON result, its output).
+    """Run ``course_lib.apps.preflight.<call>`` in a fresh interpreter: (whether it returned, its JSON result, its output).
 
     A probe that crashes the interpreter (a binary built for another GPU stack) or hangs only loses its own row.
     """
-    code = f"import json, course_lib.preflight as p; r = p.{call}; print({PROBE_MARK!r} + json.dumps(r), flush=True)"
+    code = f"import json, course_lib.apps.preflight as p; r = p.{call}; print({PROBE_MARK!r} + json.dumps(r), flush=True)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     try:
@@ -536,7 +536,7 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the preflight, print the table (and save it as JSON with --json); 1 if a needed path failed, else 0."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.preflight", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.preflight", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also save the rows as a JSON list")
     parser.add_argument("--quick", action="store_true", help="skip the checks that start processes")
     parser.add_argument("--floor", metavar="REQ", action="append", type=parse_floor, default=[],

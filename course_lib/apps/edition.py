@@ -1,7 +1,7 @@
 """The student edition of the course: what a student receives, made from this repository by one command.
 
-    python -m course_lib.edition student DEST [--archive]   # or: python3 course_lib/edition.py student DEST
-    python -m course_lib.edition grading                     # print the folder for_grading() returns
+    python -m course_lib.apps.edition student DEST [--archive]   # or: python3 course_lib/apps/edition.py student DEST
+    python -m course_lib.apps.edition grading                     # print the folder for_grading() returns
 
 The repository is the instructor's edition. The student edition holds the release notebooks, a
 ``course_lib`` in which every graded reference is a stub, and what a student needs to set up and
@@ -36,7 +36,7 @@ import time
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 MARKER_FILE = ".student-edition.json"  # in every student edition: a later build may replace that folder
 MARKER = re.compile(r"# graded: (\S+) (\S+)")
 LOOKS_LIKE_MARKER = re.compile(r"#\s*graded\s*:")
@@ -108,7 +108,15 @@ def _marked(root: Path, path: Path) -> tuple[list[tuple[ast.AST, str, str]], lis
 
 
 def _modules(root: Path) -> list[Path]:
-    return sorted((root / "course_lib").glob("*.py"))
+    """The library's and the applications' modules, in every folder of course_lib/ but the checks' (no graded
+    reference lives there: the hidden checks are left out whole)."""
+    package = root / "course_lib"
+    return sorted(p for p in package.rglob("*.py") if p.relative_to(package).parts[0] != "checks")
+
+
+def _dotted(path: Path, root: Path) -> str:
+    """``course_lib/apps/run_all.py`` -> ``apps.run_all``: the module's name below ``course_lib``."""
+    return ".".join(path.relative_to(root / "course_lib").with_suffix("").parts)
 
 
 def graded_references(root: Path = ROOT) -> dict[str, tuple[str, str]]:
@@ -120,7 +128,7 @@ def graded_references(root: Path = ROOT) -> dict[str, tuple[str, str]]:
     for path in _modules(root):
         found, errs = _marked(root, path)
         errors += errs
-        refs.update({f"{path.stem}.{node.name}": (a, e) for node, a, e in found})
+        refs.update({f"{_dotted(path, root)}.{node.name}": (a, e) for node, a, e in found})
     if errors:
         raise MarkerError("graded markers the student edition cannot apply:\n  " + "\n  ".join(errors))
     return refs
@@ -175,7 +183,7 @@ def stub_module(path: Path, root: Path = ROOT) -> str:
     lines = source.splitlines(keepends=True)
     for node, assignment, exercise in sorted(found, key=lambda f: -f[0].lineno):  # bottom up: line numbers hold
         start = min([node.lineno] + [d.lineno for d in node.decorator_list])  # decorators go with the definition
-        message = STUB_MESSAGE.format(module=path.stem, name=node.name, assignment=assignment, exercise=exercise)
+        message = STUB_MESSAGE.format(module=_dotted(path, root), name=node.name, assignment=assignment, exercise=exercise)
         lines[start - 1:node.end_lineno] = [stub_source(lines, source, node, message)]
     text = "".join(lines)
     compile(text, f"student edition of {path.relative_to(root)}", "exec")
@@ -186,7 +194,7 @@ def write_course_lib(dest: Path, root: Path = ROOT) -> Path:
     """Copy ``course_lib/`` (its data files too, no caches) to ``dest`` with every graded reference stubbed."""
     shutil.copytree(root / "course_lib", dest, ignore=HIDDEN)
     for path in _modules(root):
-        (dest / path.name).write_text(stub_module(path, root))
+        (dest / path.relative_to(root / "course_lib")).write_text(stub_module(path, root))
     return dest
 
 
@@ -215,7 +223,7 @@ def student_makefile(root: Path = ROOT) -> str:
             "#   make lab        start JupyterLab on notebooks/\n"
             "#   make ops        (re)build DeepSpeed's CPU ops into TORCH_EXTENSIONS_DIR (setup does it once)\n"
             "#   make preflight  check this machine's GPU paths (one table; exit 1 when a path the course needs fails)\n"
-            "# Written by course_lib/edition.py from the course's Makefile (its rules for these targets, unchanged).\n")
+            "# Written by course_lib/apps/edition.py from the course's Makefile (its rules for these targets, unchanged).\n")
     return head + "\n.PHONY: setup ops lab preflight\n\n" + "\n\n".join(kept) + "\n"
 
 
@@ -417,7 +425,7 @@ def _prune(cache: Path, keep: Path, age_s: float = 86400) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``student DEST [--archive]`` writes the student edition; ``grading`` prints for_grading()."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.edition", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.edition", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     student = sub.add_parser("student", help="write the student edition to DEST")
     student.add_argument("dest", type=Path)
