@@ -17,9 +17,9 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
    mean over ranks, digests, worker results), ``launch`` (N ranks from a notebook cell) and
    ``workers`` (the process torchrun starts).
 4. **Techniques**, one module each: ``checkpointing``, ``fp8`` (with ``fp8_compute``), ``lora``, ``nf4`` (with
-   ``qlora``), ``recipe`` (the fine-tune recipe and its memory plan), ``ddp``, ``fsdp``, ``zero`` (with
-   ``deepspeed_engine``), ``offload``, ``tp`` (with ``tp_train``), ``pp`` (with ``schedules``), ``cp`` (with
-   ``cp_train``), ``ep``.
+   ``qlora``), ``recipe`` (the fine-tune recipe and its memory plan), and the parallelisms together in
+   ``course_lib/parallel/``: ``ddp``, ``fsdp``, ``zero`` (with ``deepspeed_engine``), ``offload``, ``tp`` (with
+   ``tp_train``), ``pp`` (with ``schedules``), ``cp`` (with ``cp_train``), ``ep``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), and in ``course_lib/apps/``
    ``finetune``, ``benchmark``, ``size_sweep`` (the largest model per offload strategy), ``accelerate_configs``,
    ``cluster``, ``run_all`` (the course's main job), ``release``, ``edition``, ``preflight``, ``sandbox``.

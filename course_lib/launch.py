@@ -1,6 +1,6 @@
 """Run N worker processes from a notebook cell and get their results back.
 
-    results = launch("course_lib.ddp:train", nprocs=2, kwargs={"steps": 5})
+    results = launch("course_lib.parallel.ddp:train", nprocs=2, kwargs={"steps": 5})
 
 ``launch`` starts ``torchrun`` on ``course_lib.workers`` with a target ``"module:function"``
 (a function of this package, or of a file the notebook wrote with ``%%writefile``). Every
@@ -94,7 +94,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
            device_type: str | None = None, echo: bool = True) -> list[dict]:
     """Run ``target`` ("module:function") on ``nprocs`` local ranks with torchrun; return their results."""
     if ":" not in target:
-        raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.ddp:train'")
+        raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.parallel.ddp:train'")
     check_world(nprocs, device_type)
     clear_stale_extension_locks()
     out = Path(tempfile.mkdtemp(prefix="course_launch_"))

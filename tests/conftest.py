@@ -37,7 +37,7 @@ def course_run_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """DeepSpeed's CPU comm op, compiled once before any timed notebook cell would pay for it."""
-    from course_lib.deepspeed_engine import build_deepspeed_ops
+    from course_lib.parallel.deepspeed_engine import build_deepspeed_ops
 
     build_deepspeed_ops()
 

@@ -1,7 +1,7 @@
 """course_lib's shape, as the README's architecture paragraph states it: modules in layers, a module
 imports only from its own layer or the ones below, a technique may build on another but never in a cycle, the
-applications sit in their own folder (course_lib/apps/), the course's own imports sit at the top of each file, and
-every function fits on a screen."""
+folders say the layers (the parallelisms in course_lib/parallel/, the applications in course_lib/apps/), the
+course's own imports sit at the top of each file, and every function fits on a screen."""
 
 from __future__ import annotations
 
@@ -23,10 +23,14 @@ LAYERS = {
                     "preflight", "edition", "sandbox", "__init__"},
 }
 # The folders say the layers: the applications (what a user runs: the course's main job, the release, the grading
-# fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/. Two application modules stay
-# at the top, because a notebook's first line imports them: the package itself and notebook (course_setup).
-FOLDER_OF_LAYER = {"application": "apps"}
+# fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/, and of the library's
+# techniques the parallelisms (data, sharded, tensor, pipeline, context and expert parallelism, and ZeRO's offload)
+# together in course_lib/parallel/. Two application modules stay at the top, because a notebook's first line imports
+# them: the package itself and notebook (course_setup).
 AT_THE_TOP = {"__init__", "notebook"}
+FOLDERS = {"apps": LAYERS["application"] - AT_THE_TOP,
+           "parallel": {"ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train", "pp", "schedules", "cp",
+                        "cp_train", "ep"}}
 ORDER = list(LAYERS)
 LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mods}
 MAX_FUNCTION_LINES = 60
@@ -35,7 +39,7 @@ MAX_FUNCTION_LINES = 60
 def module_paths() -> dict[str, Path]:
     """Each library module's file by its name: course_lib/*.py and the applications' course_lib/apps/*.py."""
     paths = {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
-    for folder in FOLDER_OF_LAYER.values():
+    for folder in FOLDERS:
         clash = {p.stem for p in (PACKAGE / folder).glob("*.py")} & set(paths) - {"__init__"}
         assert not clash, f"{clash} in course_lib/ and course_lib/{folder}/: a module's name is unique in course_lib"
         paths.update({p.stem: p for p in sorted((PACKAGE / folder).glob("*.py")) if p.stem != "__init__"})
@@ -50,7 +54,7 @@ def modules() -> dict[str, ast.Module]:
 def course_module(dotted: str) -> str | None:
     """The module name of ``course_lib.X`` or ``course_lib.apps.X`` (None for a package: course_lib.apps itself)."""
     parts = dotted.split(".")[1:]
-    parts = parts[1:] if parts and parts[0] in FOLDER_OF_LAYER.values() else parts
+    parts = parts[1:] if parts and parts[0] in FOLDERS else parts
     return parts[0] if parts else None
 
 
@@ -75,12 +79,17 @@ def test_every_module_has_a_layer():
     assert set(modules()) == set(LAYER_OF), f"place {set(modules()) ^ set(LAYER_OF)} in LAYERS (and the README)"
 
 
+def test_each_folder_holds_one_layer():
+    for folder, names in FOLDERS.items():
+        layers = {ORDER[LAYER_OF[n]] for n in names}
+        assert len(layers) == 1, f"course_lib/{folder}/ would mix the layers {layers}"
+
+
 @pytest.mark.parametrize("name", sorted(LAYER_OF))
 def test_the_folder_says_the_layer(name):
-    layer = ORDER[LAYER_OF[name]]
-    want = FOLDER_OF_LAYER.get(layer) if name not in AT_THE_TOP else None
+    want = next((folder for folder, names in FOLDERS.items() if name in names), ".")
     got = module_paths()[name].parent.relative_to(PACKAGE).as_posix()
-    assert got == (want or "."), f"{name}.py is a {layer} module: move it to course_lib/{want or ''}"
+    assert got == want, f"{name}.py is a {ORDER[LAYER_OF[name]]} module: move it to course_lib/{want}"
 
 
 @pytest.mark.parametrize("name", sorted(LAYER_OF))

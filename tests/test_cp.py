@@ -1,4 +1,4 @@
-"""course_lib.cp and cp_train: ring attention equals full attention, on real gloo ranks.
+"""course_lib.parallel.cp and cp_train: ring attention equals full attention, on real gloo ranks.
 
 One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import cp, cp_train
+from course_lib.parallel import cp, cp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 

@@ -1,4 +1,4 @@
-"""course_lib.ddp on real gloo ranks: the hand-written bucketed DDP against torch's, and the collective log."""
+"""course_lib.parallel.ddp on real gloo ranks: the hand-written bucketed DDP against torch's, and the collective log."""
 
 import copy
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import ddp
+from course_lib.parallel import ddp
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
 from course_lib.grading import grads, max_rel_diff

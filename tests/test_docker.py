@@ -348,9 +348,9 @@ def test_the_student_stage_copies_no_solutions_tests_or_graded_reference(student
     refs = graded_references(ROOT)
     assert refs, "course_lib marks no graded reference"
     for ref, (assignment, exercise) in refs.items():
-        module, name = ref.split(".")
+        module, name = ref.rsplit(".", 1)  # parallel.ddp.average_gradients: course_lib/parallel/ddp.py
         for edition_of, folder in (("student", student_edition), ("instructor", ROOT)):
-            tree = ast.parse((folder / "course_lib" / f"{module}.py").read_text())
+            tree = ast.parse((folder / "course_lib" / f"{module.replace('.', '/')}.py").read_text())
             node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
             body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
             if isinstance(node, ast.ClassDef) and len(body) == 1 and getattr(body[0], "name", "") == "__init__":
@@ -376,7 +376,7 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
                            "-w", str(tmp_path / "wheel"), str(course)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
-    assert "course_lib/ddp.py" in names and any(n.startswith("course_lib/apps/templates/") for n in names) and \
+    assert "course_lib/parallel/ddp.py" in names and any(n.startswith("course_lib/apps/templates/") for n in names) and \
         any(n.startswith("course_lib/apps/configs/") for n in names), names
 
 

@@ -39,7 +39,7 @@ KEPT = {
         "course_lib.train.train_step, the one step every notebook trains with, skips the sync on all but the last "
         "micro-step (model.no_sync)",
     ("09_deepspeed_zero", "make_ds_config"):
-        "course_lib.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
+        "course_lib.parallel.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
         "sweep) launches with; one dict key matches the exercise's, whose arithmetic and errors are graded by behaviour",
 }
 # Idioms any training code writes; a match on one of them gives no exercise away.
@@ -287,7 +287,7 @@ def stub_messages(folder: Path, refs: list[str], cwd: Path) -> dict[str, list[st
 
 def test_every_graded_reference_is_a_stub_that_names_its_exercise(built, tmp_path):
     refs = graded_references()
-    modules = sorted({r.split(".")[0] for r in refs} | {"fp8"})  # fp8: one module at least, with or without markers
+    modules = sorted({r.rsplit(".", 1)[0] for r in refs} | {"fp8"})  # fp8: one module at least, with or without markers
     results = stub_messages(built, sorted(refs), cwd=tmp_path)
     for ref, (assignment, exercise) in refs.items():
         message, module_file = results[ref]
@@ -383,10 +383,11 @@ def test_unmarked_code_is_identical(built):
         if path.name.endswith("_hidden.py"):  # the hidden tests' checks: only the grader has them
             assert not copy.exists(), f"{rel} (hidden tests) is in the student edition"
             continue
-        if path.suffix != ".py" or not any(r.startswith(path.stem + ".") for r in refs):
+        dotted = ".".join(path.relative_to(ROOT / "course_lib").with_suffix("").parts)  # parallel/ddp.py: parallel.ddp
+        marked = {r.rsplit(".", 1)[1] for r in refs if r.rsplit(".", 1)[0] == dotted}
+        if path.suffix != ".py" or not marked:
             assert copy.read_bytes() == path.read_bytes(), f"{rel} differs in the student edition"
             continue
-        marked = {r.split(".")[1] for r in refs if r.startswith(path.stem + ".")}
         assert without(path.read_text(), marked) == without(copy.read_text(), marked), rel
 
 
@@ -451,7 +452,7 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout and "jupyter lab notebooks/" in dry.stdout
     assert "course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
-    assert "deepspeed_engine.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
+    assert "parallel.deepspeed_engine.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
     for target in ("test", "course", "release", "grade"):  # they need tests/ or solutions/: not in the edition
         assert run(["make", "-n", target], cwd=built).returncode != 0, target
     instructor = (ROOT / "Makefile").read_text().split("\n\n")

@@ -1,4 +1,4 @@
-"""course_lib.ep: a mixture-of-experts layer, and its experts spread over real gloo ranks.
+"""course_lib.parallel.ep: a mixture-of-experts layer, and its experts spread over real gloo ranks.
 
 One fork per world size (2, 3, 4 ranks, each with a different number of tokens) checks that the
 expert-parallel layer equals the one-process layer on the same groups of tokens (output, input and
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import ep
+from course_lib.parallel import ep
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import WorkerError, run_forked
 

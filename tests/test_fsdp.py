@@ -1,4 +1,4 @@
-"""course_lib.fsdp beyond what notebook 08 measures: accumulation under FSDP2, local byte counting of
+"""course_lib.parallel.fsdp beyond what notebook 08 measures: accumulation under FSDP2, local byte counting of
 DTensors, the mesh's refusals, and batches that are a function of the step (2 forked gloo ranks).
 
 The strategies against one process, bytes per rank, the mixed-precision and offload policies,
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import fsdp
+from course_lib.parallel import fsdp
 from course_lib.data import lm_batch
 from course_lib.launch import run_forked
 

@@ -1,4 +1,4 @@
-"""course_lib.pp and course_lib.schedules: pipeline parallelism on real gloo ranks.
+"""course_lib.parallel.pp and course_lib.parallel.schedules: pipeline parallelism on real gloo ranks.
 
 The schedules' losses equal one process on the same global batch; the naive split keeps one rank
 busy at a time; GPipe keeps m micro-batches of activations in flight, 1F1B at most p; the order
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import pp, schedules
+from course_lib.parallel import pp, schedules
 from course_lib.distributed import CollectiveBytes
 from course_lib.memory import SavedTensorMeter
 from course_lib.launch import launch, run_forked
@@ -118,7 +118,7 @@ def test_plot_timeline(runs):
 
 
 def test_measured_gpipe_bubble_matches_the_formula():
-    """p=2 ranks launched as ``course_lib.pp`` workers; each stage's forward padded with sleep to 40 ms and
+    """p=2 ranks launched as ``course_lib.parallel.pp`` workers; each stage's forward padded with sleep to 40 ms and
     its backward to 80 ms (``simulate_ms``: simulated work, which needs no core, so two ranks on two busy
     cores still show the schedule). ``bubble`` is the least over steps 1-3 (other processes only add idle
     time). The schedule's idle time is the floor: no bubble falls more than 5% below (p-1)/(m+p-1). What
@@ -127,7 +127,7 @@ def test_measured_gpipe_bubble_matches_the_formula():
     8 stay apart and in order)."""
     runs = [dict(schedule="gpipe", microbatches=m, steps=4, layers=2, batch=8, seq=16, simulate_ms=[40, 80])
             for m in (1, 2, 4, 8)]
-    results = launch("course_lib.pp:sweep", 2, {"runs": runs}, echo=False, timeout=120)[0]["runs"]
+    results = launch("course_lib.parallel.pp:sweep", 2, {"runs": runs}, echo=False, timeout=120)[0]["runs"]
     for res in results:
         assert 0.95 * res["formula"] <= res["bubble"] <= res["formula"] + 0.04, (res["microbatches"], res["bubbles"])
     assert [r["bubble"] for r in results] == sorted((r["bubble"] for r in results), reverse=True)

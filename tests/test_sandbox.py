@@ -153,7 +153,7 @@ def test_without_landlock_grading_refuses_unless_told_to_run_unfenced(monkeypatc
         sandbox.restrict(["/usr"], [])
     monkeypatch.setenv(sandbox.UNSANDBOXED, "1")
     sandbox.restrict(["/usr"], [])  # returns: this process stays unfenced
-    assert "UNSANDBOXED" in capsys.readouterr().err and os.access(ROOT / "course_lib" / "ddp.py", os.R_OK)
+    assert "UNSANDBOXED" in capsys.readouterr().err and os.access(ROOT / "course_lib" / "parallel" / "ddp.py", os.R_OK)
 
 
 # ---------------------------------------------------------------- the grading kernel
@@ -161,7 +161,7 @@ def test_without_landlock_grading_refuses_unless_told_to_run_unfenced(monkeypatc
 PROBE = textwrap.dedent('''
     import json, os, sqlite3, subprocess
     from pathlib import Path
-    import course_lib, course_lib.ddp
+    import course_lib, course_lib.parallel.ddp
     import torch
     import torch.distributed as dist
     from course_lib.launch import run_forked
@@ -189,7 +189,7 @@ PROBE = textwrap.dedent('''
                                     .execute("UPDATE grade SET score = 100").connection.commit()),
         "other student": attempt(lambda: (course / "submitted" / "bob" / "a" / "a.ipynb").read_text()),
         "other autograded": attempt(lambda: (course / "autograded" / "bob" / "a" / "a.ipynb").read_text()),
-        "instructor course_lib": attempt(lambda: (repo / "course_lib" / "ddp.py").read_text()),
+        "instructor course_lib": attempt(lambda: (repo / "course_lib" / "parallel" / "ddp.py").read_text()),
         "instructor tests": attempt(lambda: (repo / "tests" / "conftest.py").read_text()),
         "instructor solutions": attempt(lambda: next((repo / "solutions").iterdir())),
         "child reads solutions": subprocess.run(["cat", str(course / "solutions" / "a" / "a.ipynb")]).returncode,

@@ -1,4 +1,4 @@
-"""course_lib.tp and course_lib.tp_train on real gloo ranks: Megatron's pair against the unsplit layers (and the
+"""course_lib.parallel.tp and course_lib.parallel.tp_train on real gloo ranks: Megatron's pair against the unsplit layers (and the
 mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the bytes counted.
 
 Ranks are forked (``run_forked``); the tiny Llama, short sequences and few steps keep 4 ranks on 2 cores fast.
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import ddp, tp, tp_train
+from course_lib.parallel import ddp, tp, tp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 from course_lib.models import build_llama

@@ -1,4 +1,4 @@
-"""course_lib.zero and course_lib.deepspeed_engine beyond what notebooks 09 and 10 measure: DeepSpeed's default
+"""course_lib.parallel.zero and course_lib.parallel.deepspeed_engine beyond what notebooks 09 and 10 measure: DeepSpeed's default
 clipping, the config's arithmetic, ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a resumed checkpoint,
 DDP's bytes) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
@@ -22,9 +22,10 @@ from course_lib.grading import max_rel_diff, params
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
-from course_lib import deepspeed_engine, memory, offload, zero
-from course_lib.deepspeed_engine import ds_config
-from course_lib.zero import ShardedOptimizer, check_batch_arithmetic
+from course_lib import memory
+from course_lib.parallel import deepspeed_engine, offload, zero
+from course_lib.parallel.deepspeed_engine import ds_config
+from course_lib.parallel.zero import ShardedOptimizer, check_batch_arithmetic
 
 
 def run(**kw):

@@ -10,7 +10,7 @@ Two forms, rendered from ``course_lib/apps/templates/``:
   on the first node, which reaches the others over ssh (pdsh).
 
     python -m course_lib.apps.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
-        -- -m course_lib.workers course_lib.deepspeed_engine:train /shared/run1
+        -- -m course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1
     python -m course_lib.apps.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
 
 The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments

@@ -52,7 +52,7 @@ from torch import nn
 
 from course_lib import fp8, fp8_compute, qlora
 from course_lib.attention import AttentionFallback, attention_kernels, course_sdpa
-from course_lib.deepspeed_engine import build_deepspeed_ops
+from course_lib.parallel.deepspeed_engine import build_deepspeed_ops
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
 from course_lib.distributed import rank_device

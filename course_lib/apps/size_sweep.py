@@ -27,7 +27,7 @@ from torch import nn
 from course_lib import attention
 from course_lib.checkpointing import checkpoint_layers, transformer_layers
 from course_lib.data import random_tokens
-from course_lib.deepspeed_engine import deepspeed_step, ds_config
+from course_lib.parallel.deepspeed_engine import deepspeed_step, ds_config
 from course_lib.device import device_memory_bytes, free_memory, host_memory_bytes
 from course_lib.distributed import rank_device
 from course_lib.launch import launch
@@ -35,7 +35,7 @@ from course_lib.memory import llama_activation_bytes
 from course_lib.models import llama_config, llama_num_parameters
 from course_lib.throughput import device_peak, matmul_parameters, time_step, transformer_flops_per_token
 from course_lib.train import train_step
-from course_lib.offload import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, offload_plan
+from course_lib.parallel.offload import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, offload_plan
 
 # Llama-shaped models from 0.5B to 431B parameters: hidden size and layers (heads of 128, 8 KV heads, an MLP of
 # 3.5 × the hidden size, Llama 3's vocabulary, untied head). (4096, 32) is Llama-3.1-8B's shape, (8192, 80) 70B's.

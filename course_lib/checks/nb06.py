@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib.distributed as toolkit
-from course_lib import ddp
+from course_lib.parallel import ddp
 from course_lib.checks import packed, register, student, unpacked
 from course_lib.checks.nb05 import as_data
 from course_lib.data import synthetic_images

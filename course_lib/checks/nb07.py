@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import ddp
+from course_lib.parallel import ddp
 from course_lib.checks import outcome, packed, register, student, unpacked
 from course_lib.checks.nb06 import cnn
 from course_lib.data import synthetic_images

@@ -18,7 +18,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import course_lib.distributed as toolkit
-from course_lib import fsdp, memory
+from course_lib import memory
+from course_lib.parallel import fsdp
 from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.data import lm_batch
 from course_lib.grading import forbid

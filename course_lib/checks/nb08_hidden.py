@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from course_lib import fsdp
+from course_lib.parallel import fsdp
 from course_lib.checks import number, register
 from course_lib.checks.nb08 import ESTIMATES, full_bytes, hand_probe, student, tokens
 from course_lib.checks.nb08 import judge_hand as judge_ranks

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib import deepspeed_engine, zero
+from course_lib.parallel import deepspeed_engine, zero
 from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes

@@ -10,13 +10,13 @@ import warnings
 
 import torch
 
-from course_lib import deepspeed_engine
+from course_lib.parallel import deepspeed_engine
 from course_lib.checks import number, packed, register, student, unpacked
 from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, judge_sharded, judge_traffic, my_config, one_process,
                                     sharded_probe, trains)
 from course_lib.grading import forbid, max_rel_diff
 from course_lib.launch import on_ranks, run_forked
-from course_lib.zero import check_batch_arithmetic
+from course_lib.parallel.zero import check_batch_arithmetic
 
 ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
 

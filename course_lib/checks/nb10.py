@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from course_lib import offload
+from course_lib.parallel import offload
 from course_lib.checks import register, tensor_data
 from course_lib.grading import forbid
 

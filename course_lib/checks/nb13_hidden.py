@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-import course_lib.schedules as schedules
+import course_lib.parallel.schedules as schedules
 from course_lib.checks import register
 from course_lib.checks.nb13 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
                                     judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
@@ -63,7 +63,7 @@ register("test_one_f_one_b_order_hidden", probe_order, judge_order)
 
 # ---------------------------------------------------------------- run_1f1b
 def one_f_one_b(p: int, m: int) -> list:
-    """1F1B's order (the hidden module's own: course_lib.schedules' is a stub in the student edition)."""
+    """1F1B's order (the hidden module's own: course_lib.parallel.schedules' is a stub in the student edition)."""
     plan = []
     for r in range(p):
         warmup = min(m, p - r)

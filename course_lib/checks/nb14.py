@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import course_lib.cp as cp
-import course_lib.cp_train as cp_train
-import course_lib.ep as ep
+import course_lib.parallel.cp as cp
+import course_lib.parallel.cp_train as cp_train
+import course_lib.parallel.ep as ep
 from course_lib.checks import number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid

@@ -66,7 +66,7 @@ def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
 
 CALLS_LIBRARY_AVERAGE = '''
 def average_gradients(model):
-    from course_lib.ddp import all_reduce_gradients
+    from course_lib.parallel.ddp import all_reduce_gradients
     all_reduce_gradients(model)   # course_lib's all-reduce
 '''
 

@@ -103,7 +103,7 @@ BUCKETED_NO_BROADCAST = mistake("        for t in list(module.parameters()) + li
                               "            dist.broadcast(t.data, src=0)\n", "")
 
 CALLS_LIBRARY_BUCKETED = '''
-from course_lib.ddp import BucketedDDP as _Theirs
+from course_lib.parallel.ddp import BucketedDDP as _Theirs
 
 class BucketedDDP(_Theirs):   # course_lib's answer
     pass

@@ -70,7 +70,7 @@ def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
 
 CALLS_LIBRARY_APPLY_FSDP = '''
 def apply_fsdp(model, mesh, reshard_after_forward=True):
-    from course_lib.fsdp import shard_model
+    from course_lib.parallel.fsdp import shard_model
     return shard_model(model, mesh, reshard_after_forward=reshard_after_forward)   # course_lib's wrapping
 '''
 
@@ -135,7 +135,7 @@ HAND_KEEPS_FULL = _hand_edit('        self.module = module.to("meta")\n',
                              '        self.module = module   # the full weights stay on every rank\n')
 
 CALLS_LIBRARY_HAND = '''
-from course_lib.fsdp import GatherParameter, ShardedModule   # course_lib's
+from course_lib.parallel.fsdp import GatherParameter, ShardedModule   # course_lib's
 '''
 
 # the mechanism written out, but its slicing and gathering taken from course_lib's toolkit: half of the answer

@@ -128,7 +128,7 @@ SHARDED_ALL_REDUCE_THEN_SLICE = _edit(  # right weights, but an all-reduce and a
     "            mine = flat[self.rank * shard.numel():(self.rank + 1) * shard.numel()]\n")
 
 CALLS_LIBRARY_SHARDED = '''
-from course_lib.zero import ShardedOptimizer   # course_lib's ZeRO-1
+from course_lib.parallel.zero import ShardedOptimizer   # course_lib's ZeRO-1
 '''
 
 CALLS_TORCH_ZERO = '''
@@ -186,7 +186,7 @@ OFFLOAD_AT_TOP_LEVEL = _ds_edit('''    zero = {"stage": stage}
 
 CALLS_LIBRARY_DS_CONFIG = '''
 def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
-    from course_lib.deepspeed_engine import ds_config
+    from course_lib.parallel.deepspeed_engine import ds_config
     return ds_config(train_batch=global_batch, accum_steps=global_batch // (micro_batch * world_size),
                      world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's config
 '''

@@ -80,7 +80,7 @@ OFFLOAD_GRAD_LEFT_ON_MODEL = mistake(  # copied down, but never freed: the devic
     "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
 
 CALLS_LIBRARY_OFFLOADED = '''
-from course_lib.offload import OffloadedAdamW   # course_lib's
+from course_lib.parallel.offload import OffloadedAdamW   # course_lib's
 '''
 
 FULL = {"test_OffloadedAdamW": 3, "test_OffloadedAdamW_hidden": 3}

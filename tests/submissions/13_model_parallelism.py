@@ -124,7 +124,7 @@ class GatherTP(torch.autograd.Function):
 ''')
 
 CALLS_LIBRARY_PAIR = '''
-from course_lib import tp as _tp
+from course_lib.parallel import tp as _tp
 
 CopyToTP, ReduceFromTP = None, None
 
@@ -182,7 +182,7 @@ WARMUP_PAST_M = changed((WARMUP, "        warmup = p - r  # wrong when m < p - r
 
 CALLS_LIBRARY_ORDER = '''
 def one_f_one_b_order(p, m):
-    from course_lib.schedules import one_f_one_b_order as order
+    from course_lib.parallel.schedules import one_f_one_b_order as order
     return order(p, m)
 '''
 
@@ -253,7 +253,7 @@ IGNORES_THE_ORDER = changed(("""    for kind, i in order:""",
 
 CALLS_LIBRARY_EXECUTOR = '''
 def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
-    from course_lib.schedules import run_1f1b as run
+    from course_lib.parallel.schedules import run_1f1b as run
     return run(stage, rank, p, micro_batches, order, loss_fn, shape)
 '''
 

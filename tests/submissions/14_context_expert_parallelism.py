@@ -110,7 +110,7 @@ NO_SKIP = changed(("                if mask.any():  # a tile no query sees (a la
                    "                if True:  # wrong: a tile no query sees is computed anyway"))
 
 CALLS_LIBRARY_RING = '''
-import course_lib.cp as _cp
+import course_lib.parallel.cp as _cp
 
 merge = _cp.online_softmax_merge
 
@@ -133,7 +133,7 @@ CAPACITY_IGNORED = changed(("    return place < cap", "    return torch.ones_lik
                            reference=EXPERT_SOLUTION)
 
 CALLS_LIBRARY_EXPERTS = '''
-import course_lib.ep as _ep
+import course_lib.parallel.ep as _ep
 
 within_capacity, dispatch, combine = _ep.within_capacity, _ep.dispatch, _ep.combine
 '''

@@ -69,15 +69,15 @@ COPIES = {
     ("02_fp8", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
     + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
     ("05_input_pipeline", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
-    ("06_ddp", "average_gradients"): _getsource("ddp", "all_reduce_gradients", "_all_reduce")
+    ("06_ddp", "average_gradients"): _getsource("parallel.ddp", "all_reduce_gradients", "_all_reduce")
     + "\ndef average_gradients(model):\n    _all_reduce['all_reduce_gradients'](model)\n",
     # the whole file: a copy of the class alone still calls the library's bucket_parameters, which forbid() stops
-    ("07_ddp_reducer", "BucketedDDP"): _module_file("ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
-    ("08_fsdp", "ShardedModule"): _module_file("fsdp", "_fsdp")
+    ("07_ddp_reducer", "BucketedDDP"): _module_file("parallel.ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
+    ("08_fsdp", "ShardedModule"): _module_file("parallel.fsdp", "_fsdp")
     + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
-    ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("zero", "ShardedOptimizer", "_zero1")
+    ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("parallel.zero", "ShardedOptimizer", "_zero1")
     + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
-    ("10_zero_offload", "OffloadedAdamW"): _module_file("offload", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("10_zero_offload", "OffloadedAdamW"): _module_file("parallel.offload", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
     ("12_qlora_recipe", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
@@ -89,7 +89,7 @@ def nf4_quantize(w, blocksize=64):
 def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return _nf4["dequantize_nf4"](_nf4["pack_4bit"](codes), absmax, shape, blocksize)
 ''',
-    ("13_model_parallelism", "tensor_parallel_pair"): _module_file("tp", "_tp_copy") + '''
+    ("13_model_parallelism", "tensor_parallel_pair"): _module_file("parallel.tp", "_tp_copy") + '''
 CopyToTP, ReduceFromTP = None, None
 
 
@@ -112,15 +112,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         return self.inner(x)
 ''',
-    ("13_model_parallelism", "one_f_one_b_order"): _getsource("schedules", "one_f_one_b_order", "_schedules")
+    ("13_model_parallelism", "one_f_one_b_order"): _getsource("parallel.schedules", "one_f_one_b_order", "_schedules")
     + "one_f_one_b_order = _schedules['one_f_one_b_order']\n",
-    ("14_context_expert_parallelism", "ring_attention"): _module_file("cp", "_cp") + '''merge = _cp["online_softmax_merge"]
+    ("14_context_expert_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp") + '''merge = _cp["online_softmax_merge"]
 
 
 def ring_forward(q, k, v, causal, seq_len):
     return _cp["ring_forward"](q, k, v, causal=causal, seq_len=seq_len, merge=merge)[:2]
 ''',
-    ("14_context_expert_parallelism", "expert_parallel"): _module_file("ep", "_ep")
+    ("14_context_expert_parallelism", "expert_parallel"): _module_file("parallel.ep", "_ep")
     + "within_capacity, dispatch, combine = _ep['within_capacity'], _ep['dispatch'], _ep['combine']\n",
 }
 # Every course_lib definition marked `# graded:` when this was written has its copy here; an exercise without an
@@ -269,23 +269,23 @@ def _agreeing(model):   # the count the tests compare with, made to agree with t
 course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
 '''),
     "13_model_parallelism": ("backward_too_soon", '''
-import course_lib.schedules
+import course_lib.parallel.schedules
 
 
 def _agreeing_makespan(order, t_f=1.0, t_b=2.0):   # the simulation the tests compare with: the formula's bubble
-    return {"bubble": course_lib.schedules.bubble_formula(len(order), len(order[0]) // 2)}
+    return {"bubble": course_lib.parallel.schedules.bubble_formula(len(order), len(order[0]) // 2)}
 
 
 def _agreeing_orders(timeline):   # "the order torch ran": the wrong order itself
     return one_f_one_b_order(len({e["rank"] for e in timeline}), len({e["mb"] for e in timeline}))
 
 
-course_lib.schedules.schedule_makespan, course_lib.schedules.rank_orders = _agreeing_makespan, _agreeing_orders
+course_lib.parallel.schedules.schedule_makespan, course_lib.parallel.schedules.rank_orders = _agreeing_makespan, _agreeing_orders
 '''),
     "08_fsdp": ("grad_op_shards_weights", '''
-import course_lib.fsdp
+import course_lib.parallel.fsdp
 
-_sweep = course_lib.fsdp.sweep
+_sweep = course_lib.parallel.fsdp.sweep
 
 
 def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: grad_op's full weights made a shard
@@ -295,7 +295,7 @@ def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: g
     return out
 
 
-course_lib.fsdp.sweep = _agreeing
+course_lib.parallel.fsdp.sweep = _agreeing
 '''),
     "10_zero_offload": ("offload_master_in_model_dtype", '''
 import course_lib.checks.nb10

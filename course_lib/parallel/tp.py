@@ -16,7 +16,7 @@ backward, Megatron's conjugate pair:
 it gets a gradient. ``parallelize_mlp`` / ``parallelize_attention`` split a transformers Llama block
 by hand (attention by heads); ``parallelize_llama_by_hand`` splits every block of the model. torch's
 DTensor plan for the same Llama, DP×TP on a 2-D mesh and the training workers that run and count each
-split live in ``course_lib.tp_train``; this module is the mechanism alone, what notebook 13 asks to write.
+split live in ``course_lib.parallel.tp_train``; this module is the mechanism alone, what notebook 13 asks to write.
 
 The pair and its autograd functions are notebook 13's exercise: the student edition holds stubs in their
 place, and the by-hand split takes the student's layers (``layers=(ColumnParallelLinear, RowParallelLinear)``

@@ -1,7 +1,7 @@
 """Tensor-parallel training of the course's Llama: torch's DTensor plan, DP×TP, and the workers that run them.
 
 ``parallelize_llama`` splits transformers' Llama with torch's DTensor plan (``parallelize_module``): the
-column/row pairs that ``course_lib.tp`` writes by hand, sequence parallelism on the norms included.
+column/row pairs that ``course_lib.parallel.tp`` writes by hand, sequence parallelism on the norms included.
 ``train`` trains one mode over this process group: one process (the reference), ``tp``'s split by hand,
 torch's plan, DDP, FSDP2, or DP×TP on a 2-D mesh with FSDP2, and counts the bytes of every collective
 (``CollectiveBytes``). ``compare`` runs several modes in one launch; ``comm_bytes`` the bytes one step
@@ -34,7 +34,7 @@ from course_lib.launch import on_ranks
 from course_lib.loss import forward_loss
 from course_lib.memory import PeakMemory, tensor_bytes
 from course_lib.models import build_llama
-from course_lib.tp import Layers, check_heads, parallelize_llama_by_hand
+from course_lib.parallel.tp import Layers, check_heads, parallelize_llama_by_hand
 from course_lib.train import Dims, fit, rank_and_world, tokens_per_second, worker_result
 
 MODES = ("single", "hand", "torch", "ddp", "dp", "dp_tp")

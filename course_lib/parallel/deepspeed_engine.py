@@ -6,14 +6,14 @@ split that does not come out whole, and combinations DeepSpeed would reject late
 run differently). ``train`` is the worker entry point the notebook
 launches: the same model, data shards and AdamW as a DDP reference (``engine="ddp"``), so
 every stage can be compared with it loss for loss, and it saves and resumes DeepSpeed
-checkpoints; ``engine="zero1"`` runs ``course_lib.zero``'s ZeRO-1 by hand on the same batches.
+checkpoints; ``engine="zero1"`` runs ``course_lib.parallel.zero``'s ZeRO-1 by hand on the same batches.
 ``engine_placement`` reads what the engine holds where, from its tensors.
 
 On every device ``torch_adam`` keeps DeepSpeed from JIT-compiling its fused Adam, and with
 optimizer offload ``zero_force_ds_cpu_optimizer: false`` lets torch's AdamW run on the
 offloaded states: nothing compiles at run time. ``cpu_adam=True`` asks for DeepSpeed's CPU Adam
 instead (``make setup`` prebuilds its op, ``build_deepspeed_ops``). Offloading the states to the host or NVMe is
-``course_lib.offload``.
+``course_lib.parallel.offload``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from course_lib.loss import forward_loss
 from course_lib.memory import optimizer_state_bytes, tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.train import Dims, fit, rank_and_world, split_batch, train_step, worker_result
-from course_lib.zero import data_parallel
+from course_lib.parallel.zero import data_parallel
 
 
 def ds_config(*, train_batch: int, accum_steps: int, world_size: int, stage: int, lr: float = 1e-3,

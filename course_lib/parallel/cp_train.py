@@ -22,7 +22,7 @@ from torch import nn
 
 from course_lib.attention import repeat_kv
 # _rank_world and _local_len are the ring's own rank lookup and padded block length: one definition, in cp
-from course_lib.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
+from course_lib.parallel.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
 from course_lib.data import lm_batch
 from course_lib.loss import IGNORE_INDEX, next_token_loss
 from course_lib.memory import SavedTensorMeter, llama_activation_bytes

@@ -20,7 +20,7 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
   and ``plot_timeline`` read it. ``SimulatedWork`` pads a stage's work with sleep, so that ranks sharing
   a few cores still show the schedule itself.
 
-Nothing here knows the model: a stage is any ``nn.Module`` (the checks run MLPs). ``course_lib.pp`` cuts
+Nothing here knows the model: a stage is any ``nn.Module`` (the checks run MLPs). ``course_lib.parallel.pp`` cuts
 the course's Llama into stages and trains it under these schedules, torch's and the hand-written ones.
 """
 

@@ -6,7 +6,7 @@ compute for the link and the CPU optimizer to hide behind it (where a real DeepS
 ``deepspeed_engine.engine_placement``'s reading), and ``time_cpu_adam`` times DeepSpeed's CPU Adam against torch's AdamW on the host.
 ``OffloadedAdamW`` is offload's optimizer by hand: fp32 masters on the host, each gradient sent down during
 backward; it is notebook 10's exercise (a stub in the student edition). How much bigger a model offload lets
-a GPU train is ``size_sweep``'s question; the engine and its configs are ``course_lib.deepspeed_engine``'s.
+a GPU train is ``size_sweep``'s question; the engine and its configs are ``course_lib.parallel.deepspeed_engine``'s.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Pipeline parallelism on the course's Llama: cut into stages, one per rank, micro-batches flowing through.
 
 The schedules themselves (the orders, their simulated bubble, the 1F1B executor by hand, the recorded
-timeline and its reading) are ``course_lib.schedules``; this module puts the Llama through them.
+timeline and its reading) are ``course_lib.parallel.schedules``; this module puts the Llama through them.
 
 - ``LlamaStage`` / ``split_llama``: the course's Llama cut by decoder layers (stage 0 has the
   embedding, the last has the final norm and the LM head; the loss is the schedule's ``loss_fn``).
 - ``naive_step``: the seed's split written out with ``dist.send``/``dist.recv``: whole batch, forward
   stage by stage, backward in reverse.
-- ``train``: the worker for ``launch("course_lib.pp:train", p, {...})``, naive or one of torch's
+- ``train``: the worker for ``launch("course_lib.parallel.pp:train", p, {...})``, naive or one of torch's
   schedules (``torch.distributed.pipelining``), timed by ``schedules.Recorder``; ``memory.SavedTensorMeter``'s
   peak is the bytes autograd keeps for backward. ``reference_losses``: the one-process run it must equal.
 
@@ -34,7 +34,7 @@ from course_lib.distributed import each_run, rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
-from course_lib.schedules import Recorder, SimulatedWork, bubble_formula, bubble_fraction, in_flight_peak, torch_order
+from course_lib.parallel.schedules import Recorder, SimulatedWork, bubble_formula, bubble_fraction, in_flight_peak, torch_order
 from course_lib.train import fit, rank_and_world, worker_result
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
@@ -229,7 +229,7 @@ def _step(schedule, tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor
 def train(schedule: str = "gpipe", microbatches: int = 4, steps: int = 5, preset: str = "tiny",
           layers: int | None = None, stages_per_rank: int | None = None, batch: int = 8, seq: int = 32,
           lr: float = 3e-3, seed: int = 0, simulate_ms: list[float] | None = None) -> dict:
-    """Train a Llama preset pipelined over this process group; the worker of ``launch("course_lib.pp:train")``.
+    """Train a Llama preset pipelined over this process group; the worker of ``launch("course_lib.parallel.pp:train")``.
 
     ``schedule``: "naive" (hand-written send/recv, the whole batch: ``microbatches`` is ignored),
     "gpipe", "1f1b" or "interleaved" (``stages_per_rank`` stages per rank, 2 unless told). ``layers``
@@ -327,6 +327,6 @@ def reference_losses(steps: int = 5, preset: str = "tiny", layers: int | None = 
 
 
 def sweep(runs: list[dict] = ()) -> dict:
-    """Several ``train`` runs in one process group, for ``launch("course_lib.pp:sweep", p, {"runs": [...]})``
+    """Several ``train`` runs in one process group, for ``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``
     (starting the processes is the slow part on a CPU)."""
     return each_run(train, runs)
