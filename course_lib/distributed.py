@@ -174,8 +174,8 @@ def gather_slices(piece: torch.Tensor, numel: int) -> torch.Tensor:
 
 def each_run(fn: Callable[..., dict], runs: list[dict]) -> dict:
     """``{"runs": [fn(**run) for run in runs]}`` in this process group, one run after another: the body of every
-    technique's ``sweep`` worker (``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``). Each run seeds itself,
-    so its result is the one a launch of its own would give."""
+    technique's ``sweep`` worker (``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``). Each run seeds
+    itself, so its result is the one a launch of its own would give."""
     out = {"runs": [fn(**run) for run in runs]}
     dist.barrier()  # no rank tears the group down while another still uses it
     return out

@@ -183,7 +183,8 @@ def stub_module(path: Path, root: Path = ROOT) -> str:
     lines = source.splitlines(keepends=True)
     for node, assignment, exercise in sorted(found, key=lambda f: -f[0].lineno):  # bottom up: line numbers hold
         start = min([node.lineno] + [d.lineno for d in node.decorator_list])  # decorators go with the definition
-        message = STUB_MESSAGE.format(module=_dotted(path, root), name=node.name, assignment=assignment, exercise=exercise)
+        message = STUB_MESSAGE.format(module=_dotted(path, root), name=node.name, assignment=assignment,
+                                      exercise=exercise)
         lines[start - 1:node.end_lineno] = [stub_source(lines, source, node, message)]
     text = "".join(lines)
     compile(text, f"student edition of {path.relative_to(root)}", "exec")

@@ -333,7 +333,8 @@ def collective_row(device_type: str, nprocs: int) -> Row:
            "ROCm --device /dev/kfd --device /dev/dri" if device_type == "cuda" else
            "gloo connects ranks over 127.0.0.1: check that localhost resolves and that GLOO_SOCKET_IFNAME is unset or lo")
     try:
-        results = launch("course_lib.apps.preflight:collective_worker", nprocs=nprocs, timeout=180, device_type=device_type,
+        results = launch("course_lib.apps.preflight:collective_worker", nprocs=nprocs, timeout=180,
+                         device_type=device_type,
                          echo=False)
     except (WorkerError, TimeoutError, ValueError) as err:
         return Row(check, FAIL, " ".join(str(err).split())[-400:], fix)
@@ -356,11 +357,13 @@ def check_collectives(quick: bool = False) -> list[Row]:
 # ------------------------------------------------------------------ probes in processes of their own
 
 def run_probe(call: str, env: dict[str, str] | None = None, timeout: float = 240) -> tuple[bool, object, str]:
-    """Run ``course_lib.apps.preflight.<call>`` in a fresh interpreter: (whether it returned, its JSON result, its output).
+    """Run ``course_lib.apps.preflight.<call>`` in a fresh interpreter: (whether it returned, its JSON result, its
+    output).
 
     A probe that crashes the interpreter (a binary built for another GPU stack) or hangs only loses its own row.
     """
-    code = f"import json, course_lib.apps.preflight as p; r = p.{call}; print({PROBE_MARK!r} + json.dumps(r), flush=True)"
+    code = (f"import json, course_lib.apps.preflight as p; r = p.{call}; "
+            f"print({PROBE_MARK!r} + json.dumps(r), flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     try:

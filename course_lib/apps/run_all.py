@@ -2,8 +2,8 @@
 
     python -m course_lib.apps.run_all                 # every notebook, tier picked from the hardware
     python -m course_lib.apps.run_all --tier cpu 00 02 # some notebooks, a given tier
-    python -m course_lib.apps.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks that launch ranks)
-    python -m course_lib.apps.run_all --tier smoke --jobs 2   # two notebooks at a time: a check that they run, not timings
+    python -m course_lib.apps.run_all --tier node --emulate   # the node's layout on CPU ranks (notebooks with ranks)
+    python -m course_lib.apps.run_all --tier smoke --jobs 2   # two notebooks at a time: that they run, not timings
 
 Executed notebooks go to ``runs/executed/``, each notebook's recorded values and figures
 to ``runs/results/`` and ``runs/figures/``, and ``runs/summary.md`` gathers them: a table
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.apps.run_all``: execute the notebooks on this machine's tier and write ``runs/summary.md``."""
+    """``python -m course_lib.apps.run_all``: execute the notebooks on this machine's tier, write ``runs/summary.md``."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.jobs < 1:

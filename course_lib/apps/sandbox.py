@@ -1,6 +1,7 @@
 """Grading's sandbox: run a command that can reach only the folders it is given (Linux Landlock).
 
-    python -m course_lib.apps.sandbox --read /usr /opt/venv --write /tmp/scratch -- python -m ipykernel_launcher -f k.json
+    python -m course_lib.apps.sandbox --read /usr /opt/venv --write /tmp/scratch -- \
+        python -m ipykernel_launcher -f k.json
 
 Autograde runs a student's solution cells with the grader's rights. Without a fence a cell can read
 solutions/, the hidden tests and the instructor's course_lib (every graded reference), or open the grader's

@@ -231,7 +231,8 @@ ROWS, WIDTH = 4, 16
 PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
 PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
 # 1F1B's order on 2 stages and 4 micro-batches, what torch's Schedule1F1B runs (test_one_f_one_b_order_measured shows
-# it too): written out, because course_lib.parallel.schedules' order is exercise 2's answer, a stub in the student edition
+# it too): written out, because course_lib.parallel.schedules' order is exercise 2's answer, a stub in the student
+# edition
 ONE_F_ONE_B_2_4 = [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
                    [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
 

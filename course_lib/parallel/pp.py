@@ -34,7 +34,8 @@ from course_lib.distributed import each_run, rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
-from course_lib.parallel.schedules import Recorder, SimulatedWork, bubble_formula, bubble_fraction, in_flight_peak, torch_order
+from course_lib.parallel.schedules import (Recorder, SimulatedWork, bubble_formula, bubble_fraction, in_flight_peak,
+                                           torch_order)
 from course_lib.train import fit, rank_and_world, worker_result
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")

@@ -8,7 +8,8 @@ slice with any torch optimizer, one all-gather; ``data_parallel`` builds it (or 
 ``step_traffic`` counts that it sends what DDP sends.
 It is notebook 09's exercise: the student edition holds a stub in its place, and
 ``deepspeed_engine.train(engine="zero1", make_optimizer=...)`` runs the student's own optimizer.
-DeepSpeed's engine, its configs and the worker that trains with each engine are ``course_lib.parallel.deepspeed_engine``.
+DeepSpeed's engine, its configs and the worker that trains with each engine are
+``course_lib.parallel.deepspeed_engine``.
 """
 
 from __future__ import annotations
