@@ -16,6 +16,7 @@ process, where a patched helper, a swallowed error, a rebound ``forbid`` or a gr
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import os
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from course_lib.launch import ships_by_value
+from course_lib.launch import run_forked, ships_by_value
 
 REGISTRY: dict[str, "Check"] = {}
 
@@ -99,6 +100,14 @@ def student(ns: dict, *names: str) -> dict:
     reaches the names the student's code looks up), else only the named definitions the student made, which a
     spawned rank gets by value (cloudpickle; ``launch.ships_by_value``)."""
     return {name: ns[name] for name in names if name in ns} if ships_by_value() else ns
+
+
+def in_ranks(ns: dict, names: tuple, fn: Callable, nprocs: int, timeout: float = 45, **kwargs) -> list:
+    """``fn(ns=..., **kwargs)`` on ``nprocs`` ranks (``launch.run_forked``), each rank's ``packed`` result unpacked.
+    ``ns`` is what ``student(ns, *names)`` lets a rank capture: the whole namespace where the ranks fork, the
+    student's ``names`` only, by value, where they are spawned."""
+    rank = functools.partial(fn, ns=student(ns, *names))
+    return [unpacked(run) for run in run_forked(rank, nprocs, kwargs, timeout=timeout)]
 
 
 def packed(data: Any) -> bytes:

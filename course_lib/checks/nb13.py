@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import course_lib.parallel.pp as pp
 import course_lib.parallel.schedules as schedules
 import course_lib.parallel.tp as tp
-from course_lib.checks import number, packed, plain, register, student, tensor_data, unpacked
+from course_lib.checks import in_ranks, number, packed, plain, register, student, tensor_data, unpacked
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
 from course_lib.launch import run_forked
@@ -64,15 +64,8 @@ def tp_rank(d: int, h: int, bias: bool, ns: dict) -> dict:
                    "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
 
 
-def in_ranks(ns: dict, fn, nprocs: int, **kwargs) -> list:
-    """``fn(**kwargs, ns)`` on forked ranks. Forked, a rank holds the whole namespace; where forking is not
-    safe (a machine with GPUs) the ranks are spawned and get the student's pair only, by value."""
-    space = student(ns, *PAIR)
-    return run_forked(functools.partial(fn, ns=space), nprocs, kwargs, timeout=45)
-
-
 def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
-    return [unpacked(run) for run in in_ranks(ns, tp_rank, world, d=d, h=h, bias=bias)]
+    return in_ranks(ns, PAIR, tp_rank, world, d=d, h=h, bias=bias)
 
 
 def reference(d: int, h: int, bias: bool) -> tuple[torch.Tensor, dict]:

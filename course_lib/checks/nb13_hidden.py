@@ -7,14 +7,14 @@ from __future__ import annotations
 from torch import nn
 
 import course_lib.parallel.schedules as schedules
-from course_lib.checks import register
-from course_lib.checks.nb13 import (TP_ANSWERS, as_order, in_ranks, judge_activations, judge_gradients, judge_orders,
+from course_lib.checks import in_ranks, packed, register
+from course_lib.checks.nb13 import (PAIR, TP_ANSWERS, as_order, judge_activations, judge_gradients, judge_orders,
                                     judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
 from course_lib.grading import forbid
 
 
 # ---------------------------------------------------------------- tensor_parallel_pair
-def bad_size_rank(ns: dict) -> list:
+def bad_size_rank(ns: dict) -> bytes:
     """Each layer made from a Linear whose 6 features do not divide by the ranks: its ValueError's message, or None."""
     out = []
     for name, layer in (("ColumnParallelLinear", nn.Linear(4, 6)), ("RowParallelLinear", nn.Linear(6, 4))):
@@ -24,13 +24,13 @@ def bad_size_rank(ns: dict) -> list:
             out.append(None)
         except ValueError as err:
             out.append(str(err))
-    return out
+    return packed(out)
 
 
 def probe_pair(ns: dict) -> dict:
     strip = lambda runs: [{k: run[k] for k in ("output", "grads")} for run in runs]
     return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
-            "bad size": in_ranks(ns, bad_size_rank, 4)[0]}
+            "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0]}
 
 
 def judge_pair(got: dict) -> str:

@@ -5,7 +5,6 @@ experts (output, gradients, drops, bytes)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -15,10 +14,9 @@ import torch.nn.functional as F
 import course_lib.parallel.cp as cp
 import course_lib.parallel.cp_train as cp_train
 import course_lib.parallel.ep as ep
-from course_lib.checks import number, packed, plain, register, student, tensor_data, unpacked
+from course_lib.checks import in_ranks, number, packed, plain, register, tensor_data
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
-from course_lib.launch import run_forked
 
 # What each exercise builds, out of reach while the student's code runs. (cp.block_attention, cp.ring_pass,
 # ep.all_to_all, ep.Plan and ep.Routing are the helpers the exercises may use.)
@@ -28,13 +26,6 @@ EP_ANSWERS = (ep.exchange_counts, ep.dispatch, ep.combine, ep.within_capacity)
 RING = ("merge", "ring_forward")
 EXPERTS = ("within_capacity", "dispatch", "combine")
 B, H, D = 2, 2, 8
-
-
-def in_ranks(ns: dict, names: tuple, fn, nprocs: int, timeout: float = 45, **kwargs) -> list:
-    """``fn(**kwargs, ns=...)`` on forked ranks (the whole namespace), or spawned ones with the student's
-    definitions only, by value, where forking is not safe."""
-    space = student(ns, *names)
-    return [unpacked(r) for r in run_forked(functools.partial(fn, ns=space), nprocs, kwargs, timeout=timeout)]
 
 
 # ---------------------------------------------------------------- ring_attention: the merge
