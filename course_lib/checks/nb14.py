@@ -95,23 +95,14 @@ def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq))
-    work, inner = [0.0], cp.block_attention
-
-    def counted(q_tile, k_tile, *args, **kwargs):  # this rank's copy of the module only
-        work[0] += q_tile.shape[-2] * k_tile.shape[-2] / q.shape[-2] ** 2
-        return inner(q_tile, k_tile, *args, **kwargs)
-
-    cp.block_attention = counted
     try:
-        with forbid(*CP_ANSWERS, namespace=ns):
+        with cp_train.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
             with CollectiveBytes() as comm:
                 out, lse = ns["ring_forward"](q, k, v, causal, seq, *([True] if zigzag else []))
         got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
-               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(work[0])}
+               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(tally["tiles"])}
     except Exception as err:
         got = {"raised": f"{type(err).__name__}: {err}"[:300]}
-    finally:
-        cp.block_attention = inner
     return packed(plain(got))
 
 

@@ -15,6 +15,10 @@ autograd); this module uses it and accounts for it, so that cp reads as the mech
 
 from __future__ import annotations
 
+import contextlib
+import time
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,6 +26,7 @@ from torch import nn
 
 from course_lib.attention import repeat_kv
 # _rank_world and _local_len are the ring's own rank lookup and padded block length: one definition, in cp
+from course_lib.parallel import cp
 from course_lib.parallel.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
 from course_lib.data import lm_batch
 from course_lib.loss import IGNORE_INDEX, next_token_loss
@@ -132,6 +137,28 @@ def causal_work(world: int, zigzag: bool = False) -> list[float]:
     if zigzag:
         return [(2 * world + 1) / 4] * world
     return [float(r + 1) for r in range(world)]
+
+
+@contextlib.contextmanager
+def counted_tiles(local: int) -> Iterator[dict]:
+    """Inside, every ``cp.block_attention`` call of this process (any ring's, the student's too) adds its tile to
+    ``tally["tiles"]``, in blocks of (local x local) scores as ``causal_work`` counts them, and the CPU seconds it
+    took to ``tally["seconds"]`` (this process's own: ranks that share cores do not count each other's). Meant for
+    one rank's process: it swaps the module's function, which the whole process sees until the block ends."""
+    tally, inner = {"tiles": 0.0, "seconds": 0.0}, cp.block_attention
+
+    def counted(q_tile, k_tile, *args, **kwargs):
+        start = time.process_time()
+        out = inner(q_tile, k_tile, *args, **kwargs)
+        tally["seconds"] += time.process_time() - start
+        tally["tiles"] += q_tile.shape[-2] * k_tile.shape[-2] / local ** 2
+        return out
+
+    cp.block_attention = counted
+    try:
+        yield tally
+    finally:
+        cp.block_attention = inner
 
 
 def ring_bytes_per_rank(seq: int, heads: int, head_dim: int, world: int, dtype_bytes: int = 4, *, batch: int = 1,
