@@ -36,13 +36,15 @@ LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mod
 MAX_FUNCTION_LINES = 60
 
 
+@functools.cache  # read for every import statement of every module: list the folders once
 def module_paths() -> dict[str, Path]:
-    """Each library module's file by its name: course_lib/*.py and the applications' course_lib/apps/*.py."""
+    """Each module's file by its name: course_lib/*.py and those of each folder in FOLDERS (their __init__ aside)."""
     paths = {p.stem: p for p in sorted(PACKAGE.glob("*.py"))}
     for folder in FOLDERS:
-        clash = {p.stem for p in (PACKAGE / folder).glob("*.py")} & set(paths) - {"__init__"}
+        inside = {p.stem: p for p in sorted((PACKAGE / folder).glob("*.py")) if p.stem != "__init__"}
+        clash = set(inside) & set(paths)
         assert not clash, f"{clash} in course_lib/ and course_lib/{folder}/: a module's name is unique in course_lib"
-        paths.update({p.stem: p for p in sorted((PACKAGE / folder).glob("*.py")) if p.stem != "__init__"})
+        paths.update(inside)
     return paths
 
 
@@ -52,7 +54,7 @@ def modules() -> dict[str, ast.Module]:
 
 
 def course_module(dotted: str) -> str | None:
-    """The module name of ``course_lib.X`` or ``course_lib.apps.X`` (None for a package: course_lib.apps itself)."""
+    """The module name of ``course_lib.X`` or ``course_lib.<folder>.X`` (None for a package: course_lib.apps itself)."""
     parts = dotted.split(".")[1:]
     parts = parts[1:] if parts and parts[0] in FOLDERS else parts
     return parts[0] if parts else None
