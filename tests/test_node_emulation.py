@@ -37,7 +37,8 @@ def emulate(notebook: str, out) -> dict:
 
 def test_the_notebooks_that_launch_ranks_are_the_ones_emulated():
     emulated = [p.stem for p in run_all.notebooks() if run_all.emulates_node(p)]
-    assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload", "13_model_parallelism"]
+    assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload", "13_model_parallelism",
+                        "14_context_expert_parallelism"]
 
 
 def test_emulation_takes_the_node_layout_and_the_given_widths(monkeypatch):
@@ -107,3 +108,17 @@ def test_13_runs_8_stages_and_tp_8(tmp_path):
     executed = json.loads((tmp_path / "executed" / "13_model_parallelism.ipynb").read_text())
     assert "tier=node (emulated" in "".join("".join(o.get("text", "")) for c in executed["cells"][:4]
                                             for o in c.get("outputs", []))
+
+
+def test_14_runs_its_ring_and_experts_on_8_ranks(tmp_path):
+    """The node's ring of 8 (16 zig-zag chunks, 61 tokens padded to 64) and 16 experts over 8 ranks."""
+    res = emulate("14_context_expert_parallelism", tmp_path)
+    assert value(res, "ring_worlds") == [2, 4, 8] and value(res, "ring_bytes_match_formula") is True
+    assert value(res, "ring_max_output_diff") < 1e-4 and value(res, "ring_max_grad_diff") < 1e-4
+    assert value(res, "causal_work_plain") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert value(res, "causal_work_zigzag") == [4.25] * 8
+    memory = value(res, "ring_memory_bytes")
+    assert sorted(memory, key=int) == ["1", "2", "4", "8"] and all(memory[n] * int(n) == memory["1"] for n in memory)
+    assert value(res, "ep_bytes_match_formula") is True and value(res, "ep_max_diff") < 1e-4
+    assert claim(res, "expert parallelism on 8 ranks")["held"]
+    assert claim(res, "the course's Llama trains with ring attention (8 ranks")["held"]
