@@ -18,7 +18,7 @@ LAYERS = {
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train",
-                  "pp", "schedules", "cp", "cp_train", "ep", "fp8", "fp8_compute", "nf4", "qlora"},
+                  "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4", "qlora"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
                     "preflight", "edition", "sandbox", "__init__"},
 }
@@ -30,7 +30,7 @@ LAYERS = {
 AT_THE_TOP = {"__init__", "notebook"}
 FOLDERS = {"apps": LAYERS["application"] - AT_THE_TOP,
            "parallel": {"ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train", "pp", "schedules", "cp",
-                        "cp_train", "ep"}}
+                        "cp_train", "cp_torch", "ep"}}
 ORDER = list(LAYERS)
 LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mods}
 MAX_FUNCTION_LINES = 60

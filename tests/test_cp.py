@@ -6,14 +6,20 @@ and one that does not), the tiles each rank computes against ``causal_work``, th
 the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the activation bytes against the prediction,
 and two known mistakes (a merge that does not rescale, a causal mask on the wrong side) that the
 comparison must catch. The course's Llama trains with the ring loss for loss with one process.
+torch's own context parallelism (``cp_torch``) needs GPUs: here its path runs up to the kernel, and torch's split
+is checked to be the zig-zag.
 """
+
+import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
 
-from course_lib.parallel import cp, cp_train
+from course_lib.parallel import cp, cp_torch, cp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 
@@ -188,6 +194,43 @@ def test_bad_input_is_refused():
 
 
 def test_torch_context_parallel_needs_a_gpu():
-    assert "GPU" in cp_train.torch_cp_support("cpu")
+    assert "GPU" in cp_torch.support("cpu")
     if not torch.cuda.is_available():
-        assert cp_train.torch_cp_support("cuda") is not None
+        assert cp_torch.support("cuda") is not None
+
+
+def _forced_torch_cp(seq: int) -> str:
+    """cp_torch.train_llama forced onto this CPU rank: the traceback of where it stopped."""
+    try:
+        cp_torch.train_llama(1, seq=seq, force=True)
+    except Exception:  # noqa: BLE001 - the test reads which error, and where
+        return traceback.format_exc()
+    return "ran"
+
+
+def test_torch_context_parallel_goes_the_gpus_way_up_to_the_kernel():
+    """The GPU path forced on 2 CPU ranks: mesh, in-place sharding of the batch, the course's Llama unchanged, up to
+    the SDPA that torch's context swapped in, where the CPU has no kernel it can ring. A GPU runs on from there."""
+    for tb in run_forked(_forced_torch_cp, 2, dict(seq=cp_torch.SEQ), timeout=120):
+        assert "course_lib/attention.py" in tb and "fused_sdpa" in tb, tb[-2000:]  # the Llama's own attention call
+        assert "tensor/experimental" in tb, tb[-2000:]  # ... entered torch's context-parallel SDPA
+        assert "sharding strategy" in tb or "No available kernel" in tb, tb[-2000:]  # ... which has no CPU kernel
+    refused = run_forked(_forced_torch_cp, 2, dict(seq=30), timeout=60)  # 30 tokens do not cut into 2·2 chunks
+    assert all("use a multiple of 4" in tb for tb in refused), refused[0][-1000:]
+    with pytest.raises(Exception, match="it needs GPUs"):
+        run_forked(cp_torch.train_llama, 2, dict(steps=1), timeout=60)  # unforced: refused before anything starts
+
+
+def _torch_split(seq: int) -> bool:
+    """torch's context_parallel cuts a positions buffer on this rank as the zig-zag split does."""
+    world = dist.get_world_size()
+    positions = torch.arange(seq).expand(2, -1).contiguous()
+    mesh = init_device_mesh("cpu", (world,))
+    with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
+        return torch.equal(positions[0], cp.local_positions(dist.get_rank(), world, seq // world, True))
+
+
+def test_torchs_load_balancer_is_the_zigzag_split():
+    """What cp_torch.train_llama checks on GPU ranks, checked here: torch's head-tail split is notebook 14's."""
+    for world in (2, 4):
+        assert all(run_forked(_torch_split, world, dict(seq=32), timeout=60))

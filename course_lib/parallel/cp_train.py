@@ -10,7 +10,8 @@ autograd); this module uses it and accounts for it, so that cp reads as the mech
 - ``ring_bytes_per_rank``, ``ring_backward_bytes_per_rank``, ``attention_activation_bytes``, ``measure_ring_memory``:
   what it costs and buys; ``llama_activation_bytes_per_rank`` and ``longest_sequence``: the same for a whole
   Llama (predicted).
-- ``torch_cp_support``: whether torch's own ``context_parallel`` runs here (it needs a GPU: see there).
+
+torch's own context parallelism, on the same Llama, is ``cp_torch``'s.
 """
 
 from __future__ import annotations
@@ -223,26 +224,3 @@ def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = T
         out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag, forward=forward)
     out.sum().backward()  # every rank runs the backward ring, so no peer is left waiting
     return meter.bytes
-
-
-def torch_cp_support(device: torch.device | str) -> str | None:
-    """None where torch's ``context_parallel`` can run on ``device``, else the reason it cannot.
-
-    torch 2.13's context parallel swaps SDPA's fused kernels (flash, memory-efficient, cuDNN: CUDA and ROCm
-    only) for ring versions of them. On a CPU SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``,
-    which has no context-parallel handler: inside ``context_parallel`` on gloo it raises
-    "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-    registered", and with the math backend forced it fails on "aten.add.Tensor got mixed torch.Tensor and
-    DTensor" (both tried on 2 gloo ranks, torch 2.13.0+cpu). So it needs GPUs, one per rank.
-    """
-    device = torch.device(device)
-    try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
-    except ImportError:
-        return f"torch {torch.__version__} has no torch.distributed.tensor.experimental.context_parallel"
-    if device.type != "cuda":
-        return (f"torch's context_parallel rings only the fused GPU SDPA kernels (flash, memory-efficient, cuDNN); "
-                f"on {device.type} SDPA runs a kernel it cannot shard: it needs GPUs, one per rank")
-    if not torch.cuda.is_available():
-        return "no GPU is visible to this process"
-    return None

@@ -1,0 +1,109 @@
+"""torch's own context parallelism on the course's Llama, on GPU ranks: notebook 14's ring, as torch ships it.
+
+``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` does two things
+inside its ``with`` block:
+
+- it shards the buffers it is given (here the input ids, the targets and the positions) along the sequence, in
+  place, with its head-tail load balancer: rank r keeps chunks r and 2N-1-r of 2N, notebook 14's zig-zag split
+  (``cp.local_positions(..., zigzag=True)``; ``train_llama`` checks that on every rank);
+- it swaps ``F.scaled_dot_product_attention`` for one whose q, k and v are DTensors sharded on the sequence, which
+  DTensor runs as a ring of SDPA's fused GPU kernels (flash, memory-efficient, cuDNN), merging the partial results
+  by their log-sum-exp as ``cp.merge`` does; the K/V shards travel by all-gather (torch's default).
+
+The course's Llama needs no change: its attention (``attention.course_sdpa``) calls ``F.scaled_dot_product_attention``
+with no mask and ``is_causal``, the call the context swaps. Backward runs inside the context too (the ring's
+backward is the DTensor handler of the kernel's backward). The kernels are GPU kernels, so this runs on GPU ranks,
+one per GPU (``launch.on_ranks``); ``support`` says why not elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel  # torch 2.5 on: the floor's 2.7 has it
+
+from course_lib.data import lm_batch
+from course_lib.distributed import rank_device
+from course_lib.loss import IGNORE_INDEX
+from course_lib.models import build_llama
+from course_lib.parallel.cp import local_positions
+from course_lib.train import fit, train_step, worker_result
+
+SEQ = 32  # torch's load balancer cuts 2N chunks: 32 tokens serve every ring up to 16 ranks
+
+
+def support(device: torch.device | str) -> str | None:
+    """None where torch's ``context_parallel`` can run on ``device``, else the reason it cannot.
+
+    torch's context parallel swaps SDPA's fused kernels (flash, memory-efficient, cuDNN: CUDA and ROCm only) for
+    ring versions of them. On a CPU SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which has no
+    context-parallel handler: inside ``context_parallel`` on gloo it raises "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"
+    (tests/test_cp.py runs ``train_llama`` on two CPU ranks into exactly that), and with the math backend forced
+    it fails on "aten.add.Tensor got mixed torch.Tensor and DTensor" (torch 2.13.0+cpu). So it needs GPUs.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"torch's context_parallel rings only the fused GPU SDPA kernels (flash, memory-efficient, cuDNN); "
+                f"on {device.type} SDPA runs a kernel it cannot shard: it needs GPUs, one per rank")
+    if not torch.cuda.is_available():
+        return "no GPU is visible to this process"
+    return None
+
+
+def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                 seq: int) -> torch.Tensor:
+    """This rank's share of the next-token loss, its tokens, targets and positions already cut by torch's context.
+
+    The rotary embedding needs each token's global position, hence ``positions``. The targets were shifted before the split (the last local token's target may live on another rank), so each
+    rank sums its tokens' cross-entropy over the whole batch's count: the ranks' losses sum to the batch's mean.
+    """
+    logits = model(input_ids=tokens, position_ids=positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / (len(tokens) * (seq - 1))
+
+
+def train_llama(steps: int = 3, *, seq: int = SEQ, batch: int = 2, lr: float = 1e-3, seed: int = 0,
+                force: bool = False) -> dict:
+    """A worker (``launch.on_ranks``, GPU ranks): the course's tiny Llama trained with torch's ``context_parallel``
+    over every rank of the group, the same batches and optimizer as ``cp_train.reference_llama_losses``.
+
+    Returns ``worker_result``'s losses (the sum of the ranks' shares: the batch's loss) and ``zigzag``: whether
+    torch's split of the positions on this rank was ``cp.local_positions(rank, world, seq // world, zigzag=True)``.
+    ``force`` runs past ``support``'s refusal: on CPU ranks the run then goes the GPU's way up to the attention
+    kernel, where torch raises (tests/test_cp.py holds it to that, so the path is checked without a GPU).
+    """
+    device, world = rank_device(), dist.get_world_size()
+    reason = support(device)
+    if reason is not None and not force:
+        raise RuntimeError(f"torch's context parallel cannot run on this rank: {reason}")
+    if seq % (2 * world):
+        raise ValueError(f"seq={seq} tokens do not cut into 2·{world} equal chunks, which torch's load balancer "
+                         f"needs: use a multiple of {2 * world}")
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    model = build_llama("tiny", seed=seed, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    zigzag = []
+
+    def sum_gradients(model: nn.Module) -> None:  # every rank's loss is its share of the mean: sum the gradients
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    def step(tokens: torch.Tensor) -> dict:
+        tokens = tokens.to(device)
+        targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
+        positions = torch.arange(seq, device=device).expand(len(tokens), -1).contiguous()
+        cut = [tokens, targets, positions]
+        with context_parallel(mesh, buffers=cut, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(cut)):
+            want = local_positions(dist.get_rank(), world, seq // world, True, device)
+            zigzag.append(bool(torch.equal(positions[0], want)))
+            return train_step(model, optimizer, cut, loss_fn=lambda m, b: sharded_loss(m, *b, seq),
+                              sync_grads=sum_gradients)
+
+    history = fit(model, optimizer, lambda i: lm_batch(i, batch, seq, model.config.vocab_size, seed), steps,
+                  step=step, progress=False)
+    # fit records the mean over ranks of each rank's share of the loss; the batch's loss is their sum
+    return worker_result([r["loss"] * world for r in history], zigzag=all(zigzag))
