@@ -21,7 +21,10 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from course_lib.parallel import cp, cp_torch, cp_train
 from course_lib.distributed import CollectiveBytes
+from course_lib import attention
 from course_lib.launch import run_forked
+from course_lib.memory import activation_bytes
+from course_lib.models import build_llama
 
 B, H, D = 2, 3, 8
 LENGTHS = {2: [8, 7], 3: [12, 10], 4: [16, 10]}  # one that divides by 2N and one that does not
@@ -183,6 +186,34 @@ def test_a_llama_per_rank_and_the_longest_sequence():
     assert cp_train.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
 
 
+def test_a_llamas_activations_are_linear_in_the_sequence():
+    """Measured with the meter: the same bytes per token at 32, 64 and 128 tokens, and near the formula. A model whose
+    attention kept its S x S probabilities (transformers' eager attention) grows faster than S, and is told apart."""
+    from course_lib.memory import llama_activation_bytes
+    from course_lib.models import llama_config
+    seqs = [32, 64, 128]
+    measured = cp_train.llama_activations_by_length(seqs)
+    per_token = [measured[s] / s for s in seqs]
+    assert max(per_token) / min(per_token) < 1.05, per_token
+    config = llama_config("tiny")
+    assert all(abs(measured[s] / llama_activation_bytes(config, 1, s, 4) - 1) < 0.1 for s in seqs), measured
+    eager = build_llama("tiny", attn_implementation="eager")
+    quadratic = {s: activation_bytes(eager, lambda: eager(input_ids=torch.zeros(1, s, dtype=torch.long)).logits.sum())
+                 for s in (64, 128)}
+    assert quadratic[128] / 128 > 1.1 * quadratic[64] / 64, quadratic  # 1.15: the S x S part grows per token
+
+
+def test_the_longest_sequence_from_two_peaks():
+    # 7 GB fixed, 3 MB a token: 16 GB holds (16 - 7) / 0.003 = 3000 tokens
+    assert cp_train.longest_from_peaks({1000: 10_000_000_000, 2000: 13_000_000_000}, 16_000_000_000) == 3000
+    assert cp_train.longest_from_peaks({2000: 13_000_000_000, 1000: 10_000_000_000}, 16_000_000_000) == 3000
+    with pytest.raises(ValueError, match="no growth per token"):
+        cp_train.longest_from_peaks({1000: 5, 2000: 5}, 100)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a GPU"):
+            cp_train.measure_longest_sequence(device="cpu")
+
+
 def test_bad_input_is_refused():
     q = torch.zeros(1, 1, 5, 4)
     with pytest.raises(ValueError, match="local length must be even"):
@@ -197,6 +228,28 @@ def test_torch_context_parallel_needs_a_gpu():
     assert "GPU" in cp_torch.support("cpu")
     if not torch.cuda.is_available():
         assert cp_torch.support("cuda") is not None
+
+
+def test_torch_cps_llama_gets_no_mask_whatever_its_positions(monkeypatch):
+    """transformers reads the zig-zag's jump in positions as a packed sequence and masks across it (the course's
+    default Llama does, found here before any GPU ran it); cp_torch's Llama hands SDPA no mask and is_causal, the
+    call torch's context swaps for its ring. Same weights, same logits on plain positions."""
+    calls, real = [], attention.fused_sdpa
+
+    def watched(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        calls.append((attn_mask is None, is_causal))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    monkeypatch.setattr(attention, "fused_sdpa", watched)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    zigzag = cp.local_positions(0, 2, 16, True).expand(2, -1)  # rank 0 of 2: chunks 0 and 3 of 4, 0..7 and 24..31
+    default, ours = build_llama("tiny"), cp_torch.llama()
+    default(input_ids=ids, position_ids=zigzag)
+    assert calls and not any(no_mask for no_mask, _ in calls), calls  # the trap: a block mask at the jump
+    calls.clear()
+    ours(input_ids=ids, position_ids=zigzag)
+    assert calls and all(no_mask and causal for no_mask, causal in calls), calls
+    assert torch.allclose(ours(input_ids=ids).logits, default(input_ids=ids).logits)
 
 
 def _forced_torch_cp(seq: int) -> str:

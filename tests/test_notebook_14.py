@@ -62,6 +62,10 @@ def test_claims_and_figures(executed):
     assert claim(res, "a ring of 8 GPUs fits 8x")["kind"] == "predicted" and claim(res, "a ring of 8 GPUs fits 8x")["agrees"]
     torch_cp = claim(res, "torch's context_parallel")
     assert torch_cp["kind"] == "not measured here" and "GPU" in torch_cp["measured"], torch_cp
+    assert claim(res, "one GPU runs out where")["kind"] == "not measured here"  # a GPU tier measures it
+    assert claim(res, "a Llama's activation memory grows linearly")["held"] is True
+    by_length = value(res, "llama_activation_bytes_by_length")
+    assert len(by_length) == 3 and all(b > 0 for b in by_length.values())
     assert claim(res, "attention's activation memory per rank falls as 1/N")["held"] is True
     assert claim(res, "a causal ring on 4 ranks")["held"] is True
     assert claim(res, "an expert-parallel step's all-to-alls")["held"] is True

@@ -10,8 +10,9 @@ inside its ``with`` block:
   DTensor runs as a ring of SDPA's fused GPU kernels (flash, memory-efficient, cuDNN), merging the partial results
   by their log-sum-exp as ``cp.merge`` does; the K/V shards travel by all-gather (torch's default).
 
-The course's Llama needs no change: its attention (``attention.course_sdpa``) calls ``F.scaled_dot_product_attention``
-with no mask and ``is_causal``, the call the context swaps. Backward runs inside the context too (the ring's
+The course's Llama keeps its attention (``attention.course_sdpa``, which calls ``F.scaled_dot_product_attention``, the
+call the context swaps) but gets no mask from transformers (``llama``: a rank's zig-zag positions would read as packed
+sequences); causality is the ring's, from ``is_causal``. Backward runs inside the context too (the ring's
 backward is the DTensor handler of the kernel's backward). The kernels are GPU kernels, so this runs on GPU ranks,
 one per GPU (``launch.on_ranks``); ``support`` says why not elsewhere.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel  # torch 2.5 on: the floor's 2.7 has it
 
+from course_lib.attention import course_sdpa
 from course_lib.data import lm_batch
 from course_lib.distributed import rank_device
 from course_lib.loss import IGNORE_INDEX
@@ -33,6 +35,7 @@ from course_lib.parallel.cp import local_positions
 from course_lib.train import fit, train_step, worker_result
 
 SEQ = 32  # torch's load balancer cuts 2N chunks: 32 tokens serve every ring up to 16 ranks
+IMPLEMENTATION = "course_torch_cp"
 
 
 def support(device: torch.device | str) -> str | None:
@@ -51,6 +54,26 @@ def support(device: torch.device | str) -> str | None:
                 f"on {device.type} SDPA runs a kernel it cannot shard: it needs GPUs, one per rank")
     if not torch.cuda.is_available():
         return "no GPU is visible to this process"
+    return None
+
+
+def llama(seed: int = 0, device: torch.device | str = "cpu"):
+    """The course's tiny Llama for torch's context parallel: the course's attention (``course_sdpa``), no mask.
+
+    A rank's positions under the zig-zag split jump (chunk r, then chunk 2N-1-r), and transformers reads a jump in
+    ``position_ids`` as the start of a packed sequence: it would build a block mask that cuts attention at the jump
+    (and torch's context would shard that mask as if it were q, k or v). No mask, and ``is_causal``: the ring masks
+    by global position itself. The weights are ``build_llama("tiny", seed=seed)``'s.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, course_sdpa)
+    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+    return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed, device=device)
+
+
+def _no_mask(*args, **kwargs) -> None:
     return None
 
 
@@ -84,7 +107,7 @@ def train_llama(steps: int = 3, *, seq: int = SEQ, batch: int = 2, lr: float = 1
         raise ValueError(f"seq={seq} tokens do not cut into 2·{world} equal chunks, which torch's load balancer "
                          f"needs: use a multiple of {2 * world}")
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
-    model = build_llama("tiny", seed=seed, device=device)
+    model = llama(seed, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     zigzag = []
 

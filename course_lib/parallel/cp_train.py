@@ -9,7 +9,8 @@ autograd); this module uses it and accounts for it, so that cp reads as the mech
 - ``causal_work``: the scores each rank computes in a causal ring, plain split or zig-zag.
 - ``ring_bytes_per_rank``, ``ring_backward_bytes_per_rank``, ``attention_activation_bytes``, ``measure_ring_memory``:
   what it costs and buys; ``llama_activation_bytes_per_rank`` and ``longest_sequence``: the same for a whole
-  Llama (predicted).
+  Llama (predicted); ``llama_activations_by_length``: a whole Llama's, measured at several lengths;
+  ``measure_longest_sequence``: where one GPU really runs out (``longest_from_peaks``: the arithmetic).
 
 torch's own context parallelism, on the same Llama, is ``cp_torch``'s.
 """
@@ -31,7 +32,7 @@ from course_lib.parallel import cp
 from course_lib.parallel.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
 from course_lib.data import lm_batch
 from course_lib.loss import IGNORE_INDEX, next_token_loss
-from course_lib.memory import SavedTensorMeter, llama_activation_bytes
+from course_lib.memory import SavedTensorMeter, activation_bytes, llama_activation_bytes
 from course_lib.models import build_llama
 from course_lib.train import fit
 
@@ -209,6 +210,86 @@ def longest_sequence(config, budget_bytes: int, world: int = 1, *, batch: int = 
     state), one rank (``world=1``) or a ring of ``world``: N times one rank's (predicted)."""
     per_token = llama_activation_bytes(config, batch, 1, dtype_bytes, **options)
     return budget_bytes // per_token * world
+
+
+def llama_activations_by_length(seqs: list[int], *, preset: str = "tiny", batch: int = 1,
+                                seed: int = 0) -> dict[int, int]:
+    """The bytes the course's Llama keeps for backward at each length of ``seqs``, one rank holding the whole
+    sequence, measured with ``SavedTensorMeter`` (the weights left out). Linear in S, as ``llama_activation_bytes``
+    predicts, because its attention (a fused kernel, or the ring) keeps no S x S probabilities."""
+    model = build_llama(preset, seed=seed)
+    measured = {}
+    for seq in seqs:
+        tokens = lm_batch(0, batch, seq, model.config.vocab_size, seed)
+        measured[seq] = activation_bytes(model, lambda: next_token_loss(model(input_ids=tokens).logits, tokens))
+    return measured
+
+
+def longest_from_peaks(peaks: dict[int, int], capacity: int) -> int:
+    """The longest sequence whose step fits ``capacity`` bytes, on the line through the shortest and longest of the
+    measured ``peaks`` (sequence length -> peak bytes): a fixed part (weights, gradients, workspaces) plus bytes per
+    token times S."""
+    (short, low), (long, high) = min(peaks.items()), max(peaks.items())
+    if long == short or high <= low:
+        raise ValueError(f"peaks {peaks} give no growth per token: measure two lengths, the second longer")
+    per_token = (high - low) / (long - short)
+    return int((capacity - (low - per_token * short)) // per_token)
+
+
+def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, probes: tuple[int, int] = (1024, 2048),
+                             checks: tuple[float, float] = (0.8, 1.25), device: torch.device | str | None = None,
+                             seed: int = 0) -> dict:
+    """One GPU, one rank: the longest sequence a bf16 training step (forward and backward, batch 1) of the Llama
+    ``preset`` fits in ``budget_gb`` of this GPU, measured.
+
+    The allocator is held to the budget (``torch.cuda.set_per_process_memory_fraction``; less where less is free), so
+    neither the GPU's size nor other processes on it move the answer. Two short steps (``probes``) give the step's
+    fixed part and its bytes per token (the peak is linear in S), hence the longest sequence
+    (``longest_from_peaks``), which is then checked by running ``checks`` times it: the first must fit and the
+    second run out. Returns the budget, the probes' peaks, the bytes per token and the fixed part, the longest
+    sequence, and for each check whether it ran out.
+    """
+    device = torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"measure_longest_sequence needs a GPU (got {device}): a CPU has no allocator budget to run "
+                         "into; llama_activations_by_length measures the bytes per token on any device")
+    model = build_llama(preset, dtype=torch.bfloat16, device=device, seed=seed)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = min(int(budget_gb * 2**30), int(0.9 * free) + torch.cuda.memory_allocated(device))
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    try:
+        peaks = {seq: _step_peak(model, seq, seed) for seq in probes}
+        if None in peaks.values():
+            raise RuntimeError(f"a probe of {probes} tokens ran out of the {budget / 2**30:.1f} GiB budget already: "
+                               "give shorter probes or a larger budget_gb")
+        longest = longest_from_peaks(peaks, budget)
+        ran_out = {factor: _step_peak(model, int(factor * longest), seed) is None for factor in checks}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    per_token = (peaks[max(probes)] - peaks[min(probes)]) / (max(probes) - min(probes))
+    return {"budget": budget, "peaks": peaks, "bytes_per_token": per_token,
+            "fixed": peaks[min(probes)] - per_token * min(probes), "longest": longest, "ran_out": ran_out}
+
+
+def _step_peak(model: nn.Module, seq: int, seed: int) -> int | None:
+    """The allocator's peak over one forward and backward of ``seq`` tokens, or None where it ran out of memory."""
+    device = next(model.parameters()).device
+    tokens = lm_batch(0, 1, seq, model.config.vocab_size, seed).to(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        next_token_loss(model(input_ids=tokens).logits, tokens).backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    except RuntimeError as err:  # a library's own allocation failing (cuBLAS, a kernel's workspace) says it so
+        if "out of memory" in str(err).lower() or "ALLOC_FAILED" in str(err):
+            return None
+        raise
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
 def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = True, batch: int = 1, group=None,
