@@ -22,7 +22,7 @@ from torch.distributed.tensor.experimental import context_parallel
 from course_lib.parallel import cp, cp_torch, cp_train
 from course_lib.distributed import CollectiveBytes
 from course_lib import attention
-from course_lib.launch import run_forked
+from course_lib.launch import on_ranks, run_forked
 from course_lib.memory import activation_bytes
 from course_lib.models import build_llama
 
@@ -209,9 +209,11 @@ def test_the_longest_sequence_from_two_peaks():
     assert cp_train.longest_from_peaks({2000: 13_000_000_000, 1000: 10_000_000_000}, 16_000_000_000) == 3000
     with pytest.raises(ValueError, match="no growth per token"):
         cp_train.longest_from_peaks({1000: 5, 2000: 5}, 100)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs a GPU"):
-            cp_train.measure_longest_sequence(device="cpu")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        cp_train.measure_longest_sequence(device="cpu")
+    if torch.cuda.is_available():  # the lent GPU's test lane: where one GPU runs out, in a 6 GiB budget
+        run = cp_train.measure_longest_sequence("small", budget_gb=6, probes=(2048, 4096))
+        assert run["ran_out"] == {0.8: False, 1.25: True}, run
 
 
 def test_bad_input_is_refused():
@@ -225,9 +227,17 @@ def test_bad_input_is_refused():
 
 
 def test_torch_context_parallel_needs_a_gpu():
+    """On a CPU machine: refused, with why. On a GPU machine (the lent GPU's test lane): it trains, one rank per GPU,
+    loss for loss with one process, torch's split the zig-zag."""
     assert "GPU" in cp_torch.support("cpu")
     if not torch.cuda.is_available():
         assert cp_torch.support("cuda") is not None
+        return
+    world = min(torch.cuda.device_count(), 2)
+    runs = on_ranks(cp_torch.train_llama, world, "cuda", timeout=300, steps=2)
+    reference = cp_train.reference_llama_losses(2, seq=cp_torch.SEQ)
+    assert all(r["zigzag"] for r in runs)
+    assert max(abs(a - b) / b for a, b in zip(runs[0]["losses"], reference)) < 1e-4, (runs[0]["losses"], reference)
 
 
 def test_torch_cps_llama_gets_no_mask_whatever_its_positions(monkeypatch):
