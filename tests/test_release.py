@@ -2,7 +2,11 @@
 
 import json
 
-from course_lib.apps.release import ROOT, assignments, make_course, released
+import shutil
+
+import pytest
+
+from course_lib.apps.release import ROOT, assignments, check_cell_ids, make_course, released
 
 
 def test_release_in_sync_with_solutions(tmp_path):
@@ -11,6 +15,21 @@ def test_release_in_sync_with_solutions(tmp_path):
     assert set(committed) == set(fresh), "notebooks/ and solutions/ hold different notebooks"
     for aid, nb in fresh.items():
         assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_lib.apps.release"
+
+
+def test_a_solution_cell_without_an_id_is_refused(tmp_path):
+    """nbgrader gives a cell without an id a new random one on every release: notebooks/ could never be in sync."""
+    check_cell_ids()  # the course's own solutions pass
+    aid = assignments()[0]
+    (tmp_path / "solutions").mkdir()
+    shutil.copytree(ROOT / "solutions" / aid, tmp_path / "solutions" / aid)
+    path = tmp_path / "solutions" / aid / f"{aid}.ipynb"
+    nb = json.loads(path.read_text())
+    del nb["cells"][2]["id"]
+    nb["cells"][4]["id"] = nb["cells"][3]["id"]
+    path.write_text(json.dumps(nb))
+    with pytest.raises(ValueError, match=r"cells \[2\] have no id; ids \['.*'\] repeat"):
+        make_course(tmp_path / "course", root=tmp_path)
 
 
 def test_release_hides_solutions_and_hidden_tests():

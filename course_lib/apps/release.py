@@ -34,6 +34,7 @@ def make_course(dest: Path, root: Path = ROOT, drop_tags: tuple[str, ...] = (),
     ``drop_tags=("demo",)`` leaves out the cells tagged so (long demonstrations, not exercises):
     an exercise-only course that grades in a fraction of the time. ``only`` keeps those assignments alone.
     """
+    check_cell_ids(root)
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(root / "nbgrader_config.py", dest / "nbgrader_config.py")
     for aid in (a for a in assignments(root) if only is None or a in only):
@@ -46,6 +47,21 @@ def make_course(dest: Path, root: Path = ROOT, drop_tags: tuple[str, ...] = (),
     # one nbgrader process for every assignment copied (the id is a glob): each process spends seconds importing
     nbgrader(dest, "generate_assignment", "*", "--force")
     return dest
+
+
+def check_cell_ids(root: Path = ROOT) -> None:
+    """Refuse solutions whose cells lack an ``id`` or share one: nbgrader gives such a cell a random id on every
+    release, so ``notebooks/`` would never match ``solutions/`` (and nbgrader would tell students' cells apart
+    by something that changes)."""
+    for path in sorted((root / "solutions").glob("*/*.ipynb")):
+        ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
+        missing = [i for i, cid in enumerate(ids) if not cid]
+        repeated = sorted({cid for cid in ids if cid and ids.count(cid) > 1})
+        if missing or repeated:
+            raise ValueError(f"{path.relative_to(root)}: " + (f"cells {missing} have no id" if missing else "")
+                             + ("; " if missing and repeated else "") + (f"ids {repeated} repeat" if repeated else "")
+                             + ": give each cell a unique \"id\" (8 letters or digits, any), or nbgrader invents one "
+                             "on every release")
 
 
 def nbgrader(course: Path, *args: str, env: dict | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
