@@ -174,6 +174,8 @@ OWNS_BACKWARD_OR_STEP = {
     "checkpointing.activation_memory": "a probe: one backward to measure what checkpointing keeps, no optimizer",
     "precision.activation_gradients": "a probe: one backward to read the activations' gradients, no optimizer",
     "cp_train.measure_ring_memory": "a probe: the ring's backward, to measure its memory, no optimizer",
+    "cp_train._step_peak": "a probe: one forward and backward to read the GPU allocator's peak (or its running out), "
+                           "no optimizer",
     "fp8_compute.torchao_fp8_runs": "a probe: whether float8 matmuls run forward and backward here",
     "qlora.bitsandbytes_4bit_runs": "a probe: whether bitsandbytes' 4-bit layers run forward and backward here",
     "preflight.sdpa_kernels_used": "a probe: which attention kernels a backward dispatches to",

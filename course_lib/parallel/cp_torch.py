@@ -81,8 +81,9 @@ def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, 
                  seq: int) -> torch.Tensor:
     """This rank's share of the next-token loss, its tokens, targets and positions already cut by torch's context.
 
-    The rotary embedding needs each token's global position, hence ``positions``. The targets were shifted before the split (the last local token's target may live on another rank), so each
-    rank sums its tokens' cross-entropy over the whole batch's count: the ranks' losses sum to the batch's mean.
+    The rotary embedding needs each token's global position, hence ``positions``. The targets were shifted before
+    the split (the last local token's target may live on another rank), so each rank sums its tokens' cross-entropy
+    over the whole batch's count: the ranks' losses sum to the batch's mean.
     """
     logits = model(input_ids=tokens, position_ids=positions).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
