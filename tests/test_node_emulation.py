@@ -37,8 +37,8 @@ def emulate(notebook: str, out) -> dict:
 
 def test_the_notebooks_that_launch_ranks_are_the_ones_emulated():
     emulated = [p.stem for p in run_all.notebooks() if run_all.emulates_node(p)]
-    assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload", "13_model_parallelism",
-                        "14_context_expert_parallelism"]
+    assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload",
+                        "13_model_parallelism", "14_context_expert_parallelism"]
 
 
 def test_emulation_takes_the_node_layout_and_the_given_widths(monkeypatch):
