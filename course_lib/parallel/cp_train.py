@@ -18,6 +18,7 @@ torch's own context parallelism, on the same Llama, is ``cp_torch``'s.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Iterator
 
@@ -263,7 +264,15 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
             raise RuntimeError(f"a probe of {probes} tokens ran out of the {budget / 2**30:.1f} GiB budget already: "
                                "give shorter probes or a larger budget_gb")
         longest = longest_from_peaks(peaks, budget)
-        ran_out = {factor: _step_peak(model, int(factor * longest), seed) is None for factor in checks}
+        ran_out = {}
+        for factor in checks:
+            peak = _step_peak(model, int(factor * longest), seed)
+            if peak is not None and peak > budget:  # it fit only because the allocator went past the budget
+                raise RuntimeError(f"a step of {int(factor * longest)} tokens peaked at {peak / 2**30:.1f} GiB, past "
+                                   f"the {budget / 2**30:.1f} GiB budget: this allocator does not hold "
+                                   "set_per_process_memory_fraction (PYTORCH_CUDA_ALLOC_CONF="
+                                   f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r}); run without expandable_segments")
+            ran_out[factor] = peak is None
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
