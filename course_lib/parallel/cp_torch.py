@@ -32,6 +32,7 @@ from course_lib.distributed import rank_device
 from course_lib.loss import IGNORE_INDEX
 from course_lib.models import build_llama
 from course_lib.parallel.cp import local_positions
+from course_lib.parallel.cp_train import no_mask, sum_gradients
 from course_lib.train import fit, train_step, worker_result
 
 SEQ = 32  # torch's load balancer cuts 2N chunks: 32 tokens serve every ring up to 16 ranks
@@ -69,12 +70,8 @@ def llama(seed: int = 0, device: torch.device | str = "cpu"):
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, course_sdpa)
-    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
     return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed, device=device)
-
-
-def _no_mask(*args, **kwargs) -> None:
-    return None
 
 
 def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
@@ -111,10 +108,6 @@ def train_llama(steps: int = 3, *, seq: int = SEQ, batch: int = 2, lr: float = 1
     model = llama(seed, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     zigzag = []
-
-    def sum_gradients(model: nn.Module) -> None:  # every rank's loss is its share of the mean: sum the gradients
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
 
     def step(tokens: torch.Tensor) -> dict:
         tokens = tokens.to(device)

@@ -60,8 +60,15 @@ def ring_llama_attention(module, query, key, value, attention_mask, dropout: flo
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs) -> None:
+def no_mask(*args, **kwargs) -> None:
+    """transformers' mask function for a ring's Llama: none (a mask over a rank's rows means nothing; the ring masks)."""
     return None
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Sum every gradient over the ranks: each rank's loss is its tokens' share of the sequence's mean."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
 
 
 def ring_llama(seed: int = 0, preset: str = "tiny"):
@@ -70,7 +77,7 @@ def ring_llama(seed: int = 0, preset: str = "tiny"):
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, ring_llama_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
     return build_llama(preset, attn_implementation=IMPLEMENTATION, seed=seed)
 
 
@@ -104,10 +111,6 @@ def train_ring_llama(steps: int = 3, zigzag: bool = False, *, seq: int = 30, bat
     and the loss of a step is the sum of the shares (``fit`` records their mean). Equals ``reference_llama_losses``.
     """
     model = ring_llama(seed)
-
-    def sum_gradients(model: nn.Module) -> None:
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
 
     history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
                   lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
