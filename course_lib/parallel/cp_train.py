@@ -61,7 +61,7 @@ def ring_llama_attention(module, query, key, value, attention_mask, dropout: flo
 
 
 def no_mask(*args, **kwargs) -> None:
-    """transformers' mask function for a ring's Llama: none (a mask over a rank's rows means nothing; the ring masks)."""
+    """transformers' mask function for a ring's Llama: none (a mask over one rank's rows means nothing)."""
     return None
 
 
