@@ -7,6 +7,7 @@
 #   make preflight  check this machine's GPU paths before class (one table; exit 1 when a path the course needs fails)
 #   make floor    the course on its lowest supported torch (2.7) in .venv-floor: notebooks (smoke tier), version-sensitive tests
 #   make node-emulation  the node tier's layout (8 ranks, meshes, stages) on CPU ranks, for the notebooks that launch ranks
+#   make student-path  the student edition validated as a student's Validate does (every notebook, a correct student's answers)
 #   make student-edition  what a student receives: build/student-edition/ and build/student-edition.tar.gz (no solutions, tests or references)
 # PYTHON picks the interpreter; TORCH_SPEC the torch to install when none is present.
 # TORCH_EXTENSIONS_DIR is where DeepSpeed's JIT-built ops live (default .venv/torch_extensions): every
@@ -20,7 +21,7 @@ ASSIGNMENT ?= 03_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda student-edition
+.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda student-edition student-path
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -119,6 +120,13 @@ release-check: setup
 STUDENT_EDITION ?= build/student-edition
 student-edition:
 	$(PYTHON) course_lib/apps/edition.py student $(STUDENT_EDITION) --archive
+
+# The student's path (course_lib/apps/student_path.py): the student edition, a correct student's answers written into
+# each release notebook, nbgrader's Validator configured as the student's lab configures it (docker/student-lab/).
+# Every notebook must say "Success". STUDENT_PATH_ARGS: notebooks by number, or --blank (the untouched release must
+# fail at every exercise). CI runs it on the floor (.ci/floor).
+student-path: setup
+	$(PY) -m course_lib.apps.student_path $(STUDENT_PATH_ARGS)
 
 # Grade one assignment of the submissions in submitted/<student>/$(ASSIGNMENT)/, then export grades.csv.
 grade: setup

@@ -31,30 +31,6 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "runs"
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
-# A cell that runs longer than this is interrupted and the notebook goes on: a submission that
-# loops forever loses that exercise's points, not the whole notebook. Under nbgrader the
-# notebooks pick the 'smoke' tier (tiny sizes), so no honest cell comes near it.
-CELL_TIMEOUT = int(os.environ.get("COURSE_CELL_TIMEOUT", "60"))
-# A solution cell only defines the student's functions and classes (the test cells after it run
-# them), so it gets a shorter limit: a loop written at its top level costs 20 s, not the full limit.
-SOLUTION_CELL_TIMEOUT = min(20, CELL_TIMEOUT)
-
-
-def cell_timeout(cell) -> int:
-    """Seconds a cell may run under autograde: the solution cells' limit or the general one."""
-    return SOLUTION_CELL_TIMEOUT if cell.metadata.get("nbgrader", {}).get("solution") else CELL_TIMEOUT
-
-
-c.Execute.timeout = CELL_TIMEOUT
-c.Execute.timeout_func = cell_timeout
-c.Execute.interrupt_on_timeout = True
-# After a cell's reply, nbclient waits this long for the kernel's last output messages, and nbgrader's Execute
-# (raise_on_iopub_timeout) fails the student's whole notebook when they come later. nbclient's 4 s was passed on a
-# loaded 2-core machine (the test suite's second worker beside it): every student but one lost their grading at
-# notebook 00's bert-base cell. A healthy kernel sends them at once; this only bounds a kernel that stalls.
-c.Execute.iopub_timeout = 60
-c.Execute.allow_errors = True
-
 # The grading kernel inherits this process's environment (jupyter_client copies os.environ). DeepSpeed
 # JIT-builds its CPU comm op on first use, about a minute, past the cell limit above in notebook 09's
 # first graded launch: point the kernel at the op `make setup` built (.venv/torch_extensions, next to the
@@ -84,12 +60,24 @@ def course_lib_file(name: str) -> str:
     return os.path.join(beside if spec is None else spec.submodule_search_locations[0], "apps", f"{name}.py")
 
 
+def course_root() -> str:
+    """The instructor's course folder: the one that holds the course_lib nbgrader grades with."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(course_lib_file("sandbox"))))
+
+
 def load_module(name: str):
     """course_lib/apps/<name>.py loaded on its own: sandbox and edition use the standard library only."""
     spec = importlib.util.spec_from_file_location(f"_course_{name}", course_lib_file(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# The cell limits (a cell 60 s, a solution cell 20 s, COURSE_CELL_TIMEOUT), nbclient's wait for a kernel's last
+# outputs and an interrupted cell letting the notebook go on: the student's lab has the same (its Validate button
+# reads that file), so a notebook that validates for the student runs within the limits it is graded with.
+load_subconfig(os.path.join(course_root(), "docker", "student-lab", "nbgrader_config.py"))  # noqa: F821
+CELL_TIMEOUT = c.Execute.timeout
 
 
 class SandboxedKernelManager(AsyncKernelManager):

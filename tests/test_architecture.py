@@ -20,7 +20,7 @@ LAYERS = {
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train",
                   "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4", "qlora"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
-                    "preflight", "edition", "sandbox", "__init__"},
+                    "preflight", "edition", "student_path", "sandbox", "__init__"},
 }
 # The folders say the layers: the applications (what a user runs: the course's main job, the release, the grading
 # fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/, and of the library's

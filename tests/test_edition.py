@@ -211,7 +211,9 @@ def course_copy(dest: Path) -> Path:
     for part in ("course_lib", "solutions", "notebooks"):
         shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
     for part in edition.STUDENT_FILES + ("Makefile",):
-        if (ROOT / part).exists():
+        if (ROOT / part).is_dir():
+            shutil.copytree(ROOT / part, dest / part)
+        elif (ROOT / part).exists():
             (dest / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / part, dest / part)
     return dest

@@ -42,7 +42,7 @@ MARKER = re.compile(r"# graded: (\S+) (\S+)")
 LOOKS_LIKE_MARKER = re.compile(r"#\s*graded\s*:")
 STUB_MESSAGE = "course_lib.{module}.{name} is written in notebook {assignment}'s exercise {exercise}: use the one you wrote there"
 # What a student gets besides notebooks/ and course_lib/ (copied as they are).
-STUDENT_FILES = ("pyproject.toml", "environment.yml", "docker/start-lab.sh", ".gitignore")
+STUDENT_FILES = ("pyproject.toml", "environment.yml", "docker/start-lab.sh", "docker/student-lab", ".gitignore")
 # The instructor Makefile's targets a student uses; their rules are copied unchanged (student_makefile).
 STUDENT_TARGETS = ("$(VENV)/.installed", "$(SHM_OP)", "$(CPU_ADAM_OP)", "setup", "ops", "lab", "preflight")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
@@ -301,7 +301,9 @@ def _write_edition(out: Path, root: Path) -> None:
     shutil.copytree(root / "notebooks", out / "notebooks", ignore=IGNORED)
     write_course_lib(out / "course_lib", root)
     for rel in STUDENT_FILES:
-        if (root / rel).exists():
+        if (root / rel).is_dir():
+            shutil.copytree(root / rel, out / rel, ignore=IGNORED)
+        elif (root / rel).exists():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, out / rel)
     (out / "Makefile").write_text(student_makefile(root))
