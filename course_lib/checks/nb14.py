@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import course_lib.parallel.cp as cp
 import course_lib.parallel.cp_train as cp_train
 import course_lib.parallel.ep as ep
-from course_lib.checks import in_ranks, number, packed, plain, register, tensor_data
+from course_lib.checks import error_text, in_ranks, number, packed, plain, register, tensor_data
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid
 
@@ -45,7 +45,7 @@ def merged(ns: dict, a, b) -> dict:
             out, lse = ns["merge"](*a, *b)
         return {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32)}
     except Exception as err:  # the student's error is data: the judge says which case raised
-        return {"raised": f"{type(err).__name__}: {err}"[:300]}
+        return {"raised": error_text(err)[:300]}
 
 
 def probe_merge(ns: dict) -> dict:
@@ -102,7 +102,7 @@ def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
         got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
                "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(tally["tiles"])}
     except Exception as err:
-        got = {"raised": f"{type(err).__name__}: {err}"[:300]}
+        got = {"raised": error_text(err)[:300]}
     return packed(plain(got))
 
 
@@ -204,7 +204,7 @@ def ep_rank(n_experts: int, factor, ns: dict) -> bytes:
         got = {"out": tensor_data(out, torch.float32), "dx": tensor_data(x.grad), "grads": grads,
                "dropped": number(moe.dropped), "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}
     except Exception as err:
-        got = {"raised": f"{type(err).__name__}: {err}"[:300]}
+        got = {"raised": error_text(err)[:300]}
     return packed(plain(got))
 
 
@@ -212,16 +212,33 @@ def ep_runs(ns: dict, world: int, n_experts: int, factor) -> list:
     return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, n_experts=n_experts, factor=factor)
 
 
-def ep_reference(world: int, n_experts: int, factor) -> dict:
-    """One process, the same groups of tokens: output, input and parameter gradients, drops, and each rank's bytes."""
+# The capacity rule's answers on the visible test's groups of tokens, (queue of experts, cap) -> which choices are
+# kept: the student edition cannot compute them (ep.within_capacity is the exercise), so they are written out, as
+# a worked example is. tests/test_ep.py holds them to ep.within_capacity.
+VISIBLE_KEPT = {
+    ((1, 2, 3, 0, 2, 3, 0, 2, 2, 3), 3): "1111111101",
+    ((2, 2, 2, 0, 1, 1, 0, 0, 0, 1, 2, 0, 0, 1), 4): "11111111111001",
+}
+
+
+def visible_keep(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    """The capacity rule on the visible test's groups (VISIBLE_KEPT); nothing dropped where ``cap`` holds them all."""
+    if cap >= len(expert):
+        return torch.ones_like(expert, dtype=torch.bool)
+    return torch.tensor([c == "1" for c in VISIBLE_KEPT[(tuple(expert.tolist()), cap)]])
+
+
+def ep_reference(world: int, n_experts: int, factor, keep=None) -> dict:
+    """One process, the same groups of tokens: output, input and parameter gradients, drops, and each rank's bytes.
+    ``keep``: the capacity rule (default ``ep.within_capacity``, the grader's)."""
     moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
     x, w = ep_data(world)
     x.requires_grad_()
-    out = moe(x, groups=sizes_of(world))
+    out = moe(x, groups=sizes_of(world), keep=keep)
     ((out * w).sum() + AUX * moe.aux_loss).backward()
     local, kept, received = n_experts // world, [], [0] * world
     for start, size in zip([sum(sizes_of(world)[:r]) for r in range(world)], sizes_of(world)):
-        routing = moe.route(x.detach()[start:start + size])
+        routing = moe.route(x.detach()[start:start + size], keep)
         kept.append(len(routing.expert))
         for r in range(world):
             received[r] += int(((routing.expert // local) == r).sum())
@@ -230,12 +247,12 @@ def ep_reference(world: int, n_experts: int, factor) -> dict:
             "grads": {n: p.grad for n, p in moe.named_parameters()}}
 
 
-def judge_ep(runs: list, world: int, n_experts: int, factor) -> None:
+def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None) -> None:
     label = f"{world} ranks, {n_experts} experts, capacity factor {factor}"
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
     for r, run in enumerate(runs):
         assert "raised" not in run, f"{label}, rank {r}: your code raised {run.get('raised')}"
-    want = ep_reference(world, n_experts, factor)
+    want = ep_reference(world, n_experts, factor, keep)
     for name in ("out", "dx"):
         parts = [run[name] for run in runs]
         assert all(isinstance(p, torch.Tensor) for p in parts), f"{label}: {name} is not a tensor on every rank"
@@ -268,7 +285,7 @@ def probe_ep(ns: dict) -> dict:
 
 def judge_ep_visible(got: dict) -> str:
     for factor in (None, 1.0):
-        judge_ep(got[factor], 2, 4, factor)
+        judge_ep(got[factor], 2, 4, factor, keep=visible_keep)
     return "2 ranks, 4 experts, with and without dropping: the one-process layer's output, gradients, drops; bytes"
 
 
