@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from course_lib.device import backend_for, default_device, emulating_node, ranks_device
 from course_lib.distributed import average_over_gloo, free_port
+from course_lib.results import run_dir
 from course_lib.workers import STACKS_SIGNAL, exit_now, set_parent_death_signal
 
 
@@ -368,12 +369,37 @@ def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, tim
     if dist.is_initialized():  # the forked ranks would inherit it and could not start their own
         raise RuntimeError(f"run_forked needs a process without a process group, and this one has one (world size "
                            f"{dist.get_world_size()}): call torch.distributed.destroy_process_group() first")
-    for attempt in range(3):
-        try:
-            return _run_forked_once(fn, nprocs, kwargs or {}, timeout, backend_for("cpu"))
-        except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
-            last = err
-    raise WorkerError(f"the process group could not be set up three times: {last}")
+    log = rank_log()
+    before = log.stat().st_size if log.exists() else 0
+    try:
+        for attempt in range(3):
+            try:
+                return _run_forked_once(fn, nprocs, kwargs or {}, timeout, backend_for("cpu"))
+            except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
+                last = err
+        raise WorkerError(f"the process group could not be set up three times: {last}")
+    finally:
+        if log.exists() and log.stat().st_size > before:
+            print(f"(the ranks' warnings and messages are in {log})")
+
+
+def rank_log() -> Path:
+    """Where the standard error of ``run_forked``'s ranks goes: ``<run dir>/logs/ranks.log`` (appended)."""
+    return run_dir() / "logs" / "ranks.log"
+
+
+def _stderr_to_log(rank: int, world: int) -> None:
+    """This rank's standard error, Python's and the C library's (and so its children's: a compiler DeepSpeed probes
+    with), appended to ``rank_log()``. A rank's warnings are not the cell's errors: nbgrader's Validate fails a
+    graded cell that wrote anything to stderr, and DeepSpeed's ranks write dozens of lines there on a correct run.
+    A rank that raises still reaches the cell: its traceback comes back as ``WorkerError``."""
+    path = rank_log()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    print(f"== rank {rank} of {world}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}", file=sys.stderr)
 
 
 def on_ranks(fn: Callable, nprocs: int, device: torch.device | str, *, timeout: float = 300, **kwargs) -> list[dict]:
@@ -520,6 +546,7 @@ def _forked_rank(work, rank, world, port, backend, queue, parent, spawned):
     # a daemon child is only stopped by its parent's normal exit: a killed kernel would leave it running
     if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:  # the parent went before we asked
         os._exit(1)
+    _stderr_to_log(rank, world)
     if isinstance(work, bytes):  # the function and its kwargs came by value
         import cloudpickle
 

@@ -511,6 +511,28 @@ def test_ranks_stopped_mid_teardown_print_nothing(capfd):
     assert "Traceback" not in err, err[-2000:]
 
 
+def _noisy():
+    print("FutureWarning: all_gather_into_tensor is deprecated", file=sys.stderr)  # what Python's warnings write
+    os.write(2, b"ld: cannot find -laio\n")  # what a compiler DeepSpeed probes with writes, below Python
+    subprocess.run(["sh", "-c", "echo from a child >&2"], check=True)
+    return _all_reduce_one()
+
+
+def test_a_rank_s_stderr_goes_to_the_rank_log_not_the_cell(capfd, tmp_path, monkeypatch):
+    """nbgrader's Validate fails a graded cell that wrote anything to stderr, and DeepSpeed's ranks write dozens of
+    lines there on a correct run: a rank's warnings, its C library's and its children's messages go to
+    <run dir>/logs/ranks.log; the cell gets one line on stdout that says where, and a failing rank's traceback still."""
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    assert run_forked(_noisy, 2) == [2.0, 2.0]
+    out, err = capfd.readouterr()
+    assert err == "" and f"(the ranks' warnings and messages are in {tmp_path / 'logs' / 'ranks.log'})" in out
+    log = (tmp_path / "logs" / "ranks.log").read_text()
+    for text in ("FutureWarning: all_gather_into_tensor", "ld: cannot find -laio", "from a child", "== rank 1 of 2"):
+        assert log.count(text) == 2 - (text == "== rank 1 of 2"), (text, log)
+    with pytest.raises(WorkerError, match="rank 1 raises"):
+        run_forked(_one_rank_raises, 2)
+
+
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
