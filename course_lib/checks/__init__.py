@@ -78,12 +78,43 @@ def number(x: Any) -> Any:
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else repr(x)[:200]
 
 
+def unwritten(err: BaseException) -> str | None:
+    """The student's definition that raised ``err``, where ``err`` is the release's stub (``raise
+    NotImplementedError()``, no message: course_lib's stubs name their exercise), i.e. an exercise not written yet."""
+    if not isinstance(err, NotImplementedError) or str(err) or err.__traceback__ is None:
+        return None
+    tb = err.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    name, owner = tb.tb_frame.f_code.co_name, tb.tb_frame.f_locals.get("self")
+    if owner is not None:
+        name = type(owner).__name__ + ("" if name == "__init__" else f".{name}")
+    return name
+
+
+def not_written(name: str) -> str:
+    """What a test says of an exercise the student has not written yet."""
+    return (f"{name} is not written yet (it raises NotImplementedError): replace `raise NotImplementedError()` in its "
+            "exercise cell with your code, run that cell, then this test")
+
+
+def error_message(err: BaseException) -> str:
+    """The message of the student's error, or which definition is not written yet where it is the release's stub."""
+    name = unwritten(err)
+    return not_written(name) if name else str(err)
+
+
+def error_text(err: BaseException) -> str:
+    """The student's error as a judge shows it: its type, then ``error_message``."""
+    return f"{type(err).__name__}: {error_message(err)}"
+
+
 def outcome(fn: Callable, *args, **kwargs) -> dict:
     """What calling ``fn`` gave, as data: ``{"value": ...}`` or ``{"raised": "ValueError", "message": ...}``."""
     try:
         return {"value": fn(*args, **kwargs)}
     except Exception as err:  # the student's code's error is data the judge reads
-        return {"raised": type(err).__name__, "message": str(err)}
+        return {"raised": type(err).__name__, "message": error_message(err)}
 
 
 def tensor_data(x: Any, dtype: torch.dtype | None = None) -> Any:
@@ -137,4 +168,10 @@ def check(name: str, namespace: dict) -> None:
     if name not in REGISTRY:
         raise KeyError(f"no check named {name!r} in this edition of course_lib (hidden tests run when you are graded)")
     entry = REGISTRY[name]
-    print(entry.judge(plain(entry.probe(namespace))))
+    try:
+        data = entry.probe(namespace)
+    except NotImplementedError as err:  # an exercise this test calls is still the release's stub: say which
+        if unwritten(err) is None:
+            raise
+        raise AssertionError(f"{name}: {not_written(unwritten(err))}") from None
+    print(entry.judge(plain(data)))

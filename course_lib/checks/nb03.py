@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import course_lib.loss as loss_lib
 import course_lib.train as train
-from course_lib.checks import number, register
+from course_lib.checks import error_message, number, register
 from course_lib.data import random_tokens, synthetic_images
 from course_lib.distributed import AllReduceCounter
 from course_lib.grading import forbid, grads, max_rel_diff, twin
@@ -31,7 +31,8 @@ def refusal(fn, *args, **kwargs) -> dict:
     try:
         fn(*args, **kwargs)
     except Exception as err:  # the student's error is data the judge reads
-        return {"raised": type(err).__name__, "value_error": isinstance(err, ValueError), "message": str(err)[:500]}
+        return {"raised": type(err).__name__, "value_error": isinstance(err, ValueError),
+                "message": error_message(err)[:500]}
     return {"raised": None, "value_error": False, "message": ""}
 
 

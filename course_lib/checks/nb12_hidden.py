@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from course_lib.checks import register
+from course_lib.checks import error_text, register
 from course_lib import nf4
 from course_lib.checks.nb11 import is_tensor, tensor
 from course_lib.checks.nb12 import (NF4_ANSWERS, STORAGE_STAND_INS, given_tables, judge_qlora_layer, my_nf4,
@@ -42,7 +42,7 @@ def on_meta(calls: Callable[[], tuple]) -> list[str] | str:
     try:
         return [t.device.type for t in calls() if torch.is_tensor(t)]
     except Exception as err:  # noqa: BLE001 (the student's code may raise anything)
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        return error_text(err).splitlines()[0][:300]
 
 
 def judge_on_meta(devices: list[str] | str, what: str, table: str) -> None:
