@@ -13,9 +13,11 @@ import shutil
 import sys
 
 from jupyter_client.manager import AsyncKernelManager
+from nbgrader import utils
+from nbgrader.api import MissingEntry
 from nbgrader.converters.autograde import Autograde
-from nbgrader.preprocessors import Execute, NbGraderPreprocessor
-from nbformat.v4 import new_output
+from nbgrader.preprocessors import ClearHiddenTests, Execute, NbGraderPreprocessor, OverwriteCells
+from nbformat.v4 import new_code_cell, new_output
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 
@@ -140,6 +142,33 @@ class GradeByChecks(NbGraderPreprocessor):
         return nb, resources
 
 
+# ---------------------------------------------------------------- a restored test cell is reported only when it was edited
+# nbgrader restores every locked cell from the source and warns "Attribute 'checksum' for cell ... has changed!" where
+# the submitted one differs. A hidden test cell always differs: the release removed its hidden region. So every
+# student's every hidden test cell was reported, and an instructor could not tell a student's edit from the release.
+class CourseOverwriteCells(OverwriteCells):
+    """nbgrader's OverwriteCells; a hidden test cell that arrives exactly as the release made it is restored without a
+    warning, so the warnings that remain name test cells a student edited."""
+
+    def preprocess_cell(self, cell, resources, cell_index):
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id is not None and utils.is_locked(cell):
+            try:
+                source = self.gradebook.find_source_cell(grade_id, self.notebook_id, self.assignment_id).source
+            except MissingEntry:
+                source = None
+            if source is not None and cell.source != source and cell.source == released(source):
+                cell.source = source
+        return super().preprocess_cell(cell, resources, cell_index)
+
+
+def released(source: str) -> str:
+    """A test cell's source as the release gives it to students: its hidden-test region removed (nbgrader's own rule)."""
+    cell = new_code_cell(source)
+    ClearHiddenTests()._remove_hidden_test_region(cell)
+    return cell.source
+
+
 def autograde_preprocessors() -> list:
     """nbgrader's autograde steps, with the sandboxed kernel and the grader's checks right after it."""
     out = []
@@ -149,3 +178,5 @@ def autograde_preprocessors() -> list:
 
 
 c.Autograde.autograde_preprocessors = autograde_preprocessors()
+c.Autograde.sanitize_preprocessors = [CourseOverwriteCells if p is OverwriteCells else p
+                                      for p in Autograde.sanitize_preprocessors.default()]

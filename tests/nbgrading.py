@@ -86,8 +86,11 @@ def submission(release: dict, solution: dict, replace: dict[str, str] | None = N
     return nb
 
 
-def autograde(course: Path, assignment: str, cell_timeout: int = 20) -> None:
-    nbgrader(course, "autograde", assignment, "--force", env={"COURSE_CELL_TIMEOUT": str(cell_timeout)}, timeout=1800)
+def autograde(course: Path, assignment: str, cell_timeout: int = 20) -> str:
+    """Autograde every submission of ``assignment``; what nbgrader logged (its warnings name restored test cells)."""
+    proc = nbgrader(course, "autograde", assignment, "--force", env={"COURSE_CELL_TIMEOUT": str(cell_timeout)},
+                    timeout=1800)
+    return proc.stdout + proc.stderr
 
 
 def scores(course: Path, assignment: str) -> dict[str, dict[str, float]]:

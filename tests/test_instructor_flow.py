@@ -43,13 +43,18 @@ CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, re
 BYSTANDER = "zoe"  # graded before this run, with half marks on every cell (nbgrading.add_bystander)
 
 
+def bens_edited_test() -> str:
+    """The test cell ben edits to pass: the one his wrong answer (lm_head counted when tied) fails."""
+    return next(k for k, v in g.cases(ASSIGNMENT).CASES["lm_head_counted_when_tied"]["scores"].items() if v == 0)
+
+
 def students(release: dict, solution: dict) -> dict[str, tuple[dict, dict[str, int]]]:
     """student id → (their notebook, the points each test cell must give it)."""
     known = g.cases(ASSIGNMENT).CASES
     points = g.grade_cells(solution)
     assert points == g.cases(ASSIGNMENT).FULL and sum(points.values()) == 10
     tied = known["lm_head_counted_when_tied"]  # passes the visible test, fails the hidden one
-    failed = next(k for k, v in tied["scores"].items() if v == 0)  # the test cell ben edits to pass
+    failed = bens_edited_test()
     assert "training_memory" not in tied["cells"], "ben's loop is in another exercise than his wrong answer"
     cohort = {
         "ada": (g.submission(release, solution), points),
@@ -131,8 +136,12 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     grades_before = g.gradebook_rows(course)
     lap("collect")
 
-    g.autograde(course, ASSIGNMENT, CELL_TIMEOUT)
+    log = g.autograde(course, ASSIGNMENT, CELL_TIMEOUT)
     lap("autograde")
+    # a restored test cell is reported only where a student edited it: ben's, never a hidden test cell as released
+    changed = re.findall(r"Attribute '(\w+)' for cell (\w+) has changed", log)
+    assert {cell for _, cell in changed} == {bens_edited_test()}, changed
+    assert "not recognized" not in log, [ln for ln in log.splitlines() if "not recognized" in ln]
     got = g.scores(course, ASSIGNMENT)
     for s, (_, expected) in cohort.items():
         wrong = [k for k in expected if got[s].get(k) != pytest.approx(expected[k])]
