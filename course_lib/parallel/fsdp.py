@@ -65,8 +65,9 @@ class GatherParameter(torch.autograd.Function):
         flat = nn.functional.pad(grad.reshape(-1), (0, ctx.n * ctx.world - grad.numel()))
         mine = grad.new_empty(ctx.n)
         # the sum over ranks of this rank's slice, in the one-tensor form: torch 2.7's gloo (CPU ranks) lacks the
-        # list form, dist.reduce_scatter(mine, list(flat.split(ctx.n))), that later torch has
-        dist.reduce_scatter_tensor(mine, flat)
+        # list form, dist.reduce_scatter(mine, list(flat.split(ctx.n))), that later torch has. torch 2.13 names it
+        # reduce_scatter_single and deprecates reduce_scatter_tensor (a warning on every call)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, flat)
         return mine / ctx.world, None
 
 
