@@ -106,8 +106,12 @@ test: setup $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
 	$(PY) -m pytest -m alone; second=$$?; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
+# The student's JupyterLab, as docker/start-lab.sh serves it: docker/student-lab/ on JUPYTER_CONFIG_PATH (the course's
+# cell limits, which Validate runs with; no Formgrader, Create Assignment, Course List or news pop-up), after the
+# folders already named there, which take precedence.
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	JUPYTER_CONFIG_PATH="$${JUPYTER_CONFIG_PATH:+$$JUPYTER_CONFIG_PATH:}$(CURDIR)/docker/student-lab" \
+	  $(VENV)/bin/jupyter lab notebooks/
 
 release: setup
 	$(PY) -m course_lib.apps.release

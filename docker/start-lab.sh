@@ -7,8 +7,12 @@
 #   WORK_DIR      the folder students work in: mount it    (default $HOME/work)
 #   COURSE_ROLE   student: serve WORK_DIR/notebooks; instructor: also WORK_DIR/course, the nbgrader
 #                 course (config + solutions/) that the Formgrader works on      (default student)
-#                 instructor needs the instructor edition in COURSE_DIR (the grader image, or a checkout of
-#                 the course): the student image holds the student edition, with no solutions/ to grade from
+#                 student: JupyterLab and nbgrader read COURSE_DIR/docker/student-lab (the course's cell limits,
+#                 which Validate runs with; no Formgrader, Create Assignment, Course List or news pop-up),
+#                 after the folders JUPYTER_CONFIG_PATH already names (the class hub's), which take precedence.
+#                 instructor: every nbgrader tool. It needs the instructor edition in COURSE_DIR (the grader image,
+#                 or a checkout of the course): the student image holds the student edition, with no solutions/
+#                 to grade from
 #   PORT, LAB_IP  where JupyterLab listens                  (default 8888, 0.0.0.0)
 #   JUPYTER_TOKEN the token; when unset a random one is made and printed
 #   NBGRADER_EXCHANGE  nbgrader's exchange folder, written to ~/.jupyter/nbgrader_config.py on the
@@ -43,6 +47,12 @@ if [ "$COURSE_ROLE" = instructor ] && { [ ! -d "$COURSE_DIR/solutions" ] || [ ! 
 fi
 [ -x "$JUPYTER" ] || die "no JupyterLab at $JUPYTER: install the course with 'make setup' in $COURSE_DIR"
 [ -d "$COURSE_DIR/notebooks" ] || die "no notebooks/ in COURSE_DIR=$COURSE_DIR"
+# A student's lab reads the course's student configuration, after the folders already named (they take precedence).
+student_lab="$COURSE_DIR/docker/student-lab"
+if [ "$COURSE_ROLE" = student ]; then
+  [ -d "$student_lab" ] || die "no docker/student-lab in COURSE_DIR=$COURSE_DIR: a student's lab needs it"
+  export JUPYTER_CONFIG_PATH="${JUPYTER_CONFIG_PATH:+$JUPYTER_CONFIG_PATH:}$student_lab"
+fi
 
 if [ -z "${JUPYTER_TOKEN:-}" ]; then
   JUPYTER_TOKEN="$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')"

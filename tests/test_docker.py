@@ -366,7 +366,8 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
     shutil.copytree(student_edition, course)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "TORCH_EXTENSIONS_DIR"))}
     for target, expect in (("setup", ['-m pip install -q -c .venv/constraints.txt -e ".[test]"', "build_deepspeed_ops()"]),
-                           ("ops", ["build_deepspeed_ops()"])):
+                           ("ops", ["build_deepspeed_ops()"]),  # and the student's lab reads the student configuration:
+                           ("lab", [f'$JUPYTER_CONFIG_PATH:}}{course}/docker/student-lab"', "jupyter lab notebooks/"])):
         proc = subprocess.run(["make", "-n", target], cwd=course, capture_output=True, text=True, timeout=60, env=env)
         assert proc.returncode == 0, proc.stderr
         for line in expect:
@@ -556,9 +557,12 @@ def test_start_lab_serves_jupyterlab_with_token_auth_and_nbgrader(tmp_path):
         names = {c["name"] for c in json.loads(body)["content"]}
         assert "00_orientation.ipynb" in names
         assert http_get(f"{base}/lab?token={token}")[0] == 200
-        # nbgrader's server extensions answer on the same port (student: assignments; instructor: formgrader)
-        assert http_get(f"{base}/formgrader", token=token)[0] in (200, 302)
-        assert http_get(f"{base}/formgrader")[0] in (302, 403)
+        # nbgrader's student extensions answer on the same port (the Assignment List's, Validate's); the student's
+        # configuration (docker/student-lab) turns the Formgrader and the Course List off
+        assert http_get(f"{base}/nbgrader_version?version=0", token=token)[0] == 200
+        assert http_get(f"{base}/assignments/validate", token=token)[0] == 405  # it takes a POST
+        assert http_get(f"{base}/formgrader", token=token)[0] == 404
+        assert http_get(f"{base}/formgraders", token=token)[0] == 404
         # the token is passed in the environment, never on a command line that `ps` shows
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert "jupyter" in cmdline and token not in cmdline
@@ -595,6 +599,7 @@ def test_start_lab_instructor_role_serves_the_nbgrader_course(tmp_path):
         assert {"nbgrader_config.py", "solutions"} <= {c["name"] for c in json.loads(body)["content"]}
         status, body = http_get(f"http://127.0.0.1:{port}/formgrader/manage_assignments", token=token)
         assert status == 200 and "formgrader" in body.lower()
+        assert "student-lab" not in Path(f"/proc/{proc.pid}/environ").read_text(), "the instructor keeps every tool"
     finally:
         stop_lab(proc)
 
@@ -616,6 +621,17 @@ def test_start_lab_refuses_bad_settings(tmp_path, extra, message):
         env["PATH"] = f"{fake}:{env['PATH']}"
     proc = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_start_lab_refuses_a_student_lab_without_the_student_configuration(tmp_path):
+    course = tmp_path / "course"  # a course with everything but docker/student-lab
+    course.mkdir()
+    (course / ".venv").symlink_to(ROOT / ".venv")
+    (course / "notebooks").symlink_to(ROOT / "notebooks")
+    proc = subprocess.run(["bash", str(START)], env=lab_env(tmp_path, free_port(), COURSE_DIR=str(course)),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"no docker/student-lab in COURSE_DIR={course}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "work").exists(), "nothing is set up for a lab that would show the instructor's tools"
 
 
 def _student_image_course(student_edition: Path, tmp: Path) -> Path:
@@ -643,11 +659,18 @@ def test_start_lab_serves_the_student_edition(student_edition, tmp_path):
     course = _student_image_course(student_edition, tmp_path)
     port, token = free_port(), "student-image-token-0123456789"
     (tmp_path / "home").mkdir()
-    proc = start_lab(lab_env(tmp_path, port, COURSE_DIR=str(course), JUPYTER_TOKEN=token), port, tmp_path / "lab.log")
+    (tmp_path / "hub-student").mkdir()
+    env = lab_env(tmp_path, port, COURSE_DIR=str(course), JUPYTER_TOKEN=token,
+                  JUPYTER_CONFIG_PATH=str(tmp_path / "hub-student"))
+    proc = start_lab(env, port, tmp_path / "lab.log")
     try:
         status, body = http_get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=token)
         assert status == 200
         assert {c["name"] for c in json.loads(body)["content"]} == {p.name for p in (course / "notebooks").glob("*.ipynb")}
+        # the edition's student configuration, after a folder given before (the class hub's takes precedence)
+        environ = Path(f"/proc/{proc.pid}/environ").read_text().split("\0")
+        assert f"JUPYTER_CONFIG_PATH={tmp_path / 'hub-student'}:{course / 'docker' / 'student-lab'}" in environ
+        assert http_get(f"http://127.0.0.1:{port}/formgrader", token=token)[0] == 404
     finally:
         stop_lab(proc)
 
