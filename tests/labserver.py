@@ -2,7 +2,9 @@
 
 ``start_lab(env, port, log)`` runs the script and waits until the server answers; ``stop_lab(proc)``
 ends it and its kernels; ``lab_env(tmp, port, **extra)`` is a clean environment with a work folder
-and home under ``tmp``; ``http_get(url, token)`` is one HTTP request that does not follow redirects.
+and home under ``tmp``, on this checkout (the instructor's edition); ``student_edition(dest)`` builds the
+student edition at ``dest`` and gives the settings that serve it instead, as the student image does;
+``http_get(url, token)`` is one HTTP request that does not follow redirects.
 """
 
 from __future__ import annotations
@@ -67,3 +69,15 @@ def lab_env(tmp: Path, port: int, **extra) -> dict:
                LAB_IP="127.0.0.1", COURSE_ALLOW_ROOT="1", JUPYTER_CONFIG_DIR=str(tmp / "home" / ".jupyter"))
     env.update(extra)
     return env
+
+
+def student_edition(dest: Path) -> dict:
+    """The student edition (course_lib/apps/edition.py) built at ``dest`` and served as the student image serves
+    its own: ``lab_env`` settings with ``COURSE_DIR=dest`` (its notebooks, its docker/student-lab) and its stubbed
+    ``course_lib`` first on the kernels' path. This checkout's .venv is linked in and installs the checkout's
+    ``course_lib`` (editable), so ``dest`` goes on PYTHONPATH, ahead of it, as the image's install of its edition."""
+    from course_lib.apps.edition import build_student_edition
+
+    build_student_edition(dest)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+    return {"COURSE_DIR": str(dest), "PYTHONPATH": str(dest)}
