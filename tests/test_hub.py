@@ -47,7 +47,7 @@ import requests
 import nbgrading as g
 from nbgrader.utils import parse_utc
 from course_lib.distributed import free_port
-from test_browser import CHROMIUM, CHROMIUM_ARGS
+from test_browser import CHROMIUM, CHROMIUM_ARGS, NEWS
 from test_docker import _fake_kfd_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,7 +224,8 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 assert page.url.startswith(f"{hub.url}/user/{student}/lab"), page.url
                 page.get_by_role("menuitem", name="Nbgrader").click()
                 labels = page.locator(".lm-Menu-content .lm-Menu-itemLabel").all_inner_texts()
-                assert "Assignment List" in labels and "Formgrader" not in labels, labels  # students get no Formgrader
+                # students get no Formgrader or Course List (docker/student-lab/, which start-lab.sh adds)
+                assert "Assignment List" in labels and not {"Formgrader", "Course List"} & set(labels), labels
                 page.get_by_role("menuitem", name="Assignment List", exact=True).click()
                 released = page.locator("#released_assignments_list")
                 released.get_by_role("button", name="Fetch").click()
@@ -245,6 +246,7 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 page.get_by_role("menuitem", name="Assignment List", exact=True).click()
                 page.locator("#fetched_assignments_list").get_by_role("button", name="Submit").click()
                 expect(page.locator("#submitted_assignments_list")).to_contain_text(ASSIGNMENT)
+                assert page.get_by_text(NEWS).count() == 0, "a student's lab asks about Jupyter news"
                 shot(student, "submitted")
             inbound = sorted(p.name.split("+")[0] for p in hub.inbound.iterdir())
             assert inbound == sorted(ANSWERS), f"submissions are filed under the hub names: {inbound}"
@@ -274,11 +276,15 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 f'for who in ben ada; do d="$NBGRADER_EXCHANGE/{COURSE}/inbound/$who+{ASSIGNMENT}+{FORGED}+forged"; '
                 f'mkdir -p "$d" && cp {ASSIGNMENT}/{ASSIGNMENT}.ipynb "$d/" && echo "{FORGED}" > "$d/timestamp.txt"; '
                 "done; python -c \"import importlib.util as u; print('course_lib:', u.find_spec('course_lib').origin)\" "
-                ">> ~/attack.log; echo attack-done >> ~/attack.log\n")
+                '>> ~/attack.log; echo "config path: $JUPYTER_CONFIG_PATH" >> ~/attack.log; '
+                "echo attack-done >> ~/attack.log\n")
             _wait_for(lambda: "attack-done" in attack.read_text(), f"ada's terminal commands ({attack})")
             shot("ada", "attack")
             edition_lib = hub.dir / "student-edition" / "course_lib" / "__init__.py"
             assert f"course_lib: {edition_lib}\n" in attack.read_text(), "a lab imports the student edition's course_lib"
+            # the hub's student folder first, then the edition's student configuration (start-lab.sh adds it)
+            folders = (ROOT / "docker" / "hub" / "student", hub.dir / "student-edition" / "docker" / "student-lab")
+            assert f"config path: {folders[0]}:{folders[1]}\n" in attack.read_text(), attack.read_text()
             forged = sorted(p.name for p in hub.inbound.iterdir() if FORGED in p.name)
             assert len(forged) == 2, f"local mode: one user, ada could write inbound/ (docker: not mounted): {forged}"
             lap("ada's attacks")
@@ -292,6 +298,7 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 assert r.status == 403 and "abs(a)" not in r.text(), f"ada got {r.status} from {url}"
             own = ada.get(f"{hub.url}/user/ada/api/contents/{ASSIGNMENT}/{ASSIGNMENT}.ipynb")
             assert own.status == 200 and ANSWERS["ada"][0] in own.text(), "ada reads her own notebook"
+            assert ada.get(f"{hub.url}/user/ada/formgrader").status == 404, "her own lab serves no Formgrader"
             pages["ada"].goto(f"{hub.url}/user/ben/lab")
             expect(pages["ada"].locator("body")).to_contain_text("403")
             shot("ada", "refused_bens_server")
@@ -535,7 +542,8 @@ def test_docker_config_gives_each_user_an_image_a_volume_and_a_gpu_share(tmp_pat
                                   for part in ("outbound", "feedback")}
         assert sp.remove and sp.cmd == ["--ServerApp.default_url=/lab"]  # args to the image's start-lab.sh
         env, host = environment(sp), sp.extra_host_config(sp)
-        assert env["COURSE_ROLE"] == "student" and env["JUPYTER_CONFIG_PATH"].endswith("docker/hub/student")
+        # the hub's student folder (mounted); the image's start-lab.sh adds its edition's docker/student-lab
+        assert env["COURSE_ROLE"] == "student" and env["JUPYTER_CONFIG_PATH"] == str(CONFIG.parent / "student")
         assert env["COURSE_EXCHANGE_URL"] == f"http://172.17.0.1:9998/services/{EXCHANGE_SERVICE}/"  # the bridge
         inside = ",".join(str(i) for i in range(len(gpus)))  # numbered from 0 in the container, as run.sh
         # each container its own IPC namespace and /dev/shm; nothing that reaches into other processes
@@ -591,7 +599,8 @@ def test_slurm_config_runs_each_lab_as_a_gpu_job(tmp_path, monkeypatch):
     assert bash.returncode == 0, bash.stderr
     env = environment(sp)
     assert env["NBGRADER_EXCHANGE"] == str(tmp_path / "exchange")
-    assert env["JUPYTER_CONFIG_PATH"] == str(tmp_path / "student-config")  # start.sh's copy of docker/hub/student
+    # start.sh's copy of docker/hub/student, then the edition's student configuration (no start-lab.sh adds it here)
+    assert env["JUPYTER_CONFIG_PATH"] == f"{tmp_path}/student-config:{tmp_path}/student-edition/docker/student-lab"
     assert str(ROOT) not in json.dumps(env)
 
 

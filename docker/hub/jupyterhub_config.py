@@ -210,13 +210,17 @@ def gpu_host_config(spawner) -> dict:
 
 
 # --- where each user's lab runs ---------------------------------------------------------------------------------
-STUDENT_CONFIG = HERE / "student"  # hub extension, student id = hub name, no Formgrader, the exchange plugins
+STUDENT_CONFIG = HERE / "student"  # the hub's part: hub extension, student id = hub name, the exchange plugins
 if MODE == "slurm":  # COURSE_DIR is closed to students on a cluster: start.sh copies the folder out
     STUDENT_CONFIG = Path(os.environ.get("COURSE_HUB_STUDENT_CONFIG", STATE / "student-config"))
+# A student's lab reads the hub's folder first, then the course's student configuration, docker/student-lab/ of the
+# edition it runs on (cell limits; no Formgrader, Create Assignment, Course List or news pop-up). start-lab.sh adds
+# that one itself (docker: the image's edition; local); a SLURM lab runs without start-lab.sh, so it is named here.
+LAB_CONFIG_PATH = [STUDENT_CONFIG] + ([EDITION / "docker" / "student-lab"] if MODE == "slurm" else [])
 student_env = {  # read by start-lab.sh, and by nbgrader through JUPYTER_CONFIG_PATH
     "COURSE_ROLE": "student",
     "NBGRADER_EXCHANGE": EXCHANGE,
-    "JUPYTER_CONFIG_PATH": str(STUDENT_CONFIG),
+    "JUPYTER_CONFIG_PATH": os.pathsep.join(map(str, LAB_CONFIG_PATH)),
     "COURSE_EXCHANGE_URL": f"http://{LAB_REACHES}:{EXCHANGE_PORT}/services/{EXCHANGE_SERVICE}/",
 }
 

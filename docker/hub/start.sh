@@ -51,10 +51,15 @@ chmod 0700 "$exchange/$course_id/inbound" "$grader_dir"  # submissions, the ledg
 chmod 0700 "$state"  # the hub's database, cookie secret and password hashes
 
 if [ "$mode" = slurm ]; then
-  # The labs read the student edition, its jupyter config and their Python from here, never from the checkout:
-  # the state folder opens for traversal only (0711), the hub's own files stay 0600 (umask below).
+  # The labs read the student edition (with its docker/student-lab/), the hub's student config and their Python
+  # from here, never from the checkout: the state folder opens for traversal only (0711), the hub's own files stay
+  # 0600 (umask below). The config copy is docker/hub/student/ exactly: it takes precedence over the edition's
+  # student-lab/, so no file that is gone from the checkout may linger in it.
   "$course/.venv/bin/python" "$course/course_lib/apps/edition.py" student "$edition"
-  mkdir -p "$student_config" && cp -R "$here/student/." "$student_config/"
+  if [ -e "$student_config" ] && [ ! -f "$student_config/course_exchange.py" ]; then
+    die "$student_config exists and is not a copy of $here/student: move it away, or set COURSE_HUB_STUDENT_CONFIG"
+  fi
+  rm -rf "$student_config" && mkdir -p "$(dirname "$student_config")" && cp -R "$here/student" "$student_config"
   chmod -R a+rX "$edition" "$student_config"
   [ -x "$lab_venv/bin/jupyterhub-singleuser" ] \
     || die "no labs' Python at $lab_venv: make -C $edition setup VENV=$lab_venv (README: On a SLURM cluster)"
