@@ -2,7 +2,8 @@
 
 One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
-and one that does not), the tiles each rank computes against ``causal_work``, the bytes it sends against
+and one that does not), and again with the ring given as ``forward`` (notebook 14's way, whose backward is
+``gathered_backward``), the tiles each rank computes against ``causal_work``, the bytes it sends against
 the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the activation bytes against the prediction,
 and two known mistakes (a merge that does not rescale, a causal mask on the wrong side) that the
 comparison must catch. The course's Llama trains with the ring loss for loss with one process.
@@ -55,6 +56,11 @@ def _wrong_mask(q_pos, k_pos, causal, seq_len):
     return mask & (k_pos[None, :] >= q_pos[:, None]) if causal else mask
 
 
+def _given_ring(q, k, v, causal, seq_len, zigzag):
+    """course_lib's ring forward in notebook 14's contract: ring_attention then backs it with gathered_backward."""
+    return cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, zigzag=zigzag)[:2]
+
+
 def _ring(rank, world, seq, causal, zigzag, **kw):
     """This rank's (out, dq, dk, dv, send bytes forward, backward) of the ring on its part of the sequence."""
     q, k, v, w = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
@@ -75,6 +81,7 @@ def _every_check():
         for causal in (True, False):
             for zigzag in (False, True):
                 results[seq, causal, zigzag] = _ring(rank, world, seq, causal, zigzag)
+                results["given", seq, causal, zigzag] = _ring(rank, world, seq, causal, zigzag, forward=_given_ring)
     seq = LENGTHS[world][0]
     results["wrong merge"] = _ring(rank, world, seq, True, False, merge=_wrong_merge)[0]
     for zigzag in (False, True):  # the tiles the ring computed, counted by the ring itself
@@ -101,6 +108,11 @@ def test_ring_attention_equals_full_attention(world):
                     if name in ("dk", "dv"):  # the padded keys are masked: no gradient reaches them
                         padded = cp.merge_sequence([torch.from_numpy(p[i]) for p in parts], zigzag=zigzag)
                         assert (padded[..., seq:, :] == 0).all(), f"{name}: seq={seq} zigzag={zigzag}"
+                given = [r["given", seq, causal, zigzag] for r in ranks]  # gathered_backward's gradients
+                for name, i, want in zip(("dq", "dk", "dv"), range(1, 4), ref[1:]):
+                    got = cp.merge_sequence([torch.from_numpy(p[i]) for p in given], seq, zigzag=zigzag)
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
+                                               msg=f"given ring, {name}: seq={seq} causal={causal} zigzag={zigzag}")
                 fwd = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 bwd = cp_train.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 assert all(p[4] == fwd and p[5] == bwd for p in parts), ([p[4:] for p in parts], fwd, bwd)

@@ -47,7 +47,6 @@ COMMON = {
     "for p in model.parameters():",
     "optimizer.zero_grad(set_to_none=True)",
     "rank, world = dist.get_rank(), dist.get_world_size()",
-    "for step in range(world):",  # every ring's loop, ring_backward's too (the backward is no exercise)
     "return contextlib.nullcontext()",
     "for layer in model.model.layers:",
     "d, ffn = config.hidden_size, config.intermediate_size",

@@ -1,7 +1,7 @@
 """Notebook 14's visible tests: the online-softmax merge (one process); the student's ring on 2 forked ranks, plain
-and zig-zag, against attention over the whole sequence (output, log-sum-exp, the bytes it sends, a causal ring's
-tiles); and the student's expert-parallel dispatch and combine on 2 forked ranks against the one-process mixture of
-experts (output, gradients, drops, bytes)."""
+and zig-zag, and on 3 (a block travels two hops), against attention over the whole sequence (output, log-sum-exp, the
+bytes it sends, a causal ring's tiles); and the student's expert-parallel dispatch and combine on 2 forked ranks
+against the one-process mixture of experts (output, gradients, drops, bytes)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def judge_merged(got: dict, want, label: str) -> None:
     assert "raised" not in got, f"{label}: your merge raised {got.get('raised')}"
     for name, ref in zip(("out", "lse"), want):
         t = got[name]
-        assert isinstance(t, torch.Tensor) and t.shape == ref.shape, \
-            f"{label}: {name} is {t if not isinstance(t, torch.Tensor) else tuple(t.shape)}, expected shape {tuple(ref.shape)}"
+        assert isinstance(t, torch.Tensor) and t.shape == ref.shape, (
+            f"{label}: {name} is {t if not isinstance(t, torch.Tensor) else tuple(t.shape)}, expected shape "
+            f"{tuple(ref.shape)}")
         assert not torch.isnan(t).any(), f"{label}: {name} has NaN (a row that sees no key must stay 0 / -inf)"
         ok = torch.allclose(t, ref, atol=1e-5, rtol=1e-5, equal_nan=False) if name == "out" else \
             bool(((t == ref) | torch.isclose(t, ref, atol=1e-5)).all())
@@ -130,11 +131,14 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
     got = cp.merge_sequence([run["out"] for run in runs], seq, zigzag=zigzag)
     assert got.shape == out.shape, f"{label}: the ranks' outputs make {tuple(got.shape)}, expected {tuple(out.shape)}"
     gap = float((got - out).abs().max())
-    hint = ("a causal ring: a block from an earlier rank is whole, the rank's own block is the triangle, a later "
-            "rank's block is skipped; the padded keys (position >= seq_len) are never seen" if causal and not zigzag
-            else "with zig-zag your rows are chunks rank and 2N-1-rank (cp.local_positions), and so are the keys you "
-            "receive; the padded keys (position >= seq_len) are never seen" if zigzag else
-            "the padded keys (position >= seq_len) are never seen")
+    hints = (["a causal ring: a block from an earlier rank is whole, the rank's own block is the triangle, a later "
+              "rank's block is skipped"] if causal and not zigzag else [])
+    hints += (["with zig-zag your rows are chunks rank and 2N-1-rank (cp.local_positions), and so are the keys you "
+               "receive"] if zigzag else [])
+    hints += ["the padded keys (position >= seq_len) are never seen"] if seq % (2 * world if zigzag else world) else []
+    hints += (["from 3 ranks on a block travels several hops: at each step pass on the block you hold (the one you "
+               "received), so that at step s you hold rank (rank - s) mod N's"] if world > 2 else [])
+    hint = "; ".join(hints) or "start from output 0 and lse -inf and merge every block's result into yours"
     assert gap < 1e-4, f"{label}: the output differs from attention over the whole sequence by {gap:.1e} ({hint})"
     got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq, zigzag=zigzag).squeeze(-1)
     assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
@@ -153,7 +157,9 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
                 "no query sees, and compute each other one once")
 
 
-VISIBLE_RINGS = ((2, 8, True, False), (2, 8, False, False), (2, 8, True, True))
+# (ranks, tokens, causal, zig-zag). 2 ranks make one pass; only a ring of 3 or more passes on a block it received,
+# so a ring that sends its own block at every step is right on 2 and wrong from 3.
+VISIBLE_RINGS = ((2, 8, True, False), (2, 8, False, False), (2, 8, True, True), (3, 6, False, False))
 
 
 def probe_ring(ns: dict) -> list:
@@ -163,8 +169,8 @@ def probe_ring(ns: dict) -> list:
 def judge_ring_visible(got: list) -> str:
     for runs, case in zip(got, VISIBLE_RINGS):
         judge_ring(runs, *case)
-    return ("2 ranks, causal and not, plain and zig-zag: full attention's output and lse, K/V sent N-1 times, and the "
-            "causal ring's tiles")
+    return ("2 ranks, causal and not, plain and zig-zag, and 3 ranks: full attention's output and lse, K/V sent N-1 "
+            "times, and the causal ring's tiles")
 
 
 register("test_ring_attention", probe_ring, judge_ring_visible)
@@ -260,7 +266,8 @@ def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None) -> None:
         assert got.shape == want[name].shape and torch.allclose(got, want[name], atol=1e-5, rtol=1e-4), (
             f"{label}: {'the output' if name == 'out' else 'the input gradient'} differs from the one-process layer's"
             f"{'' if got.shape != want[name].shape else f' by {float((got - want[name]).abs().max()):.1e}'}: are the "
-            "returned rows summed into the tokens they came from (the order you sent them in), with their gate weights?")
+            "returned rows summed into the tokens they came from (the order you sent them in), with their gate "
+            "weights?")
     dropped = sum(run["dropped"] for run in runs if isinstance(run["dropped"], int))
     assert dropped == want["dropped"], (f"{label}: {dropped} choices dropped, the one-process layer drops "
                                         f"{want['dropped']}: each expert keeps the first `cap` choices of its queue")

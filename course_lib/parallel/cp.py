@@ -13,6 +13,8 @@ ring gives the same numbers as attention over the whole sequence in one process.
 - ``online_softmax_merge``: two partial results over disjoint key blocks -> the result over their union.
 - ``ring_attention``: the ring itself (``ring_pass`` one step of it, ``ring_forward`` / ``ring_backward`` its two
   halves), an autograd Function whose backward runs the ring again; ``tile_mask`` says what each tile sees.
+  Behind a ring given as ``forward`` (notebook 14's, written by the student) the backward is ``gathered_backward``:
+  every K/V block gathered, one all-reduce of their gradients, no ring loop of its own.
 - ``split_sequence`` / ``merge_sequence`` (``zigzag_split`` / ``zigzag_merge``): each rank's block; with a
   causal mask the plain split leaves rank 0 one block of work and rank N-1 N blocks; the zig-zag split
   gives rank r chunks r and 2N-1-r of 2N, an early and a late one, and every rank the same work.
@@ -185,6 +187,7 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group=None) -> list:
     return dist.batch_isend_irecv(ops)
 
 
+# graded: 14_context_expert_parallelism ring_attention
 def _tiles(q_pos, k_pos, causal, seq_len, zigzag):
     """(query rows, key rows, mask or None) of every tile that needs computing; fully masked tiles are left out."""
     for qs in _local_chunks(len(q_pos), zigzag):
@@ -256,6 +259,7 @@ def block_attention_backward(q, k, v, dout, lse, delta, mask, scale):
     return (ds @ k.to(acc)) * scale, (ds.transpose(-2, -1) @ q.to(acc)) * scale, dv
 
 
+# graded: 14_context_expert_parallelism ring_attention
 @torch.no_grad()
 def ring_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len: int | None = None,
                   zigzag: bool = False, scale: float | None = None):
@@ -289,8 +293,42 @@ def ring_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len:
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+@torch.no_grad()
+def gathered_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len: int | None = None,
+                      zigzag: bool = False, scale: float | None = None):
+    """dq, dk, dv of this rank's blocks without a ring: every rank's K/V block gathered, their gradients all-reduced.
+
+    This rank's queries against the whole sequence's keys as one tile, masked by ``tile_mask`` (padding never
+    seen; causal: a key at or before its query) and differentiated from the merged lse by
+    ``block_attention_backward``; what its queries add to every block's dK/dV is summed over the ranks by one
+    all-reduce, and each rank keeps its own block's. The same gradients as ``ring_backward``, with S keys held during
+    backward instead of S/N and every block's gradient all-reduced where the ring passes one: the backward
+    ``ring_attention`` runs behind a ring given as ``forward`` (notebook 14's), where ``ring_backward``'s loop would be
+    the ring exercise's answer once more.
+    """
+    rank, world = _rank_world(group)
+    seq_len, local = _check(q, k, v, world, seq_len, zigzag), q.shape[SEQ_DIM]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kv = torch.stack([k, v]).contiguous()
+    blocks = [kv]
+    if world > 1:
+        blocks = [torch.empty_like(kv) for _ in range(world)]
+        dist.all_gather(blocks, kv, group=group)
+    every_kv = torch.cat(blocks, dim=SEQ_DIM)  # rank r's block at rows r*local ... (r+1)*local - 1
+    k_pos = torch.cat([local_positions(r, world, local, zigzag, q.device) for r in range(world)])
+    mask = tile_mask(local_positions(rank, world, local, zigzag, q.device), k_pos, causal, seq_len)
+    dout = dout.to(out.dtype)
+    dq, dk, dv = block_attention_backward(q, every_kv[0], every_kv[1], dout, lse, (dout * out).sum(-1), mask, scale)
+    dkv = torch.stack([dk, dv])
+    if world > 1:
+        dist.all_reduce(dkv, group=group)  # every rank's queries' share of every block
+    mine = dkv[..., rank * local:(rank + 1) * local, :]
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
-    """Ring attention with a backward that runs the ring again, recomputing each tile's scores.
+    """Ring attention with a backward that recomputes each tile's scores: the ring again (``ring_backward``), or,
+    behind a ring given as ``forward``, every K/V block gathered (``gathered_backward``).
 
     Why not let autograd differentiate the forward's ops? It would keep every K/V block that passed through
     and every tile's probabilities: (S/N) x S scores per rank, the very activation memory context
@@ -308,12 +346,13 @@ class RingAttention(torch.autograd.Function):
             out, lse = forward(q, k, v, causal, _check(q, k, v, _rank_world()[1], seq_len, zigzag), zigzag)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = dict(causal=causal, group=group, seq_len=seq_len, zigzag=zigzag, scale=scale)
+        ctx.gradients = ring_backward if forward is None else gathered_backward
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.options)
+        dq, dk, dv = ctx.gradients(dout, q, k, v, out, lse, **ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -327,7 +366,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     ``F.scaled_dot_product_attention`` on the whole sequence, output and gradients. ``merge``: the online
     softmax merge ``ring_forward`` uses. ``forward``: another ring forward to run instead, notebook 14's
     contract ``forward(q, k, v, causal, seq_len, zigzag) -> (out, lse)`` on the default group with the default
-    scale (the notebook passes the student's ring; the backward stays ``ring_backward``).
+    scale (the notebook passes the student's ring), whose backward is then ``gathered_backward``.
     """
     if forward is not None and (group is not None or scale not in (None, q.shape[-1] ** -0.5)):
         raise ValueError("a ring given as forward= runs on the default process group with scale 1/sqrt(head_dim): "

@@ -315,5 +315,5 @@ def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = T
     q, k, v = (split_sequence(t, world, zigzag=zigzag)[rank].requires_grad_() for t in full)
     with SavedTensorMeter() as meter:
         out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag, forward=forward)
-    out.sum().backward()  # every rank runs the backward ring, so no peer is left waiting
+    out.sum().backward()  # every rank runs the backward and its collectives, so no peer is left waiting
     return meter.bytes

@@ -109,6 +109,11 @@ ZIGZAG_WHOLE_BLOCKS = changed(("[slice(0, local // 2), slice(local // 2, local)]
 NO_SKIP = changed(("                if mask.any():  # a tile no query sees (a later block or chunk): skip it",
                    "                if True:  # wrong: a tile no query sees is computed anyway"))
 
+# every step sends the rank's own block again, not the one it holds: right on 2 ranks (one pass), wrong from 3, where
+# rank r receives rank r-1's block at every step and never rank r-2's
+RESENDS_OWN_BLOCK = changed(("pending = cp.ring_pass(kv, incoming) if step < world - 1 else []",
+                             "pending = cp.ring_pass(torch.stack([k, v]), incoming) if step < world - 1 else []"))
+
 CALLS_LIBRARY_RING = '''
 import course_lib.parallel.cp as _cp
 
@@ -161,6 +166,8 @@ CASES = {
                             "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "no_skip": {"cells": {"ring_attention": NO_SKIP},
                 "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "resends_own_block": {"cells": {"ring_attention": RESENDS_OWN_BLOCK},
+                          "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "calls_library_ring_attention": {"cells": {"ring_attention": CALLS_LIBRARY_RING}, "scores": scores(*RING)},
     "splits_not_exchanged": {"cells": {"expert_parallel": SPLITS_NOT_EXCHANGED}, "scores": scores(*EXPERTS)},
     "combine_wrong_order": {"cells": {"expert_parallel": COMBINE_WRONG_ORDER}, "scores": scores(*EXPERTS)},
