@@ -1,6 +1,7 @@
 """Notebook 13's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
-the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks), and the 1F1B executor on 2
-forked ranks (one process's losses and gradients; the micro-batches it holds, counted and measured)."""
+the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks, which no message prints), and
+the executor on 2 forked ranks following a given order that is not 1F1B's (one process's losses and gradients; the
+micro-batches it holds, counted and measured)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool) -> 
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered, expected {world}"
     n = h // world
     for r, run in enumerate(runs):
-        assert isinstance(run["output"], torch.Tensor), f"{label}, rank {r}: the output is {run['output']}, not a tensor"
+        assert isinstance(run["output"], torch.Tensor), \
+            f"{label}, rank {r}: the output is {run['output']}, not a tensor"
         gap = float((run["output"] - want).abs().max())
         assert gap < 1e-5, (f"{label}, rank {r}: the output differs from the unsplit MLP's by "
                             f"{gap:.1e}: is the bias added once, after the all-reduce?")
@@ -165,7 +167,8 @@ def check_order(order: list, p: int, m: int) -> None:
     assert len(order) == p, f"p={p}, m={m}: {len(order)} ranks' orders, expected {p}"
     everything = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
     for r, actions in enumerate(order):
-        assert sorted(actions) == everything, f"p={p}, m={m}, rank {r}: every F and B of every micro-batch once: {actions}"
+        assert sorted(actions) == everything, \
+            f"p={p}, m={m}, rank {r}: every F and B of every micro-batch once: {actions}"
         alive = peak = 0
         for kind, _ in actions:
             alive += 1 if kind == "F" else -1
@@ -177,7 +180,8 @@ def check_order(order: list, p: int, m: int) -> None:
     except ValueError as err:
         raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
     formula = schedules.bubble_formula(p, m)
-    assert abs(sim["bubble"] - formula) < 1e-9, f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
+    assert abs(sim["bubble"] - formula) < 1e-9, \
+        f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
 
 
 def judge_orders(got: dict, shapes) -> None:
@@ -209,10 +213,29 @@ def ran(p: int, m: int, layers: int, batch: int) -> list:
     return as_order(torch_ran(p, m, layers, batch))
 
 
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def first_difference(mine: list, theirs: list) -> str | None:
+    """Where the student's order first leaves the order torch ran, in words (one action of each, never the whole
+    order: it is the exercise's answer); None where they are the same."""
+    if len(mine) != len(theirs):
+        return f"your order lists {len(mine)} ranks, the schedule runs {len(theirs)} stages"
+    def said(actions: list, i: int) -> str:
+        return "".join(map(str, actions[i])) if i < len(actions) else "nothing (its actions ended)"
+
+    for r, (a, b) in enumerate(zip(mine, theirs)):
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b) or a[i] != b[i]:
+                return f"stage {r}'s {ordinal(i + 1)} action: you have {said(a, i)}, the schedule runs {said(b, i)}"
+    return None
+
+
 def judge_measured(got: list) -> str:
-    torch_order = ran(2, 4, 2, 8)
-    assert as_order(got) == torch_order, f"your order {as_order(got)}\ntorch ran   {torch_order}"
-    return f"the order torch ran: {torch_order}"
+    differs = first_difference(as_order(got), ran(2, 4, 2, 8))
+    assert differs is None, f"p=2, m=4: your order is not the one torch's Schedule1F1B ran: {differs}"
+    return "the order torch's Schedule1F1B ran on 2 ranks, 4 micro-batches, action for action"
 
 
 register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge_measured)
@@ -223,11 +246,12 @@ register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge
 ROWS, WIDTH = 4, 16
 PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
 PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
-# 1F1B's order on 2 stages and 4 micro-batches, what torch's Schedule1F1B runs (test_one_f_one_b_order_measured shows
-# it too): written out, because course_lib.parallel.schedules' order is exercise 2's answer, a stub in the student
-# edition
-ONE_F_ONE_B_2_4 = [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
-                   [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]
+# The order the visible executor tests give, 2 stages and 4 micro-batches: runnable, and neither GPipe's nor 1F1B's
+# (rank 0 runs three forwards ahead, rank 1 two at a time: 3 and 2 micro-batches held), so an executor must follow
+# the order it is given; its first exchange is 1F1B's (rank 0 sends an activation while rank 1 sends a gradient back),
+# where blocking sends deadlock.
+GIVEN_2_4 = [[("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)],
+             [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("F", 2), ("F", 3), ("B", 2), ("B", 3)]]
 
 
 class CountedStage(nn.Module):
@@ -370,9 +394,9 @@ def judge_activations(got: dict, orders: list, label: str) -> None:
             "i's input and output once its backward ran: backward frees the graph, but not tensors you still hold")
 
 
-register("test_run_1f1b", lambda ns: pipeline_runs(ns, ONE_F_ONE_B_2_4),
+register("test_run_1f1b", lambda ns: pipeline_runs(ns, GIVEN_2_4),
          lambda got: judge_gradients(got, 2, 4, "p=2, m=4")
          or "2 ranks, 4 micro-batches: one process's losses and gradients")
-register("test_run_1f1b_activations", lambda ns: pipeline_runs(ns, ONE_F_ONE_B_2_4),
-         lambda got: judge_activations(got, ONE_F_ONE_B_2_4, "p=2, m=4")
+register("test_run_1f1b_activations", lambda ns: pipeline_runs(ns, GIVEN_2_4),
+         lambda got: judge_activations(got, GIVEN_2_4, "p=2, m=4")
          or "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured")
