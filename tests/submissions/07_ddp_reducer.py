@@ -99,6 +99,11 @@ BUCKETED_RAISES_BEFORE_RESET = mistake(
     "        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n")
 BUCKETED_FROZEN_IN_A_BUCKET = mistake("reversed([p for p in module.parameters() if p.requires_grad])",
                                     "reversed(list(module.parameters()))")
+# buckets filled in the order of module.parameters(): the first layers' bucket, whose gradients come last, goes first
+BUCKETED_FORWARD_ORDER = mistake("reversed([p for p in module.parameters() if p.requires_grad])",
+                                 "[p for p in module.parameters() if p.requires_grad]")
+# a bucket closed only once it is past the cap, the parameter that crossed it inside (torch's reducer's rule)
+BUCKETED_PAST_THE_CAP = mistake("            if size + nbytes > cap:\n", "            if size > cap:\n")
 BUCKETED_NO_BROADCAST = mistake("        for t in list(module.parameters()) + list(module.buffers()):\n"
                               "            dist.broadcast(t.data, src=0)\n", "")
 
@@ -144,6 +149,8 @@ CASES = {
         ("bucketed_silent_on_unused", BUCKETED_SILENT, dict(test_BucketedDDP_unused=0)),
         ("bucketed_raises_before_reset", BUCKETED_RAISES_BEFORE_RESET, dict(test_BucketedDDP_unused=0)),
         ("bucketed_frozen_in_a_bucket", BUCKETED_FROZEN_IN_A_BUCKET, dict(test_BucketedDDP_hidden=0)),
+        ("bucketed_forward_order", BUCKETED_FORWARD_ORDER, dict(test_BucketedDDP_buckets=0)),
+        ("bucketed_past_the_cap", BUCKETED_PAST_THE_CAP, dict(test_BucketedDDP_buckets=0)),
         ("bucketed_no_broadcast", BUCKETED_NO_BROADCAST, dict(test_BucketedDDP_hidden=0)),
         ("calls_library_BucketedDDP", CALLS_LIBRARY_BUCKETED, {k: 0 for k in FULL}),
         ("calls_torch_ddp", CALLS_TORCH_DDP, {k: 0 for k in FULL}),
