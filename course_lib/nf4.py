@@ -24,9 +24,11 @@ scales its 8-bit "dynamic" code book (``dynamic_code``). Beside NF4, the same bl
 (``bits_per_parameter``, ``stored_bytes``) and the error of each on a model's linear layers (``layer_errors``).
 
 Notebook 12's exercises, stubs in the student edition: the quantiser and its round trip (``quantize_nf4``,
-``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``) and the storage (``pack_4bit``, ``unpack_4bit``,
-``compress_absmax``, ``decompress_absmax``). What measures them (``round_trip_model``, ``layer_errors``) takes
-the student's as an argument.
+``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``, and the blocks, the nearest level and the round trip
+onto any levels they are made of: ``_blocks``, ``nearest_level``, ``absmax_round_trip``, which ``int4_round_trip``
+and ``fp4_round_trip`` call) and the storage (``pack_4bit``, ``unpack_4bit``, ``compress_absmax``,
+``decompress_absmax``). What measures them (``round_trip_model``, ``layer_errors``) takes the student's as an
+argument; the notebook compares int4 and FP4 with NF4 on the student's quantiser, their levels in NF4's place.
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ def check_blocksize(blocksize: int) -> int:
     return blocksize
 
 
+# graded: 12_qlora_recipe nf4_quantize
 def _blocks(w: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``w`` flattened (row-major) into rows of ``blocksize``, the last one padded with zeros."""
+    """``w`` flattened (row-major), float32, one row per block of ``blocksize`` values (a shorter last block's row
+    filled out to full length)."""
     flat = w.detach().reshape(-1).float()
     pad = -flat.numel() % blocksize
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
@@ -86,12 +90,10 @@ def blockwise_absmax(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tenso
     return _blocks(w, check_blocksize(blocksize)).abs().amax(dim=1)
 
 
+# graded: 12_qlora_recipe nf4_quantize
 def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """The index (int64) of the level of ``code`` (ascending) nearest to each value of ``x``.
-
-    ``bucketize`` on the midpoints between neighbouring levels: what bitsandbytes does (a value exactly
-    on a midpoint goes to the lower level).
-    """
+    """The index (int64) of the level of ``code`` (ascending) nearest to each value of ``x``; a value exactly
+    halfway between two levels goes to the lower one, as in bitsandbytes."""
     midpoints = (code[1:] + code[:-1]) / 2
     return torch.bucketize(x, midpoints)
 
@@ -216,6 +218,7 @@ def fp4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "c
     return (torch.cat([-positive.flip(0)[:-1], positive]) / 6).to(dtype=dtype, device=device)
 
 
+# graded: 12_qlora_recipe nf4_quantize
 def absmax_round_trip(w: torch.Tensor, code: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """``w`` through block-wise absmax quantisation onto the levels of ``code`` (ascending, within [-1, 1])
     and back, in ``w``'s dtype and shape: NF4's blocks and float32 scales, only the levels differ."""
