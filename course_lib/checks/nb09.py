@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 import json
 import warnings
 
@@ -21,7 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.parallel import deepspeed_engine, zero
-from course_lib.checks import number, packed, register, student, unpacked
+from course_lib.checks import number, outcome, packed, register, student, unpacked
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.grading import forbid, max_rel_diff, params
@@ -64,13 +65,21 @@ def state_bytes(optimizer) -> int:
                    if k in STATE_KEYS))
 
 
+def checkpoint(*states) -> bytes:
+    """The states as a checkpoint file holds them: written with ``torch.save`` (and read back with ``torch.load``)."""
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    return buffer.getvalue()
+
+
 def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False,
                   resume_at: int | None = None) -> list:
     """The student's ShardedOptimizer over a SmallCNN (no DDP: it averages the gradients itself) in two groups with
     StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n``: per rank, the weights after each
     step, the bytes of optimizer state, whether .grad was cleared and what the first step sent. ``resume_at=k``: a
-    fresh model and optimizer load the checkpoint of step k (model, this rank's optimizer state, scheduler) and
-    take the remaining steps: their final weights."""
+    fresh model and optimizer load the checkpoint of step k (model, this rank's optimizer state, scheduler, through
+    a file's bytes) and take the remaining steps: their final weights, or what the optimizer's load_state_dict
+    raised and whether its shards require grad."""
     space = student(ns, "ShardedOptimizer")
 
     def build(model):
@@ -92,7 +101,7 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
                 record.setdefault("calls", sent.calls_by_kind)
                 record.setdefault("sent", sent.sent_bytes_by_kind)
                 if s == resume_at:
-                    record["saved"] = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+                    record["saved"] = checkpoint(model.state_dict(), opt.state_dict(), sched.state_dict())
 
     def run():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -105,14 +114,20 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
         out = {"weights": record["weights"], "state_bytes": state_bytes(opt.optimizer), "calls": record["calls"],
                "sent": record["sent"], "param_grads_cleared": all(p.grad is None for p in model.parameters())}
         if resume_at is not None:
+            model_state, opt_state, sched_state = torch.load(io.BytesIO(record["saved"]), weights_only=False)
             again = cnn(frozen)
-            again.load_state_dict(record["saved"][0])
+            again.load_state_dict(model_state)
             opt2, sched2 = build(again)
             with forbid(*SHARDED, namespace=space):
-                opt2.load_state_dict(record["saved"][1])
-            sched2.load_state_dict(record["saved"][2])
-            train(again, opt2, sched2, rank, world_size, range(resume_at + 1, steps))
-            out["resumed"] = params(again)
+                loaded = outcome(opt2.load_state_dict, opt_state)
+            out["load_error"] = None if "value" in loaded else f"{loaded['raised']}: {loaded['message']}"[:500]
+            out["shards_require_grad"] = any(getattr(s, "requires_grad", False) for s in getattr(opt2, "shards", []))
+            failed = torch.tensor(float(out["load_error"] is not None))
+            dist.all_reduce(failed)  # every rank resumes or none does: the steps' collectives need all of them
+            if not failed:
+                sched2.load_state_dict(sched_state)
+                train(again, opt2, sched2, rank, world_size, range(resume_at + 1, steps))
+                out["resumed"] = params(again)
         return packed(out)
 
     return [unpacked(r) for r in run_forked(run, nprocs, timeout=30)]
@@ -189,6 +204,24 @@ def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, ste
         assert run["param_grads_cleared"], "zero_grad(set_to_none=True) sets every parameter's .grad to None"
 
 
+def judge_resumed(runs: list, label: str, saved_after: int) -> None:
+    """Each rank's fresh model and optimizer, resumed from the checkpoint of step ``saved_after``, end where the run
+    that never stopped ended; where the given load_state_dict failed, say why."""
+    for r, run in enumerate(runs):
+        if run["load_error"] is not None:
+            why = (" Your shards require grad (requires_grad_()): autograd refuses to copy into a leaf tensor that "
+                   "requires grad in place. A shard needs no autograd: step() gives it its .grad and the wrapped "
+                   "optimizer steps it under no_grad, so leave it a plain fp32 tensor."
+                   if run["shards_require_grad"] else "")
+            raise AssertionError(f"{label}, rank {r}: a fresh optimizer could not load this rank's checkpoint: the "
+                                 f"given load_state_dict raised {run['load_error']} (it copies the saved slices into "
+                                 f"self.shards in place).{why}")
+        gap = max_rel_diff(run["resumed"], run["weights"][-1])
+        assert gap < 1e-6, (f"{label}, rank {r}: a fresh model and optimizer that loaded step {saved_after + 1}'s "
+                            f"checkpoint (state_dict of this rank's shard) end {gap:.1e} from the run that never "
+                            "stopped")
+
+
 def judge_traffic(runs: list, nprocs: int, frozen: bool) -> float:
     """What a step sent from each rank, against DDP's all-reduce of every gradient: 2 (N-1)/N x 4 bytes per parameter
     (a reduce-scatter and an all-gather send that much together; padding adds a few values)."""
@@ -209,21 +242,24 @@ def judge_adamw_2(runs: list) -> str:
 register("test_ShardedOptimizer", lambda ns: sharded_probe(ns, 2, 16, 3, *ADAMW), judge_adamw_2)
 
 
-def probe_state(ns: dict, nprocs: int) -> list:
-    return [number(run["state_bytes"]) for run in sharded_probe(ns, nprocs, 8 * nprocs, 1, *ADAMW)]
+def probe_state_2(ns: dict) -> dict:
+    """2 ranks, 2 steps: the bytes of optimizer state each rank holds, and the checkpoint of step 1 resumed."""
+    runs = sharded_probe(ns, 2, 16, 2, *ADAMW, resume_at=0)
+    return {"state": [number(run["state_bytes"]) for run in runs], "runs": runs}
 
 
-def judge_state_2(got: list) -> str:
+def judge_state_2(got: dict) -> str:
     _, full, n_params = one_process(16, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
-    for r, held in enumerate(got):
+    for r, held in enumerate(got["state"]):
         share = held / full
         slack = 2 * 4 * n_params / full  # padding: a value of m and v per parameter (one per group if flat)
         assert abs(share - 1 / 2) <= slack, (f"rank {r} holds {share:.3f} of AdamW's states on 2 ranks: "
                                              "build the optimizer over this rank's shards only")
-    return f"each rank holds {share:.3f} of the optimizer state"
+    judge_resumed(got["runs"], "2 ranks, AdamW in two groups", saved_after=0)
+    return f"each rank holds {share:.3f} of the optimizer state, and its checkpoint resumes the run"
 
 
-register("test_ShardedOptimizer_state", lambda ns: probe_state(ns, 2), judge_state_2)
+register("test_ShardedOptimizer_state", probe_state_2, judge_state_2)
 
 
 # ---------------------------------------------------------------- make_ds_config

@@ -121,6 +121,9 @@ SHARDED_SLICES_FLOOR = _edit(  # no padding: floor division drops the last value
 SHARDED_IGNORES_SCHEDULER = _edit(  # the inner optimizer keeps the learning rate it was built with
     "            inner.update({k: v for k, v in group.items() if k != \"params\"})  # a scheduler changed group[\"lr\"]\n",
     "")
+SHARDED_SHARD_REQUIRES_GRAD = _edit(  # trains right; the given load_state_dict cannot copy into the shard in place
+    "        shard = flat[self.rank * n:(self.rank + 1) * n].float().clone()  # this rank's fp32 slice\n",
+    "        shard = flat[self.rank * n:(self.rank + 1) * n].float().clone().requires_grad_()  # it is stepped\n")
 SHARDED_ALL_REDUCE_THEN_SLICE = _edit(  # right weights, but an all-reduce and an all-gather: 1.5x DDP's bytes
     "            mine = flat.new_empty(shard.numel())\n"
     "            reduce_scatter(mine, flat)  # the sum over the ranks of slice `rank`\n",
@@ -207,6 +210,9 @@ CASES = {
                              "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "sharded_ignores_scheduler": {"cells": {"ShardedOptimizer": SHARDED_IGNORES_SCHEDULER},
                                   "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_shard_requires_grad": {
+        "cells": {"ShardedOptimizer": SHARDED_SHARD_REQUIRES_GRAD},
+        "scores": {**FULL, "test_ShardedOptimizer_state": 0, "test_ShardedOptimizer_hidden": 0}},
     "sharded_all_reduce_then_slice": {"cells": {"ShardedOptimizer": SHARDED_ALL_REDUCE_THEN_SLICE},
                                       "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "calls_library_ShardedOptimizer": {"cells": {"ShardedOptimizer": CALLS_LIBRARY_SHARDED},
