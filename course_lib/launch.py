@@ -101,7 +101,9 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     out = Path(tempfile.mkdtemp(prefix="course_launch_"))
     try:
         (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
-        deadline = time.monotonic() + timeout
+        # the timeout is for the ranks' work; starting them (torchrun, then each rank's imports) has its own,
+        # generous bound, and the timeout starts once every rank has said it runs (its pid file, the handshake)
+        deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT)
         for _ in range(PORT_TRIES):
             # a port we picked is hosted here (is_host): taken meanwhile, torchrun fails at once instead of
             # joining whatever listens there as a client and waiting for a rendezvous that never comes
@@ -112,7 +114,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
                    "--max-restarts=0", "--monitor-interval=0.2", *([] if rdzv_endpoint else ONE_MACHINE),
                    "-m", "course_lib.workers", target, str(out)]
             proc, lines, shown = _run_torchrun(cmd, _launch_env(nprocs, device_type, out), out, deadline, timeout,
-                                               echo)
+                                               echo, nprocs)
             if rdzv_endpoint or not _port_was_taken(proc, lines, out):
                 break
         if echo and not shown:  # torchrun's own lines, held back while a retry was possible
@@ -141,11 +143,12 @@ def _launch_env(nprocs: int, device_type: str | None, out: Path) -> dict:
 
 
 def _run_torchrun(cmd: list[str], env: dict, out: Path, deadline: float, timeout: float,
-                  echo: bool) -> tuple[subprocess.Popen, list[str], bool]:
-    """One torchrun: (its process, its output lines, whether they were shown); stopped at ``deadline``."""
+                  echo: bool, nprocs: int) -> tuple[subprocess.Popen, list[str], bool]:
+    """One torchrun: (its process, its output lines, whether they were shown); stopped at ``deadline``, or
+    ``timeout`` seconds after its ``nprocs`` ranks have all started."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        return (proc, *_stream(proc, out, deadline, timeout, echo))
+        return (proc, *_stream(proc, out, deadline, timeout, echo, nprocs))
     except BaseException:  # a timeout, or an interrupted cell (KeyboardInterrupt): no rank may keep running
         _kill(proc, out)
         raise
@@ -175,19 +178,24 @@ STACKS_WAIT = 3.0  # seconds a timed-out launch waits for the stacks it asked of
 
 
 def _stream(proc: subprocess.Popen, out: Path, deadline: float, timeout: float,
-            echo: bool) -> tuple[list[str], bool]:
-    """Print the launch's output as it comes; raise TimeoutError past ``deadline``. Returns (lines, shown).
+            echo: bool, nprocs: int) -> tuple[list[str], bool]:
+    """Print the launch's output as it comes; raise TimeoutError past ``deadline``, which moves to ``timeout``
+    seconds from the moment all ``nprocs`` ranks have started (their pid files). Returns (lines, shown).
 
     torchrun's own lines are held back until a rank speaks: a launch retried on a new port then
     shows nothing of the attempt that failed. Past the deadline torchrun and every rank that started
     are asked for their stacks, and the error holds them: where each one waited.
     """
-    lines, buf, shown = [], b"", False
+    lines, buf, shown, started = [], b"", False, False
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     while True:
+        if not started and len(list(out.glob("rank*.pid"))) >= nprocs:
+            started, deadline = True, time.monotonic() + timeout
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the launch ran past timeout={timeout} s and was stopped; last output:\n"
+            when = ("after its ranks started" if started else
+                    f"its ranks did not all start within {max(timeout, STARTUP_TIMEOUT):.0f} s")
+            raise TimeoutError(f"the launch ran past timeout={timeout} s ({when}) and was stopped; last output:\n"
                                + "".join(lines[-30:]) + _stacks(proc, out))
         if sel.select(timeout=0.2):
             chunk = os.read(proc.stdout.fileno(), 65536)

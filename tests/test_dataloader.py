@@ -72,7 +72,8 @@ def test_timeline_splits_each_step_into_waiting_and_computing():
     events = dl.step_timeline(_slow_items(6, 0.03), dl.sleep_step(20), 6)
     assert len(events) == 6 and all(e["wait_s"] >= 0.029 and e["step_s"] >= 0.019 for e in events)
     assert all(b["start"] >= a["start"] + a["wait_s"] + a["step_s"] for a, b in zip(events, events[1:]))
-    assert 0.45 < dl.wait_fraction(events) < 0.75  # 30 ms of waiting per 50 ms step
+    waited, stepped = sum(e["wait_s"] for e in events[1:]), sum(e["step_s"] for e in events[1:])
+    assert dl.wait_fraction(events) == pytest.approx(waited / (waited + stepped))  # the first step's start-up aside
     fig = dl.timeline_figure({"slow": events, "slow again": events}, "test")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["slow", "slow again"]
     with pytest.raises(ValueError, match="record more steps"):
@@ -107,13 +108,24 @@ def test_prefetcher_yields_every_item_in_order_each_pass():
     assert [b["x"].tolist() for b in dl.Prefetcher([{"x": torch.ones(2)}], device="cpu")] == [[1.0, 1.0]]
 
 
+def _logged_items(n: int, log: list):
+    for i in range(n):
+        log.append(("load", i))
+        time.sleep(0.02)
+        yield i
+
+
 def test_prefetcher_overlaps_loading_with_the_loop():
-    n, t = 10, 0.04
-    t0 = time.perf_counter()
-    for _ in dl.Prefetcher(_slow_items(n, t), depth=2):
-        time.sleep(t)
-    took = time.perf_counter() - t0
-    assert took < 0.75 * 2 * n * t, took  # n * (t + t) without overlap, about n * t with it
+    """The next item is loaded while the loop works on this one: an order of events, not a duration."""
+    n, plain, prefetched = 8, [], []
+    for log, items in ((plain, _logged_items(n, plain)), (prefetched, dl.Prefetcher(_logged_items(n, prefetched), 2))):
+        for i in items:
+            log.append(("use", i))
+            time.sleep(0.02)
+            log.append(("used", i))
+    def overlapped(log):  # items whose successor's load began before the loop was done with them
+        return sum(log.index(("load", i + 1)) < log.index(("used", i)) for i in range(n - 1))
+    assert overlapped(plain) == 0 and overlapped(prefetched) >= (n - 1) // 2, prefetched
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -155,7 +167,6 @@ def test_a_loop_that_leaves_early_stops_the_thread_and_the_loaders_workers(how):
     for kind in ("generator", "DataLoader"):
         run = nb05.leave_early(dl.Prefetcher, kind, how)
         assert run["threads"] == [] and run["workers"] == 0, (kind, run)
-        assert run["seconds"] < 1.0, (kind, run)  # all gone when the loop has left, or nearly
         assert kind == "DataLoader" or run["closed"], run
     assert not [t for t in threading.enumerate() if t.name == "prefetcher"]
 

@@ -234,17 +234,25 @@ def test_an_interrupted_launch_stops_its_ranks(tmp_path, monkeypatch):
     # Ctrl-C in a kernel raises KeyboardInterrupt; make sure it does here too, whatever an earlier test left behind
     # (an asyncio runner, such as Playwright's, that failed mid-test can leave its own SIGINT handler installed)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(20, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))
-    timer.start()
+    launched = threading.Event()
+
+    def interrupt_once_both_run():  # Ctrl-C once both ranks have said they run (their pid files)
+        while not launched.is_set() and len(list(tmp_path.glob("*.pid"))) < 2:
+            time.sleep(0.1)
+        if not launched.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    student = threading.Thread(target=interrupt_once_both_run, daemon=True)
+    student.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             launch("pid_worker:sleep_forever", 2, {"folder": str(tmp_path)}, echo=False, timeout=300, device_type="cpu")
     finally:
-        timer.cancel()
+        launched.set()
         signal.signal(signal.SIGINT, previous)
     pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
-    assert len(pids) == 2, "both ranks should have started within 20 s"
-    deadline = time.monotonic() + 10
+    assert len(pids) == 2, "both ranks ran when the launch was interrupted"
+    deadline = time.monotonic() + 60  # a bound on a hang, not a speed: the ranks were killed already
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), "ranks kept running after the launch was interrupted"
@@ -269,14 +277,13 @@ STUBBORN = textwrap.dedent("""
 """)
 
 
-def _wait_for_pids(folder: Path, n: int, seconds: float, process: subprocess.Popen | None = None) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while len(list(folder.glob("*.pid"))) < n and time.monotonic() < deadline:
-        assert process is None or process.poll() is None, "the launching process ended early"
+def _wait_for_pids(folder: Path, n: int, process: subprocess.Popen | None = None) -> list[int]:
+    """The pids of ``n`` ranks, once each has written its pid file (their handshake); the launching ``process``
+    ending first fails (pytest-timeout bounds a hang)."""
+    while len(list(folder.glob("*.pid"))) < n:
+        assert process is None or process.poll() is None, "the launching process ended before its ranks started"
         time.sleep(0.1)
-    pids = [int(p.stem) for p in folder.glob("*.pid")]
-    assert len(pids) == n, f"{n} ranks should have started within {seconds} s"
-    return pids
+    return [int(p.stem) for p in folder.glob("*.pid")]
 
 
 def _gone_within(pids: list[int], seconds: float) -> bool:
@@ -298,11 +305,11 @@ def test_a_timed_out_launch_says_where_each_process_waited_and_leaves_no_rank_al
     (tmp_path / "tmp").mkdir()
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    # 25 s for two ranks to start: a CUDA build of torch took more than 12 s to import on a loaded GPU machine
-    with pytest.raises(TimeoutError, match="timeout=25") as err:
-        launch("stubborn_worker:stubborn", 2, {"folder": str(pids_dir)}, echo=False, timeout=25, device_type="cpu")
+    # the timeout counts from the ranks' handshake (every rank's pid file), not from torchrun's start
+    with pytest.raises(TimeoutError, match=r"timeout=5 s \(after its ranks started\)") as err:
+        launch("stubborn_worker:stubborn", 2, {"folder": str(pids_dir)}, echo=False, timeout=5, device_type="cpu")
     pids = [int(p.stem) for p in pids_dir.glob("*.pid")]
-    assert len(pids) == 2, "both ranks should have started within the 25 s"
+    assert len(pids) == 2, "both ranks started before the timeout began"
     message = str(err.value)
     assert "ranks started: rank0, rank1 of this launch" in message
     stacks = dict(re.findall(r"--- (\w+)'s stack ---\n(.*?)(?=\n--- |\Z)", message, re.S))
@@ -315,14 +322,14 @@ def test_a_timed_out_launch_says_where_each_process_waited_and_leaves_no_rank_al
 
 def _ranks_die_with_a_killed_kernel(script: str, folder) -> bool:
     """Run ``script`` (a kernel that starts 2 ranks writing their pids to ``folder``) in a process, SIGKILL that
-    process once both ranks run, and say whether the ranks were gone within 5 s."""
+    process once both ranks run, and say whether the ranks were gone (SIGKILL, at once; a minute bounds a hang)."""
     kernel = subprocess.Popen([sys.executable, "-c", script], cwd=folder)
     try:
-        pids = _wait_for_pids(folder, 2, 60, kernel)
+        pids = _wait_for_pids(folder, 2, kernel)
     finally:
         kernel.kill()
         kernel.wait()
-    return _gone_within(pids, 5)
+    return _gone_within(pids, 60)  # a bound on a hang: a killed kernel's ranks get SIGKILL at once
 
 
 def test_ranks_die_with_the_kernel_that_launched_them(tmp_path):
@@ -345,7 +352,7 @@ def test_forked_ranks_die_with_a_killed_kernel_and_a_timeout(tmp_path):
         (tmp_path / "a").mkdir()
         with pytest.raises(TimeoutError):
             run_forked(stubborn_forked.stubborn, 2, {"folder": str(tmp_path / "a")}, timeout=3)
-        assert not [pid for pid in _wait_for_pids(tmp_path / "a", 2, 1) if _alive(pid)], "a rank outlived the timeout"
+        assert not [pid for pid in _wait_for_pids(tmp_path / "a", 2) if _alive(pid)], "a rank outlived the timeout"
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("stubborn_forked", None)
@@ -465,8 +472,7 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling(mo
     assert results[0]["losses"] == results[1]["losses"]
     assert {p: p.stat().st_mtime_ns for p in built} == built, "the launch recompiled DeepSpeed's op"
     assert {p.name for p in folder.iterdir()} == ops, "the launch built another op"
-    print(f"DeepSpeed CPU launch with the prebuilt op: {seconds:.1f} s")
-    assert seconds < 30, f"a launch that loads a prebuilt op takes a few seconds, not {seconds:.0f}"
+    print(f"DeepSpeed CPU launch with the prebuilt op: {seconds:.1f} s")  # no compile: the folder is untouched
 
 
 def _unwaited_send():

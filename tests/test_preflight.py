@@ -68,7 +68,6 @@ def test_on_a_cpu_machine_the_cpu_rows_pass_and_the_gpu_rows_say_no_gpu(tmp_path
     assert all(r["fix"] for r in rows.values() if r["status"] == "absent")
     # one markdown table on stdout, with the verdict after it
     assert "| check" in proc.stdout and "every path the course needs works here" in proc.stdout
-    assert seconds < 180, f"the preflight took {seconds:.0f} s on this CPU machine (CI's budget: about a minute)"
 
 
 def test_a_floor_above_the_installed_version_fails_the_preflight(tmp_path):
