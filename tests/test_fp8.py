@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from recorded import ROOT
 from course_lib import fp8, fp8_compute
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,4 +1,4 @@
-"""The node tier's layout on CPU ranks (issue 21): ``python -m course_lib.apps.run_all --tier node --emulate``.
+"""The node tier's layout on CPU ranks: ``python -m course_lib.apps.run_all --tier node --emulate``.
 
 Every notebook that launches ranks runs the node tier's world sizes, meshes, micro-batch counts and pipeline
 stages, as 8 CPU ranks over gloo at tiny widths, so a node-only shape fails here before it meets a GPU node
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, claim, value
+from recorded import ROOT, claim, value
 from course_lib import results
 from course_lib.apps import run_all
 from course_lib.device import EMULATE_NODE_ENV, pick_tier

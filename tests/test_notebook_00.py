@@ -1,6 +1,6 @@
 """Notebook 00 (orientation and memory anatomy) executes on the CPU tier and measures what it claims."""
 
-from conftest import claim, value
+from recorded import claim, value
 
 MiB, GiB = 2**20, 2**30
 

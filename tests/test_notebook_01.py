@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import claim, value
+from recorded import claim, value
 
 
 def test_formats_overflow_and_underflow(executed):

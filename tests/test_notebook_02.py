@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import claim, value
+from recorded import claim, value
 from course_lib import fp8
 
 

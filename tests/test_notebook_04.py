@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import claim, value
+from recorded import claim, value
 
 POLICIES = ("none", "selective", "every", "full")  # the keys the notebook records under
 

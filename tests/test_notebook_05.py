@@ -2,7 +2,7 @@
 
 import math
 
-from conftest import claim, value
+from recorded import claim, value
 
 
 def test_feeding_every_rank_measures_workers_against_the_step(executed):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import claim, value
+from recorded import claim, value
 
 
 def test_torchrun_starts_two_gloo_ranks(executed):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import claim, value
+from recorded import claim, value
 
 
 def test_the_students_bucketed_ddp_overlaps_and_is_timed_against_ddp_and_per_parameter(executed):

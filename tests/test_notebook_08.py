@@ -1,6 +1,6 @@
 """Notebook 08 (FSDP) executes on the CPU tier and measures what it claims."""
 
-from conftest import value
+from recorded import value
 
 
 def test_sharded_training_equals_one_process(executed):

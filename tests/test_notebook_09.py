@@ -1,6 +1,6 @@
 """Notebook 09 (DeepSpeed ZeRO) executes on the CPU tier with DeepSpeed's real engine on 2 ranks."""
 
-from conftest import claim, value
+from recorded import claim, value
 
 VARIANTS = ["ZeRO-1", "ZeRO-2", "ZeRO-3"]  # with offload: notebook 10
 

@@ -3,7 +3,7 @@ lives, the CPU Adam timed, the student's OffloadedAdamW, and the size prediction
 
 import torch
 
-from conftest import claim, value
+from recorded import claim, value
 
 VARIANTS = ["ZeRO-2 + offload optimizer", "ZeRO-3 + offload optimizer and params"]
 
@@ -37,8 +37,8 @@ def test_deepspeed_cpu_adam_against_torch_adamw_on_this_cpu(executed):
     seconds = value(res, "adam_step_seconds")
     assert all(s and s > 0 for s in seconds.values()), seconds  # the op was prebuilt and loaded: no missing bar
     assert value(res, "adam_max_abs_diff_vs_torch") < 1e-5  # the same AdamW update, three implementations
-    speedup = value(res, "cpu_adam_speedup_vs_torch_default")
-    assert speedup > 1.5, seconds  # a vectorised C++ step against torch's per-op foreach
+    speedup = value(res, "cpu_adam_speedup_vs_torch_default")  # this CPU's to give: the claim says it, not a test
+    assert speedup == seconds["torch AdamW (foreach, default)"] / seconds["DeepSpeed CPU Adam"], (speedup, seconds)
     verdict = claim(res, "DeepSpeed's CPU Adam is 5-7x faster")
     assert verdict["held"] == (speedup >= 5) and f"{speedup:.1f}x" in verdict["measured"]
 

@@ -2,7 +2,7 @@
 
 import math
 
-from conftest import value
+from recorded import value
 
 
 def test_labels_masked_and_packing_keeps_documents_apart(executed):

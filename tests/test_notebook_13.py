@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import claim, value
+from recorded import claim, value
 
 
 def test_every_cut_trains_the_same_model_as_one_process(executed):

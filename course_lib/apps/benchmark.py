@@ -77,7 +77,7 @@ from course_lib.train import fit
 
 CPU_DEFAULTS = dict(preset="tiny", seq_len=128, micro_batch=4, steps=4, warmup=1, repeats=2)
 GPU_DEFAULTS = dict(preset="1b", seq_len=2048, micro_batch=4, steps=20, warmup=5, repeats=3)
-# Targets of issue 11 (one H100 or H200; an MI300X's peak and bandwidth differ, so it needs targets of its own).
+# The fast recipe's targets (one H100 or H200; an MI300X's peak and bandwidth differ, so it needs targets of its own).
 STEP0_TOLERANCE = 1e-2  # bf16 keeps 8 bits of mantissa (2^-8 = 0.4%): two loss paths in bf16 agree to about that
 CURVE_TOLERANCE = 0.02
 TARGET_SPEEDUP = 1.4
@@ -270,7 +270,7 @@ def _target_shape(s: dict) -> str | None:
 
 
 def check_targets(result: dict) -> list[dict]:
-    """Pass or fail of issue 11's targets for a ``benchmark`` result: ``[{"target", "value", "passed"}]``.
+    """Pass or fail of the fast recipe's targets for a ``benchmark`` result: ``[{"target", "value", "passed"}]``.
 
     The loss targets hold everywhere. The speed targets are set for one H100 or H200 at sequence
     2048: 1B full fine-tune ≥ 1.4× the baseline at ≥ 50% MFU; 8B LoRA ≥ 1.4× the bf16-base baseline,
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=1, default=str)
     if a.check_targets:
         checks = check_targets(result)
-        print("\nTargets (issue 11):\n" + format_targets(checks))
+        print("\nTargets (the fast recipe's, for one H100 or H200):\n" + format_targets(checks))
         if any(c["passed"] is False for c in checks):
             raise SystemExit(1)
     return result

@@ -76,7 +76,7 @@ PREFETCHER_UNBOUNDED = mistake("queue.Queue(maxsize=self.depth)", "queue.Queue()
 PREFETCHER_LOSES_THE_ERROR = mistake(
     "            except Exception as err:  # raised in the loop, not lost with the thread\n"
     "                q.put((end, None, err))\n", "")
-# the generator without its finally (the course's before issue 23): a loop that breaks leaves the thread blocked on a
+# the generator without its finally: a loop that breaks leaves the thread blocked on a
 # full queue for good, holding the iterable's iterator (a DataLoader's workers run on)
 PREFETCHER_NO_FINALLY = mistake(
     "        try:\n            while True:\n", "        if True:\n            while True:\n").replace(
@@ -86,7 +86,7 @@ PREFETCHER_NO_FINALLY = mistake(
 PREFETCHER_STOP_WITHOUT_DRAIN = mistake(
     "            stop.set()\n            while not q.empty():\n                q.get_nowait()\n            thread.join()\n",
     "            stop.set()\n")
-# the copy on the default stream (the course's before issue 23): the GPU runs it between the step's kernels
+# the copy on the default stream: the GPU runs it between the step's kernels
 PREFETCHER_DEFAULT_STREAM = mistake(
     "                        with torch.cuda.stream(side):  # the copy runs beside the step's kernels\n"
     "                            item = to_device(item, self.device, non_blocking=True)\n"

@@ -79,7 +79,7 @@ BUCKETED_AFTER_BACKWARD = mistake(  # right gradients, no overlap: every bucket 
     "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n")
 BUCKETED_COUNTS_NOT_RESET = mistake("        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n",
                                   "        self.in_flight = []\n")
-# the course's BucketedDDP before issue 23: a parameter the forward skips leaves its bucket unsent, without a word,
+# a BucketedDDP that never checks for a parameter without a gradient: a parameter the forward skips leaves its bucket unsent, without a word,
 # and the ranks' gradients differ from then on
 BUCKETED_SILENT = mistake(
     "        unused = [f\"{self.names[id(p)]} (bucket {i})\" for i, bucket in enumerate(self.buckets)\n"

@@ -1,4 +1,4 @@
-"""Known-wrong submissions that attack the grader instead of solving (issue 22, item 6), for every assignment.
+"""Known-wrong submissions that attack the grader instead of solving, for every assignment.
 
 Three attacks, each stopped by the grading kernel's sandbox (course_lib.apps.sandbox, started by nbgrader_config.py):
 
