@@ -1,6 +1,7 @@
 # Scaling PyTorch training: set up, run the course, test, release, grade.
 #   make course   set up .venv and execute every notebook on this machine's tier (runs/summary.md)
-#   make test     set up .venv and run the test suite (what CI runs)
+#   make test     set up .venv and run the tests the change can break (the gate: what CI runs)
+#   make test-full  the whole suite
 #   make lab      start JupyterLab on notebooks/
 #   make hub      setup plus JupyterHub's proxy, for docker/hub/start.sh (a class on one GPU node)
 #   make ops      (re)build DeepSpeed's CPU ops (comm, CPU Adam) into TORCH_EXTENSIONS_DIR (setup does it once)
@@ -21,7 +22,7 @@ ASSIGNMENT ?= 03_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops preflight node-emulation floor course test lab release release-check grade clean docker-rocm docker-cuda student-edition student-path
+.PHONY: setup hub ops preflight node-emulation floor course test test-full lab release release-check grade clean docker-rocm docker-cuda student-edition student-path
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -96,19 +97,25 @@ $(TORCHAO_FOR_TESTS): $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(dir $@) -c $(VENV)/constraints.txt "torchao>=0.18,<0.19"
 	@touch $@
 
+# The gate, the README's test command and CI's: the tests that the change since the last whole-suite pass (the commit
+# in .ci/full-pass) can break, chosen from what each test reaches (tests/selection.py prints the choice; a change to
+# the build, the test harness or the grader's core selects everything). `make test-full` runs everything.
 # Two pytest-xdist workers (tests/conftest.py says how the tests are shared out): a 2-core machine runs the
 # suite in about two thirds of the time of one process. Then the tests marked `alone` (conftest's ALONE: fixed
 # time limits, measured timings) run by themselves, with no other worker taking the cores they wait on.
-# TEST_WORKERS=0 runs the first part in this process.
+# TEST_WORKERS=0 runs the first part in this process. pytest exits 5 when the gate selected nothing there.
 TEST_WORKERS ?= 2
+TEST_SCOPE ?= --gate
 test: setup $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone"; first=$$?; \
-	$(PY) -m pytest -m alone; second=$$?; \
+	@[ -z "$(TEST_SCOPE)" ] || $(PY) tests/selection.py
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone" $(TEST_SCOPE); \
+	first=$$?; [ $$first -ne 5 ] || first=0; \
+	$(PY) -m pytest -m alone $(TEST_SCOPE); second=$$?; [ $$second -ne 5 ] || second=0; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
-# The student's JupyterLab, as docker/start-lab.sh serves it: docker/student-lab/ on JUPYTER_CONFIG_PATH (the course's
-# cell limits, which Validate runs with; no Formgrader, Create Assignment, Course List or news pop-up), after the
-# folders already named there, which take precedence.
+test-full:
+	$(MAKE) test TEST_SCOPE=
+
 lab: setup
 	JUPYTER_CONFIG_PATH="$${JUPYTER_CONFIG_PATH:+$$JUPYTER_CONFIG_PATH:}$(CURDIR)/docker/student-lab" \
 	  $(VENV)/bin/jupyter lab notebooks/

@@ -25,6 +25,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # after the thread settings above: importing torch reads them.
 from course_lib.launch import use_extensions_dir  # noqa: E402
 
+import selection  # noqa: E402 (tests/selection.py: the gate's choice of tests)
+
 use_extensions_dir()
 TIMES: dict[str, float] = {}
 
@@ -43,44 +45,42 @@ def deepspeed_ops():
 
 
 @pytest.fixture(scope="session")
-def executed(course_run_dir, deepspeed_ops):
+def student_edition(tmp_path_factory) -> Path:
+    """The student edition (course_lib with every graded reference a stub, the release notebooks), built once."""
+    from course_lib.apps.edition import build_student_edition
+
+    return build_student_edition(tmp_path_factory.mktemp("student") / "edition")
+
+
+@pytest.fixture(scope="session")
+def executed(course_run_dir, deepspeed_ops, student_edition):
     """``executed("03_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
 
-    Each notebook runs once per session (papermill, real kernel); a failing cell fails the test
-    with papermill's error naming the cell.
+    The notebook is the student's: the student edition's release with a correct student's answers in its solution
+    cells, run top to bottom (papermill, a real kernel) on the edition's stubbed course_lib, as a student on a laptop
+    runs it. So one execution checks the notebook's measurements and the student's side: a failing cell fails the
+    test with papermill's error naming the cell, and a test cell that Validate would fail (an error, or anything on
+    stderr) fails it too. Each notebook runs once per session.
     """
     from course_lib import results
+    from course_lib.apps import student_path
     from course_lib.apps.run_all import execute
 
     cache: dict[str, dict] = {}
 
     def run(name: str, tier: str = "cpu") -> dict:
         if name not in cache:
-            nb = ROOT / "solutions" / name / f"{name}.ipynb"
-            TIMES[name] = execute(nb, course_run_dir, {"tier": tier}, timeout=600)
+            nb = student_path.write_answers(name, student_edition)
+            with student_path.student_process(student_edition, course_run_dir):
+                TIMES[name] = execute(nb, course_run_dir, {"tier": tier}, timeout=600)
+            ran = json.loads((course_run_dir / "executed" / nb.name).read_text())
+            noisy = student_path.failed_tests(ran)
+            assert not noisy, f"{name}: test cells that Validate fails, with what they printed: {noisy}"
             cache[name] = results.load(name, course_run_dir)
             cache[name]["seconds"] = TIMES[name]
         return cache[name]
 
     return run
-
-
-def value(res: dict, name: str):
-    """A recorded value from a results dict."""
-    return res["values"][name]["value"]
-
-
-def claim(res: dict, start: str) -> dict:
-    """The one claim a notebook recorded whose text starts with ``start``."""
-    found = [c for c in res["claims"] if c["claim"].startswith(start)]
-    assert len(found) == 1, f"expected one claim starting {start!r}, got {[c['claim'] for c in res['claims']]}"
-    return found[0]
-
-
-def rel_diff(a: list[float], b: list[float]) -> float:
-    """The largest relative difference between two equally long lists of numbers (losses step by step)."""
-    assert len(a) == len(b), f"{len(a)} values against {len(b)}"
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
@@ -112,8 +112,42 @@ def group_of(item) -> str:
     return SAME_WORKER.get(module, module)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gate", action="store_true",
+                     help="run only what the change since the last whole-suite pass can break (tests/selection.py)")
+
+
+GATE: selection.Selection | None = None  # the gate's selection in this process, under --gate
+
+
+def pytest_report_header(config):
+    if config.getoption("gate"):
+        return selection.Selection(selection.base()).describe()
+
+
+@pytest.fixture(scope="session")
+def gate() -> selection.Selection | None:
+    """The gate's selection when the suite runs as the gate (``make test``), None for the whole suite."""
+    return GATE
+
+
+def _gate(config, items) -> None:
+    """Under --gate, deselect every item the change cannot reach (tests/selection.py)."""
+    global GATE
+    GATE = selection.Selection(selection.base())
+    paths = [item.path.resolve().relative_to(ROOT).as_posix() for item in items]
+    kept = [item for item, path in zip(items, paths)
+            if GATE.keeps(path, getattr(getattr(item, "callspec", None), "id", ""))]
+    if len(kept) < len(items):
+        ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
+        items[:] = kept
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by these marks
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("gate"):
+        _gate(config, items)
     first = LANES + LONGEST_FIRST  # `make test` passes --no-loadscope-reorder: the workers take units in this order
     items.sort(key=lambda item: first.index(group_of(item)) if group_of(item) in first else len(first))  # stable
     for item in items:

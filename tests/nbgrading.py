@@ -154,6 +154,24 @@ def bundle(cases: dict[str, dict], solution: dict, points: dict[str, float]) -> 
     return out
 
 
+def touched(case: dict, solution: dict, points: dict[str, float]) -> set[str]:
+    """The test cells a case can move: those of the exercises it rewrites, and any it is expected to lose. The
+    reference (no cell rewritten) touches every test."""
+    own = {t for cell in case["cells"] for t in tests_of(solution, cell)}
+    lost = {t for t, v in case["scores"].items() if v != points[t]}
+    return (own | lost) if case["cells"] else set(points)
+
+
+def sample(known: dict[str, dict], attacks: dict[str, dict], solution: dict, points: dict[str, float]) -> dict:
+    """The gate's sample of an assignment's gradings, bundled: the reference (full marks), every case that calls the
+    library, the attacks, and the first bundle of the other known mistakes."""
+    library = {n: c for n, c in known.items() if n.startswith("calls_library_")}
+    mistakes = {n: c for n, c in known.items() if n not in library}
+    first = dict(list(bundle(mistakes, solution, points).items())[:1])
+    return {"reference": {"cells": {}, "scores": dict(points)}, **bundle({**library, **attacks}, solution, points),
+            **first}
+
+
 def _attacks():
     spec = importlib.util.spec_from_file_location("submissions_attacks", ROOT / "tests" / "submissions" / "attacks.py")
     mod = importlib.util.module_from_spec(spec)
@@ -170,13 +188,14 @@ def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> d
     return {**out, **mod.on_the_tests(assignment)}
 
 
-def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float], server=None) -> dict[str, float]:
+def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float], server=None,
+                 only: set[str] | None = None) -> dict[str, float]:
     """grade_id → score of the solution notebook with ``replace``'s solution cells, graded by calling its checks
     (course_lib.checks.grade: the submission's code in a fenced child of ``server``, the judges here), without
-    nbgrader."""
+    nbgrader. ``only``: grade these test cells alone."""
     from course_lib.checks import grade
 
-    verdicts = grade.grade(submission(solution, solution, replace=replace), server=server)
+    verdicts = grade.grade(submission(solution, solution, replace=replace), server=server, only=only)
     return {k: (points[k] if v.passed else 0) for k, v in verdicts.items()}
 
 

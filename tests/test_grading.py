@@ -55,22 +55,30 @@ def server(deepspeed_ops):
 
 
 @pytest.mark.parametrize("assignment", assignments())
-def test_checks_grade_known_submissions(assignment, server):
+def test_checks_grade_known_submissions(assignment, server, gate):
     """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
     fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
     is, so a copied reference is a stub and solutions/ cannot be read there either.
 
     Known-wrong cases and attacks that lose points only on their own exercise's tests are graded several to one
     submission (``nbgrading.bundle``: each grading runs every probe), one case per exercise: each must still lose
-    exactly its own points, and the others keep full marks beside it. (What this cannot see: a case that also
-    spoils another exercise's test which its partner loses anyway.)"""
+    exactly its own points, and the others keep full marks beside it. Only the test cells a case can move run
+    (``nbgrading.touched``: the exercises it rewrites, and the tests it is expected to lose). (What this cannot see:
+    a case that spoils another exercise's test which it is not expected to lose.) The gate (``make test``), for a change that
+    reaches this notebook only through the grader's core, grades a sample (``nbgrading.sample``): the reference, the
+    library calls, the attacks and one bundle of mistakes; every case runs when the notebook's own files changed."""
     solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
-    known = {**g.cases(assignment).CASES, **g.attack_cases(assignment, solution, points)}
-    cases = g.bundle(known, solution, points)
+    known, attacks = g.cases(assignment).CASES, g.attack_cases(assignment, solution, points)
+    if gate is not None and not gate.notebook_changed(assignment):  # the gate, for a change outside this notebook
+        cases = g.sample(known, attacks, solution, points)
+    else:
+        cases = g.bundle({**known, **attacks}, solution, points)
     wrong = {}
     for name, case in cases.items():
-        got = g.checks_score(solution, case["cells"], points, server)  # every test cell calls check() (test above)
-        if got != case["scores"]:
-            wrong[name] = {k: (got.get(k), v) for k, v in case["scores"].items() if got.get(k) != v}
+        tests = g.touched(case, solution, points)  # the probes of the other exercises never start
+        got = g.checks_score(solution, case["cells"], points, server, only=tests)  # every test cell calls check()
+        want = {k: v for k, v in case["scores"].items() if k in tests}
+        if got != want:
+            wrong[name] = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     assert not wrong, f"{assignment}: (got, expected) where they differ: {wrong}"

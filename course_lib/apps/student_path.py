@@ -152,11 +152,33 @@ def grade_ids(nb: dict, cell_sources: list[str]) -> list[str]:
             if nbgrader_meta(c).get("grade") and "".join(c["source"]).strip() in wanted]
 
 
-def check_filled(name: str, edition: Path, run_dir: Path, root: Path = ROOT) -> list[str]:
-    """Validate notebook ``name`` of ``edition`` with a correct student's answers; the problems found ([] = Success)."""
+def write_answers(name: str, edition: Path, root: Path = ROOT) -> Path:
+    """Write a correct student's answers into notebook ``name`` of ``edition`` (as a student saves it); its path."""
     release_path = edition / "notebooks" / f"{name}.ipynb"
     solution = json.loads((root / "solutions" / name / f"{name}.ipynb").read_text())
     release_path.write_text(json.dumps(filled(json.loads(release_path.read_text()), solution), indent=1) + "\n")
+    return release_path
+
+
+def failed_tests(executed: dict) -> dict[str, str]:
+    """The test cells of an executed notebook that Validate counts as failed (an error, or anything on stderr:
+    nbgrader's own rule), with what they printed."""
+    from nbformat import from_dict
+    from nbgrader.utils import determine_grade, is_grade
+
+    out = {}
+    for cell in from_dict(executed)["cells"]:
+        if cell.cell_type == "code" and is_grade(cell):
+            score, points = determine_grade(cell)
+            if score is not None and score < points:
+                shown = [o.get("text") or o.get("evalue") or "" for o in cell.outputs if o.output_type in ("stream", "error")]
+                out[cell.metadata.nbgrader.grade_id] = "".join(shown)[-600:]
+    return out
+
+
+def check_filled(name: str, edition: Path, run_dir: Path, root: Path = ROOT) -> list[str]:
+    """Validate notebook ``name`` of ``edition`` with a correct student's answers; the problems found ([] = Success)."""
+    release_path = write_answers(name, edition, root)
     with student_process(edition, run_dir):
         results, executed = validate(release_path)
     _keep(executed, run_dir, name)
@@ -169,10 +191,11 @@ def check_filled(name: str, edition: Path, run_dir: Path, root: Path = ROOT) -> 
 def check_blank(name: str, edition: Path, run_dir: Path, root: Path = ROOT) -> list[str]:
     """Validate notebook ``name`` of ``edition`` as released (demonstrations left out): the exercises whose visible
     tests pass, or fail without naming what the student has to write ([] = every exercise fails as it should)."""
-    release_path = edition / "notebooks" / f"{name}.ipynb"
-    release_path.write_text(json.dumps(without_demos(json.loads(release_path.read_text())), indent=1) + "\n")
+    release = json.loads((edition / "notebooks" / f"{name}.ipynb").read_text())
+    exercises_only = edition / "notebooks" / f"{name}.exercises.ipynb"  # beside the release, which stays as it ships
+    exercises_only.write_text(json.dumps(without_demos(release), indent=1) + "\n")
     with student_process(edition, run_dir):
-        results, executed = validate(release_path)
+        results, executed = validate(exercises_only)
     _keep(executed, run_dir, f"{name}.blank")
     failed = {gid: c["raw_error"] for c in results.get("failed", []) for gid in grade_ids(executed, [c["source"]])}
     problems = []

@@ -153,10 +153,12 @@ def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
         return Verdict(False, f"{name}: {type(err).__name__}: {err}")
 
 
-def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None = None) -> dict[str, Verdict]:
+def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None = None,
+          only: set[str] | None = None) -> dict[str, Verdict]:
     """``{grade_id: Verdict}`` of every test cell of ``nb`` that calls ``check``; a cell passes if all its checks do.
-    ``server``: a grading server of the caller's (else the shared one for these checks)."""
-    cells = checked_cells(nb)
+    ``server``: a grading server of the caller's (else the shared one for these checks). ``only``: these test cells'
+    checks alone run (the others' probes are never started)."""
+    cells = {k: v for k, v in checked_cells(nb).items() if only is None or k in only}
     names = [n for ns in cells.values() for n in ns]
     if not names:
         return {}
