@@ -22,7 +22,8 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
    ``tp_train``), ``pp`` (with ``schedules``), ``cp`` (with ``cp_train``), ``ep``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), and in ``course_lib/apps/``
    ``finetune``, ``benchmark``, ``size_sweep`` (the largest model per offload strategy), ``accelerate_configs``,
-   ``cluster``, ``run_all`` (the course's main job), ``release``, ``edition``, ``preflight``, ``sandbox``.
+   ``cluster``, ``run_all`` (the course's main job), ``release``, ``edition``, ``student_path``, ``preflight``,
+   ``sandbox``.
 
 Heavy optional packages (transformers, peft, accelerate, deepspeed) are imported where they are
 used, so that ``import course_lib`` stays fast in a notebook's first cell.
