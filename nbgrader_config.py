@@ -142,7 +142,7 @@ class GradeByChecks(NbGraderPreprocessor):
         return nb, resources
 
 
-# ---------------------------------------------------------------- a restored test cell is reported only when it was edited
+# ---------------------------------------------------------------- a restored test cell is reported only if edited
 # nbgrader restores every locked cell from the source and warns "Attribute 'checksum' for cell ... has changed!" where
 # the submitted one differs. A hidden test cell always differs: the release removed its hidden region. So every
 # student's every hidden test cell was reported, and an instructor could not tell a student's edit from the release.
@@ -163,7 +163,8 @@ class CourseOverwriteCells(OverwriteCells):
 
 
 def released(source: str) -> str:
-    """A test cell's source as the release gives it to students: its hidden-test region removed (nbgrader's own rule)."""
+    """A test cell's source as the release gives it to students: its hidden-test region removed (nbgrader's own
+    rule)."""
     cell = new_code_cell(source)
     ClearHiddenTests()._remove_hidden_test_region(cell)
     return cell.source

@@ -135,11 +135,11 @@ def loader_rate(loaders, batches: int) -> dict:
     round: worker start-up plus one batch.
     """
     loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-    wave = max(1, max(l.num_workers for l in loaders))
+    wave = max(1, max(loader.num_workers for loader in loaders))
     if batches < 2 * wave:
         raise ValueError(f"batches={batches} is too few for {wave} workers: read at least {2 * wave} so that the rate "
                          "is timed after the first wave of batches")
-    its = [iter(l) for l in loaders]
+    its = [iter(loader) for loader in loaders]
     t0 = time.perf_counter()
     ends, samples = [], 0
     for r in range(batches):

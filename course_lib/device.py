@@ -287,8 +287,8 @@ def rocm_facts() -> dict[str, str]:
 
 # What an MI300X node should show (seed 001 and AMD's system-optimization guide).
 MI300X_EXPECTS = {"NUMA auto-balancing": "0 (disabled)", "GPU": "AMD Instinct MI300X", "GPUs": "8",
-                  "GPU architecture": "gfx942", "GPU memory": "about 192 GiB", "ROCm": "6.3 or newer (image v25.3: 6.3.0)",
-                  "RCCL": "RCCL 2.x", "hipBLASLt": "available"}
+                  "GPU architecture": "gfx942", "GPU memory": "about 192 GiB",
+                  "ROCm": "6.3 or newer (image v25.3: 6.3.0)", "RCCL": "RCCL 2.x", "hipBLASLt": "available"}
 
 
 def validate_rocm(facts: dict[str, str] | None = None) -> list[dict]:

@@ -87,7 +87,8 @@ def _gloo_average(op, group, async_op: bool) -> bool:
 
 
 def average_over_gloo() -> None:
-    """FSDP2 on CPU ranks under torch 2.7: averages over gloo, and HSDP's all-reduce event (nothing where torch has both).
+    """FSDP2 on CPU ranks under torch 2.7: averages over gloo, and HSDP's all-reduce event (nothing where torch has
+    both).
 
     FSDP2 averages gradients with ``ReduceOp.AVG``: a reduce-scatter and, for HSDP (2-D meshes: NO_SHARD,
     HYBRID), an all-reduce. torch 2.7's gloo sums where the reduce-scatter asks for the average, silently
@@ -223,8 +224,8 @@ class Timeline:
     on one clock that starts at ``t0`` and, on a GPU, waits for the device before it is read.
 
     ``events`` is a list of plain dicts (picklable), in order: a mark is ``{"what", "t", **info}``, a span
-    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``schedules.Recorder`` adds a step
-    origin every rank shares and the forwards and backwards of pipeline stages.
+    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``schedules.Recorder`` adds a
+    step origin every rank shares and the forwards and backwards of pipeline stages.
     """
 
     def __init__(self, device: torch.device | str | None = None):
@@ -314,8 +315,10 @@ _COLLECTIVES = {
     _FUNCOL.all_reduce: ("all_reduce", 0), _FUNCOL.all_reduce_: ("all_reduce", 0),
     _FUNCOL.all_reduce_coalesced: ("all_reduce", 0), _FUNCOL.all_to_all_single: ("all_to_all", 0),
     _FUNCOL.broadcast: ("broadcast", 0),
-    _FUNCOL.all_gather_into_tensor: ("all_gather", "out"), _FUNCOL.all_gather_into_tensor_coalesced: ("all_gather", "out"),
-    _FUNCOL.reduce_scatter_tensor: ("reduce_scatter", 0), _FUNCOL.reduce_scatter_tensor_coalesced: ("reduce_scatter", 0),
+    _FUNCOL.all_gather_into_tensor: ("all_gather", "out"),
+    _FUNCOL.all_gather_into_tensor_coalesced: ("all_gather", "out"),
+    _FUNCOL.reduce_scatter_tensor: ("reduce_scatter", 0),
+    _FUNCOL.reduce_scatter_tensor_coalesced: ("reduce_scatter", 0),
 }
 
 # the share of a collective's full tensor that each rank sends in a ring algorithm (N ranks in the group)
@@ -337,8 +340,9 @@ class CollectiveBytes(TorchDispatchMode):
     ``c.bytes_by_kind``; ``c.bytes_by_group`` splits them by process group (named by ``groups``, e.g.
     ``{"tp": mesh.get_group("tp"), "dp": mesh.get_group("dp")}``). Bytes are those of the full tensor of
     each call, on this rank: the tensor an all-reduce reduces, the gathered result of an all-gather, the
-    input of a reduce-scatter, what a send sends. ``c.sent_bytes_by_kind`` is what each rank sends over the wire in a ring algorithm:
-    2(N-1)/N of that for an all-reduce (a reduce-scatter then an all-gather), (N-1)/N for the others.
+    input of a reduce-scatter, what a send sends. ``c.sent_bytes_by_kind`` is what each rank sends over the
+    wire in a ring algorithm: 2(N-1)/N of that for an all-reduce (a reduce-scatter then an all-gather),
+    (N-1)/N for the others.
 
     It sees what goes through torch's dispatcher: ``torch.distributed`` calls (``c10d`` ops, FSDP2's
     all-gathers and reduce-scatters among them) and the functional collectives DTensor issues

@@ -278,8 +278,8 @@ def scaling_trace(quantise: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
     """Run a quantiser (``x -> (fp8 tensor, scale)``: yours, or ``current_scaler``'s) over a stream of tensors.
 
     Per step: the scale used, how full it makes the range (``amax · scale / fp8_max``: above 1 the largest
-    values saturate), the fraction of values past ``overflow_threshold`` (clamped to ±max), the relative error of the dequantised tensor,
-    and whether every quantised value is finite.
+    values saturate), the fraction of values past ``overflow_threshold`` (clamped to ±max), the relative error
+    of the dequantised tensor, and whether every quantised value is finite.
     """
     fmax, over = fp8_max(dtype), overflow_threshold(dtype)
     trace: dict[str, list] = {"scale": [], "fill": [], "saturated": [], "error": [], "finite": []}

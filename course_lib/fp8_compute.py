@@ -134,8 +134,8 @@ def _format_name(dtype: torch.dtype) -> str:
     """"e4m3" for OCP's e4m3fn (the name the notebook uses), otherwise the dtype's own: "e5m2", "e4m3fnuz"."""
     return {torch.float8_e4m3fn: "e4m3"}.get(dtype, str(dtype).removeprefix("torch.float8_"))
 
-SWEEP = {"bf16": None, "e4m3, no scaling": (torch.float8_e4m3fn, False), "e4m3, per-tensor scale": (torch.float8_e4m3fn, True),
-         "e5m2, no scaling": (torch.float8_e5m2, False)}
+SWEEP = {"bf16": None, "e4m3, no scaling": (torch.float8_e4m3fn, False),
+         "e4m3, per-tensor scale": (torch.float8_e4m3fn, True), "e5m2, no scaling": (torch.float8_e5m2, False)}
 
 
 def magnitude_sweep(x: torch.Tensor, w: torch.Tensor, exponents) -> dict[str, list[float]]:

@@ -75,7 +75,8 @@ def forbid(*answers, namespace: dict | None = None) -> Iterator[None]:
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of every parameter's gradient, by name (zeros where a gradient is missing)."""
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in model.named_parameters()}
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

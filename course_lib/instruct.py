@@ -141,7 +141,8 @@ def _response_text(tokenizer, example: Example) -> str:
     if not full.startswith(prompt):
         raise ValueError("the tokenizer's chat template renders the prompt differently with and without the answer, so "
                          "the prompt/response boundary is not exact: use a template whose generation prompt is a "
-                         "prefix of the full conversation, or set tokenizer.chat_template = None for the package's template")
+                         "prefix of the full conversation, or set tokenizer.chat_template = None for the package's "
+                         "template")
     return full[len(prompt):]
 
 
@@ -180,7 +181,7 @@ def fit_to_length(features: list[dict], seq_len: int, *, long: str = "truncate",
         if long == "error":
             raise ValueError(f"an example has {n} tokens, more than seq_len={seq_len}: raise seq_len, or pass "
                              "long='truncate' or long='drop'")
-        n_prompt = next((i for i, l in enumerate(f["labels"]) if l != IGNORE_INDEX), n)
+        n_prompt = next((i for i, label in enumerate(f["labels"]) if label != IGNORE_INDEX), n)
         if long == "drop" or seq_len - n_prompt < min_response:
             counts["dropped"] += 1
             continue

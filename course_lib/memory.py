@@ -136,7 +136,8 @@ class SavedTensorMeter:
 
     def __enter__(self) -> "SavedTensorMeter":
         self._handles = [h for label, m in self.parts
-                         for h in (m.register_forward_pre_hook(self._enter(label)), m.register_forward_hook(self._leave))]
+                         for h in (m.register_forward_pre_hook(self._enter(label)),
+                                   m.register_forward_hook(self._leave))]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self

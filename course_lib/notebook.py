@@ -82,5 +82,6 @@ def _emulated_widths(notebook: str, size: dict, emulate: dict | None) -> dict:
                          f"run it with tier='cpu' here, or with tier='node' on a GPU node")
     unknown = sorted(set(emulate) - set(size))
     if unknown:
-        raise ValueError(f"emulate names {unknown}, which are not node-tier sizes of {notebook} (it has {sorted(size)})")
+        raise ValueError(f"emulate names {unknown}, which are not node-tier sizes of {notebook} "
+                         f"(it has {sorted(size)})")
     return emulate

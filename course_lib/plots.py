@@ -11,9 +11,10 @@ def bars(labels, values, *, ylabel: str, title: str, ax=None, fmt: str = "{:.2f}
         fig, ax = plt.subplots(figsize=(5, 3.2))
     else:
         fig = ax.figure
-    rects = ax.bar([str(l) for l in labels], values, color=color or "#4c72b0")
+    rects = ax.bar([str(label) for label in labels], values, color=color or "#4c72b0")
     for r, v in zip(rects, values):
-        ax.annotate(fmt.format(v), (r.get_x() + r.get_width() / 2, r.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(fmt.format(v), (r.get_x() + r.get_width() / 2, r.get_height()), ha="center", va="bottom",
+                    fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()

@@ -83,10 +83,12 @@ def strict_float32():
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic = saved
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.deterministic) = saved
 
 
-def make_scaler(device: torch.device | str, dtype: str | torch.dtype, init_scale: float = 2.0**16) -> torch.amp.GradScaler:
+def make_scaler(device: torch.device | str, dtype: str | torch.dtype,
+                init_scale: float = 2.0**16) -> torch.amp.GradScaler:
     """A GradScaler that is enabled only for float16 (bf16 and fp32 need no loss scaling)."""
     device, dtype = torch.device(device), resolve_dtype(dtype)
     return torch.amp.GradScaler(device.type, init_scale=init_scale, enabled=dtype == torch.float16)

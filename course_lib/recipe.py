@@ -169,7 +169,8 @@ def estimate_step_bytes(config, seq_len: int, micro_batch: int, *, lora: bool = 
 def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = None, *, micro_batch: int | None = None,
                      lora: bool = False, chunked_loss: bool = True, frozen_bytes: int = 2, max_micro_batch: int = 16,
                      memory_bytes: int | None = None, headroom: float = 0.85, cpu_micro_batch: int = 8,
-                     lora_params: int = 0, chunk_tokens: int = LOSS_CHUNK_TOKENS, held_bytes: int | None = None) -> dict:
+                     lora_params: int = 0, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                     held_bytes: int | None = None) -> dict:
     """Choose the micro-batch and whether to checkpoint, from the device's memory.
 
     With ``micro_batch`` given (the batch you want per step): that size without checkpointing if
@@ -220,4 +221,5 @@ def plan_micro_batch(config, seq_len: int, device: torch.device | str | None = N
     held = (f" after the {held_bytes / 2**30:.1f} GiB held already (free the models of earlier cells: del them, then "
             "course_lib.device.free_memory())") if held_bytes else ""
     raise ValueError(f"even micro-batch 1 with checkpointing needs {need(1, True) / 2**30:.1f} GiB and the budget "
-                     f"is {budget / 2**30:.1f} GiB{held}: use LoRA, a shorter sequence, or shard the model (FSDP, ZeRO-3)")
+                     f"is {budget / 2**30:.1f} GiB{held}: use LoRA, a shorter sequence, "
+                     "or shard the model (FSDP, ZeRO-3)")

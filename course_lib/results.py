@@ -96,7 +96,8 @@ class Results:
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r}: use one of {list(KINDS)}")
         if (held is None) != (kind == "not measured here"):
-            raise ValueError(f"a {kind} claim {'takes no' if held is not None else 'needs a'} held=True/False: {claim!r}")
+            raise ValueError(f"a {kind} claim {'takes no' if held is not None else 'needs a'} held=True/False: "
+                             f"{claim!r}")
         entry = {"claim": claim, "measured": measured, "kind": kind, "source": source,
                  "held": bool(held) if kind == "measured" else None,
                  "agrees": bool(held) if kind in ("predicted", "simulated") else None}

@@ -124,7 +124,8 @@ def matmul_parameters(n_params: int, vocab_size: int, d_model: int, tied_head: b
     return n_params if tied_head else n_params - vocab_size * d_model
 
 
-def transformer_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int, frozen_base: bool = False) -> float:
+def transformer_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int,
+                                frozen_base: bool = False) -> float:
     """Training FLOPs per token: 6·N (forward 2N, backward 4N) plus 12·L·d·T for attention.
 
     N is the matmul parameter count (``matmul_parameters``). With frozen base weights (LoRA) the

@@ -60,7 +60,8 @@ class Dims:
                  f"accum_steps {self.accum_steps} x dp {self.dp} = {step} (each data-parallel rank takes accum_steps "
                  f"equal micro-batches)")
         raise ValueError(f"global_batch={self.global_batch} does not divide by {split}: use a multiple of {step} "
-                         f"(e.g. {example}), or change the world size{'' if self.accum_steps == 1 else ' or accum_steps'}")
+                         f"(e.g. {example}), or change the world size"
+                         f"{'' if self.accum_steps == 1 else ' or accum_steps'}")
 
     @classmethod
     def for_world(cls, global_batch: int, world: int, *, accum_steps: int = 1, tp: int = 1, pp: int = 1) -> "Dims":
@@ -220,7 +221,7 @@ def mean_over_ranks(value: float, device: torch.device | str | None = None) -> f
 def worker_result(losses, **extra) -> dict:
     """What a training worker returns: ``rank``, ``world_size``, ``losses`` (a list, one per step), and ``extra``."""
     rank, world = rank_and_world()
-    return {"rank": rank, "world_size": world, "losses": [float(l) for l in losses], **extra}
+    return {"rank": rank, "world_size": world, "losses": [float(loss) for loss in losses], **extra}
 
 
 def _batch_source(batches: Iterable | Callable[[int], object]) -> Callable[[int], object]:
@@ -256,8 +257,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable | 
     """
     if dims is not None:
         if step_kwargs.get("accum_steps", dims.accum_steps) != dims.accum_steps:
-            raise ValueError(f"fit got dims (accumulation {dims.accum_steps}) and accum_steps={step_kwargs['accum_steps']}: "
-                             "give the accumulation once, in dims")
+            raise ValueError(f"fit got dims (accumulation {dims.accum_steps}) and "
+                             f"accum_steps={step_kwargs['accum_steps']}: give the accumulation once, in dims")
         step_kwargs["accum_steps"] = dims.accum_steps
     device = compute_device(model)
     batch_for, history = _batch_source(batches), []

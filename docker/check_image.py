@@ -120,7 +120,8 @@ def check_deepspeed_ops(names: list[str], prebuilt: bool) -> tuple[bool, str]:
     accel = get_accelerator()._name
     for name in names:
         if name not in ALL_OPS:
-            return False, f"DeepSpeed {deepspeed.__version__} has no op {name!r} for accelerator {accel!r}: {sorted(ALL_OPS)}"
+            return False, (f"DeepSpeed {deepspeed.__version__} has no op {name!r} for accelerator {accel!r}: "
+                           f"{sorted(ALL_OPS)}")
         if prebuilt and not (installed_ops.get(name) and accelerator_name == accel):
             return False, (f"DeepSpeed's {name} op was not compiled into the install for accelerator {accel!r} "
                            f"(built for {accelerator_name!r}, prebuilt: {installed_ops.get(name, False)}): reinstall "
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pyproject", type=Path, default=PYPROJECT, help="where the floors are declared")
     parser.add_argument("--torch-version", help="decide as if the installed torch distribution reported this version")
-    parser.add_argument("--deepspeed-ops", default="cpu_adam", help="comma-separated DeepSpeed ops that must load ('' skips)")
+    parser.add_argument("--deepspeed-ops", default="cpu_adam",
+                        help="comma-separated DeepSpeed ops that must load ('' skips)")
     parser.add_argument("--prebuilt", action="store_true", help="the ops must be compiled into DeepSpeed's install")
     parser.add_argument("--gpu", choices=("rocm", "cuda"), help="torch must be built for this GPU stack")
     args = parser.parse_args(argv)

@@ -23,7 +23,8 @@ PTH = "_inherit_base_packages.pth"
 
 
 def making_environment_site_packages() -> list[str]:
-    """This interpreter's site-packages when it runs in a virtual environment, else none (--system-site-packages suffices)."""
+    """This interpreter's site-packages when it runs in a virtual environment, else none (--system-site-packages
+    suffices)."""
     return site.getsitepackages() if sys.prefix != sys.base_prefix else []
 
 

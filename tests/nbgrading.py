@@ -40,7 +40,8 @@ def checked_ids(nb: dict) -> set[str]:
 
 
 def strip_markers(source: str) -> str:
-    return "\n".join(l for l in source.splitlines() if l.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
+    return "\n".join(line for line in source.splitlines()
+                     if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
 
 
 def cell_source(cell) -> str:
@@ -184,7 +185,8 @@ def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> d
     those the sandbox stops, and where the tests are checks, those on the tests themselves."""
     mod = _attacks()
     attacks = mod.cases(assignment, {ex: tests_of(solution, ex) for ex in solution_cells(solution)})
-    out = {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}} for name, a in attacks.items()}
+    out = {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}}
+           for name, a in attacks.items()}
     return {**out, **mod.on_the_tests(assignment)}
 
 

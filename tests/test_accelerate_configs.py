@@ -44,7 +44,8 @@ def test_deepspeed_config_reaches_the_plugin_as_written():
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
 
 
-@pytest.mark.parametrize("field, bad", [("fsdp_sharding_strategy", "HALF_SHARD"), ("fsdp_backward_prefetch", "SOMETIMES")])
+@pytest.mark.parametrize("field, bad", [("fsdp_sharding_strategy", "HALF_SHARD"),
+                                        ("fsdp_backward_prefetch", "SOMETIMES")])
 def test_a_broken_fsdp_config_is_rejected_with_its_file_name(tmp_path, field, bad):
     cfg = ac.load("fsdp")
     cfg["fsdp_config"][field] = bad

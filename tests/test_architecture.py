@@ -13,14 +13,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
 LAYERS = {
-    "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput", "results", "plots",
-             "grading", "dataloader"},
+    "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput",
+             "results", "plots", "grading", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
-    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train",
-                  "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4", "qlora"},
-    "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all", "release",
-                    "preflight", "edition", "student_path", "sandbox", "__init__"},
+    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp",
+                  "tp_train", "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4",
+                  "qlora"},
+    "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all",
+                    "release", "preflight", "edition", "student_path", "sandbox", "__init__"},
 }
 # The folders say the layers: the applications (what a user runs: the course's main job, the release, the grading
 # fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/, and of the library's
@@ -65,7 +66,8 @@ def course_imports(node: ast.AST) -> list[tuple[str, int]]:
     out = []
     for n in ast.walk(node):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "course_lib":
-            if course_module(n.module) is None:  # from course_lib import results, plots / from course_lib.apps import ...
+            # from course_lib import results, plots / from course_lib.apps import ...
+            if course_module(n.module) is None:
                 known = [a.name for a in n.names if a.name in module_paths() or a.name == "checks"]
                 out += [(name, n.lineno) for name in known]
                 out += [("__init__", n.lineno)] * (n.module == "course_lib" and len(known) < len(n.names))
@@ -162,7 +164,8 @@ def test_functions_fit_on_a_screen_and_public_ones_say_what_they_do(name):
 # runs, above the library: not counted.)
 OWNS_BACKWARD_OR_STEP = {
     "train.train_step": "the step itself: backward, clipping, the optimizer step",
-    "deepspeed_engine.deepspeed_step": "DeepSpeed's engine owns backward and step (engine.backward, engine.step): fit's step=",
+    "deepspeed_engine.deepspeed_step":
+        "DeepSpeed's engine owns backward and step (engine.backward, engine.step): fit's step=",
     "schedules.run_1f1b": "a pipeline stage backwards its piece with the gradient its successor sent",
     "pp.naive_step": "a pipeline stage backwards its piece with the gradient its successor sent",
     "pp._step": "torch's pipeline schedule runs every stage's forward and backward itself (schedule.step)",
@@ -195,7 +198,8 @@ def backward_and_step_calls(tree: ast.Module) -> dict[str, list[int]]:
                 inner = child.name
             elif isinstance(node, ast.ClassDef) and owner == node.name and isinstance(child, ast.FunctionDef):
                 inner = f"{owner}.{child.name}"  # a method
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and child.func.attr in ("backward", "step"):
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
+                    and child.func.attr in ("backward", "step"):
                 out.setdefault(owner or "<module>", []).append(child.lineno)
             visit(child, inner)
     visit(tree, None)
@@ -205,10 +209,12 @@ def backward_and_step_calls(tree: ast.Module) -> dict[str, list[int]]:
 def test_no_training_loop_outside_the_runner():
     """Counted: every call of ``.backward(`` or ``.step(`` (optimizers, schedulers, engines, torch.autograd) in the
     library, by the top-level function it sits in; outside train.py each must be an owner named above."""
-    found = {f"{name}.{fn}": lines for name, tree in modules().items() for fn, lines in backward_and_step_calls(tree).items()}
+    found = {f"{name}.{fn}": lines for name, tree in modules().items()
+             for fn, lines in backward_and_step_calls(tree).items()}
     unowned = {k: v for k, v in found.items() if k not in OWNS_BACKWARD_OR_STEP}
     assert not unowned, (f"backward or step outside the runner: {unowned}; run the loop through train.fit (an "
-                         "engine's step through fit's step=), or name the owner and its reason in OWNS_BACKWARD_OR_STEP")
+                         "engine's step through fit's step=), or name the owner and its reason in "
+                         "OWNS_BACKWARD_OR_STEP")
     stale = set(OWNS_BACKWARD_OR_STEP) - set(found)
     assert not stale, f"OWNS_BACKWARD_OR_STEP names {stale}, which no longer call backward or step: remove them"
 
@@ -261,9 +267,12 @@ def test_a_visible_check_never_imports_a_hidden_one_and_imports_sit_at_the_top(n
 def test_check_functions_fit_on_a_screen_and_the_grader_says_what_it_does(name):
     tree = checks_modules()[name]
     long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
-            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"checks/{name}.py: {long} are longer than {MAX_FUNCTION_LINES} lines"
     if name in GRADER_API:
-        public = [f.name for f in tree.body if isinstance(f, (ast.FunctionDef, ast.ClassDef)) and not f.name.startswith("_")]
-        undocumented = [f for f in public if not ast.get_docstring(next(n for n in tree.body if getattr(n, "name", "") == f))]
+        public = [f.name for f in tree.body
+                  if isinstance(f, (ast.FunctionDef, ast.ClassDef)) and not f.name.startswith("_")]
+        undocumented = [f for f in public
+                        if not ast.get_docstring(next(n for n in tree.body if getattr(n, "name", "") == f))]
         assert not undocumented, f"checks/{name}.py: public {undocumented} have no docstring"

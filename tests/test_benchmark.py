@@ -38,7 +38,8 @@ def test_the_recipes_checkpointing_is_notebook_03s_and_changes_only_memory():
     plain_bytes, ckpt_bytes = (activation_bytes(m, lambda m=m: forward_loss(m, ids)) for m in (ref, model))
     forward_loss(ref, ids).backward()
     forward_loss(model, ids).backward()
-    strip = lambda g: {k.replace(".block", ""): v for k, v in g.items()}
+    def strip(g):
+        return {k.replace(".block", ""): v for k, v in g.items()}
     assert grads(ref) and max_abs_diff(strip(grads(model)), grads(ref)) < 1e-6
     assert ckpt_bytes < 0.5 * plain_bytes
 
@@ -202,8 +203,8 @@ def test_benchmark_cli_lora_fair_baseline_and_targets(tmp_path, capsys):
              "--check-targets", "--json", str(out_json)])  # in process: a subprocess would pay the imports again
     stdout = capsys.readouterr().out
     lines = stdout.splitlines()
-    assert any(l.startswith("| baseline | sdpa: flash") for l in lines)
-    assert any(l.startswith("| recipe | course_sdpa: flash") for l in lines)
+    assert any(line.startswith("| baseline | sdpa: flash") for line in lines)
+    assert any(line.startswith("| recipe | course_sdpa: flash") for line in lines)
     assert "PASS  step-0 loss" in stdout and "n/a   speed targets" in stdout
     res = json.loads(out_json.read_text())
     b, r = res["baseline"], res["recipe"]
@@ -225,7 +226,8 @@ def _as_gpu(res: dict, preset: str, lora: bool, name: str = "NVIDIA H100 80GB HB
 
 
 def test_check_targets_on_constructed_results(cpu_result, tmp_path):
-    verdict = lambda res: [c["passed"] for c in bm.check_targets(res)]
+    def verdict(res):
+        return [c["passed"] for c in bm.check_targets(res)]
     assert verdict(cpu_result) == [True, True, None]  # the CPU shape has no speed target
     assert verdict(_as_gpu(cpu_result, "1b", False)) == [True, True, True, True]
     assert verdict(_as_gpu(cpu_result, "1b", False, speedup=1.3)) == [True, True, False, True]
@@ -258,5 +260,5 @@ def test_the_table_says_which_cards_peak_mfu_was_measured_against(cpu_result, tm
         path = tmp_path / f"{card}.json"
         path.write_text(json.dumps(res))
         bm.main(["--from-json", str(path)])  # what the CLI prints for a saved GPU result
-        header = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("MFU:"))
+        header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("MFU:"))
         assert f"against {figure} dense bf16 ({card}: " in header and f"'{name}'" in header, header

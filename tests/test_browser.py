@@ -52,7 +52,7 @@ def test_nbgrader_labextensions_are_installed_and_enabled():
     proc = subprocess.run([str(Path(sys.executable).parent / "jupyter"), "labextension", "list"],
                           capture_output=True, text=True, timeout=120)
     listing = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    line = next((l for l in listing.splitlines() if "@jupyter/nbgrader" in l), "")
+    line = next((ln for ln in listing.splitlines() if "@jupyter/nbgrader" in ln), "")
     assert "enabled" in line and "OK" in line, f"nbgrader's labextension is not enabled:\n{listing}"
 
 
@@ -203,7 +203,7 @@ def test_student_lab_runs_and_validates_notebook_00_without_instructor_tools(tmp
         expect(create_assignment_tabs(page)).to_have_count(0)
         labels = nbgrader_menu(page)
         assert "Assignment List" in labels, labels
-        assert not {"formgrader", "course list", "create assignment"} & {l.lower() for l in labels}, labels
+        assert not {"formgrader", "course list", "create assignment"} & {label.lower() for label in labels}, labels
         shot("nbgrader_menu")
         page.get_by_role("menuitem", name="Assignment List", exact=True).click()
         expect(page.locator("#released_assignments_list")).to_be_visible(timeout=30_000)

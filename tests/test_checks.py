@@ -70,7 +70,8 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
             "for m in pkgutil.walk_packages(course_lib.__path__, 'course_lib.'):  # course_lib/apps/ too\n"
             "    importlib.import_module(m.name)\n"
             "print(before, len(os.listdir('/proc/self/task')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "4"})
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split()[-2:])
     assert after == before, f"importing course_lib started {after - before} thread(s)"
@@ -98,7 +99,8 @@ def test_multi_rank_checks_pass_and_fail_on_the_gpu_machines_spawned_ranks(assig
     solution = g.load_solution(assignment)
     test_id = SPAWNED[assignment]
     meta = lambda c: c.get("metadata", {}).get("nbgrader", {})  # noqa: E731
-    only = {**solution, "cells": [c for c in solution["cells"] if not meta(c).get("grade") or meta(c)["grade_id"] == test_id]}
+    only = {**solution, "cells": [c for c in solution["cells"]
+                                  if not meta(c).get("grade") or meta(c)["grade_id"] == test_id]}
     exercise = next(ex for ex in g.solution_cells(solution) if test_id in g.tests_of(solution, ex))
     wrong = next(c for n, c in g.cases(assignment).CASES.items()
                  if list(c["cells"]) == [exercise] and c["scores"][test_id] == 0 and not n.startswith("calls_"))

@@ -40,8 +40,8 @@ STUB_SCONTROL = '[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" "$FAKE
 
 
 def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
-    text = cluster.torchrun_sbatch(["-m", "course_lib.workers", "course_lib.parallel.deepspeed_engine:train", "/shared/run 1"],
-                                   nodes=4, partition="mi300x", time="2-00:00:00", job_name="zero3")
+    text = cluster.torchrun_sbatch(["-m", "course_lib.workers", "course_lib.parallel.deepspeed_engine:train",
+                                    "/shared/run 1"], nodes=4, partition="mi300x", time="2-00:00:00", job_name="zero3")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=mi300x", "#SBATCH --time=2-00:00:00", "#SBATCH --job-name=zero3",
                  "#SBATCH --cpus-per-task=96"):
@@ -49,7 +49,8 @@ def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
     assert re.search(r"torchrun --nnodes=4 --nproc-per-node=8 \\\n\s+--rdzv-backend=c10d "
                      r"--rdzv-endpoint=\"\$head_node:29500\" --rdzv-id=\"\$SLURM_JOB_ID\"", text)
-    assert "-m course_lib.workers course_lib.parallel.deepspeed_engine:train '/shared/run 1'" in text, "arguments are shell-quoted"
+    assert "-m course_lib.workers course_lib.parallel.deepspeed_engine:train '/shared/run 1'" in text, \
+        "arguments are shell-quoted"
     assert "numa_balancing" in text, "seed 001's NUMA check"
     assert "{{" not in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -86,7 +87,8 @@ def test_cli_prints_and_writes_scripts(tmp_path):
     assert "#SBATCH --nodes=2" in out and "train.py --lr 1e-4" in out
     subprocess.run([*py, "deepspeed", "-o", str(tmp_path / "job.sbatch"), "--", "train.py"], check=True, timeout=60)
     assert "deepspeed --hostfile" in (tmp_path / "job.sbatch").read_text()
-    bad = subprocess.run([*py, "torchrun", "--nodes", "0", "--", "train.py"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*py, "torchrun", "--nodes", "0", "--", "train.py"], capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "nodes=0: must be an integer >= 1" in bad.stderr
     bad = subprocess.run([*py, "torchrun", "--nodes", "2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "after '--'" in bad.stderr

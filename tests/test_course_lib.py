@@ -53,7 +53,10 @@ def test_fit_resumes_at_a_step_stops_when_asked_and_times_each_step():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     asked, wrapped = [], []
-    batch_for = lambda step: asked.append(step) or (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+
+    def batch_for(step):
+        asked.append(step)
+        return torch.randn(8, 4), torch.randint(0, 2, (8,))
 
     class Mark:
         def __init__(self, step):
@@ -274,7 +277,8 @@ def test_tensor_bytes_counts_each_tensor_once():
 def test_one_meter_splits_the_same_bytes_by_dtype_and_by_part():
     model = models.build_llama("tiny", num_hidden_layers=2)
     ids = data.random_tokens(2, 32, 512)
-    parts = [("mlp", layer.mlp) for layer in model.model.layers] + [("attention", l.self_attn) for l in model.model.layers]
+    parts = ([("mlp", layer.mlp) for layer in model.model.layers]
+             + [("attention", layer.self_attn) for layer in model.model.layers])
     with memory.SavedTensorMeter(exclude=model, parts=parts) as meter:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = forward_loss(model, ids)
@@ -293,7 +297,8 @@ def test_the_meter_follows_what_autograd_holds_until_backward_frees_it():
         loss = forward_loss(model, ids)
     held = meter.live
     assert held >= meter.bytes > 0 and meter.peak == held  # whole storages, at least the spans they cover
-    loss.backward()  # backward frees the graph and with it every saved tensor (the ids this test holds are not autograd's)
+    # backward frees the graph and with it every saved tensor (the ids this test holds are not autograd's)
+    loss.backward()
     assert meter.live == 0 and meter.peak == held
     with meter:  # a second, half-size step: the peak stays the first one's
         forward_loss(model, ids[:1]).backward()
@@ -342,13 +347,15 @@ def test_checkpointing_keeps_gradients_and_cuts_saved_bytes(kwargs):
     model = models.build_llama("tiny", num_hidden_layers=4)
     ids = data.random_tokens(2, 64, 512)
     ref = twin(model)
-    loss = lambda m: forward_loss(m, ids)
+    def loss(m):
+        return forward_loss(m, ids)
     loss(ref).backward()
     full = memory.activation_bytes(ref, lambda: loss(ref))
     checkpointing.checkpoint_layers(checkpointing.transformer_layers(model), **kwargs)
     less = memory.activation_bytes(model, lambda: loss(model))
     loss(model).backward()
-    strip = lambda g: {k.replace(".block", ""): v for k, v in g.items()}
+    def strip(g):
+        return {k.replace(".block", ""): v for k, v in g.items()}
     assert max_abs_diff(strip(grads(model)), grads(ref)) < 1e-6
     assert less < 0.85 * full
     checkpointing.remove_checkpointing(checkpointing.transformer_layers(model))
@@ -401,7 +408,8 @@ def test_only_a_measured_claim_holds_or_fails(tmp_path, monkeypatch):
     claims = results.load("99_test")["claims"]
     assert [c["held"] for c in claims] == [None, None, None, True]
     assert [c["agrees"] for c in claims] == [False, True, None, None]
-    assert [results.verdict(c) for c in claims] == ["predicted: disagrees", "simulated: agrees", "not measured here", "held"]
+    assert [results.verdict(c) for c in claims] == ["predicted: disagrees", "simulated: agrees", "not measured here",
+                                                    "held"]
     assert results.kind_counts(claims) == {"held": 1, "predicted": 1, "simulated": 1, "not measured here": 1}
     with pytest.raises(ValueError, match="use one of"):
         r.claim("x", "y", True, kind="guessed")
@@ -461,7 +469,10 @@ def test_the_activation_formula_has_one_home():
     assert per_layer == 10 * config.hidden_size + 4 * config.intermediate_size
     full = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0)
     kept = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0, checkpointed=True)
-    peak = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0, checkpointed=True, recomputing=True)
-    assert full == 32 * config.num_hidden_layers * per_layer * 2 and kept == 32 * config.num_hidden_layers * config.hidden_size * 2
+    peak = memory.llama_activation_bytes(config, 2, 16, dtype_bytes=2, logits_bytes=0, checkpointed=True,
+                                         recomputing=True)
+    assert full == 32 * config.num_hidden_layers * per_layer * 2
+    assert kept == 32 * config.num_hidden_layers * config.hidden_size * 2
     assert peak - kept == 32 * per_layer * 2
-    assert memory.llama_activation_bytes(config, 2, 16, recomputing=True) == memory.llama_activation_bytes(config, 2, 16)
+    assert memory.llama_activation_bytes(config, 2, 16, recomputing=True) == \
+        memory.llama_activation_bytes(config, 2, 16)

@@ -22,7 +22,8 @@ def test_buckets_fill_from_the_last_parameter_up_to_the_cap():
     w0, b0, w1, b1 = net.parameters()
     names = lambda buckets: [[id(p) for p in b] for b in buckets]  # noqa: E731
     assert names(ddp.bucket_parameters(net.parameters(), 4.5 / 1024)) == names([[b1, w1], [b0], [w0]])
-    assert names(ddp.bucket_parameters(net.parameters(), 5 / 1024)) == names([[b1, w1], [b0, w0]])  # 5 KiB: fits exactly
+    # 5 KiB: fits exactly
+    assert names(ddp.bucket_parameters(net.parameters(), 5 / 1024)) == names([[b1, w1], [b0, w0]])
     assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, b0, w0]])
     assert names(ddp.bucket_parameters(net.parameters(), 1 / 1024)) == names([[b1], [w1], [b0], [w0]])  # w: alone
     b0.requires_grad_(False)
@@ -140,7 +141,8 @@ def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
         train.train_step(model, opt, {"input_ids": ids[rows], "labels": labels[rows]}, accum_steps=2,
                          token_weighted=True)
         # plain numbers back: tensors would travel as shared memory that dies with the rank
-        return all(bool(torch.isfinite(g).all()) for g in seen.values()), max((seen[n] - want[n]).abs().max().item() for n in want)
+        return (all(bool(torch.isfinite(g).all()) for g in seen.values()),
+                max((seen[n] - want[n]).abs().max().item() for n in want))
 
     for finite, diff in run_forked(step, 2, timeout=60):
         assert finite and diff < 1e-5

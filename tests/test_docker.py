@@ -51,14 +51,15 @@ BIN = Path(sys.executable).parent
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
 
-EDITION_RUN = "python3 course_lib/apps/edition.py student /opt/student-edition"  # convention E's command, as the stage runs it
+# convention E's command, as the stage runs it
+EDITION_RUN = "python3 course_lib/apps/edition.py student /opt/student-edition"
 EDITION_OUT = "/opt/student-edition"
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in dockerfile.read_text().splitlines()
-                                         if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in dockerfile.read_text().splitlines()
+                                         if not line.lstrip().startswith("#")))
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -116,14 +117,16 @@ def base_image(dockerfile: Path) -> str:
     ins = instructions(dockerfile)
     args = dict(a.split("=", 1) for i, a in ins[:[i for i, _ in ins].index("FROM")] if i == "ARG" and "=" in a)
     names = {s.name for s in stages(dockerfile)}
-    images = {re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s.parent) for s in stages(dockerfile) if s.parent not in names}
-    assert len(images) == 1, f"{dockerfile.name}: every stage starts from one vendor image (or an earlier stage), not {images}"
+    images = {re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s.parent)
+              for s in stages(dockerfile) if s.parent not in names}
+    assert len(images) == 1, \
+        f"{dockerfile.name}: every stage starts from one vendor image (or an earlier stage), not {images}"
     return images.pop()
 
 
 def documented_base(dockerfile: Path) -> dict[str, str]:
     """The `# base-image: TAG torch=... python=...` line above a Dockerfile's FROM: what the vendor says it ships."""
-    lines = [l for l in dockerfile.read_text().splitlines() if l.startswith("# base-image:")]
+    lines = [line for line in dockerfile.read_text().splitlines() if line.startswith("# base-image:")]
     assert len(lines) == 1, f"{dockerfile.name}: say the base tag and its torch and Python in one `# base-image:` line"
     tag, *fields = lines[0].removeprefix("# base-image:").split()
     return {"tag": tag, **dict(f.split("=", 1) for f in fields)}
@@ -132,7 +135,7 @@ def documented_base(dockerfile: Path) -> dict[str, str]:
 def dockerignore(dockerfile: Path) -> list[str]:
     """The patterns of a Dockerfile's .dockerignore (this course's files use no '!' exceptions: checked)."""
     lines = (DOCKER / f"{dockerfile.name}.dockerignore").read_text().splitlines()
-    patterns = [l.strip() for l in lines if l.strip() and not l.startswith("#")]
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert not any(p.startswith("!") for p in patterns), "context_files() does not apply '!' exceptions"
     return patterns
 
@@ -196,7 +199,8 @@ def test_hadolint_reports_no_error(dockerfile):
     for f in findings:
         print(f"{dockerfile.name}:{f['line']} {f['code']} {f['level']}: {f['message']}")
     bad = [f for f in findings if f["level"] in ("error", "warning")]
-    assert not bad, f"hadolint on {dockerfile.name}: " + "; ".join(f"line {f['line']} {f['code']} {f['message']}" for f in bad)
+    assert not bad, f"hadolint on {dockerfile.name}: " + "; ".join(f"line {f['line']} {f['code']} {f['message']}"
+                                                                   for f in bad)
     # every rule switched off in the file says why, on the comment lines just above it
     lines = dockerfile.read_text().splitlines()
     for i, line in enumerate(lines):
@@ -216,9 +220,11 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
                          " ".join(a for i, a in instructions(dockerfile) if i == "RUN")), \
         "a Dockerfile must not install torch: the base image's build is the one for its GPUs"
     assert re.search(r"\bmake setup\b", runs), "install the course with `make setup` (README, .ci/run)"
-    assert re.search(r"^make setup$", (ROOT / ".ci" / "run").read_text(), re.M) and "make setup" in (ROOT / "README.md").read_text()
+    assert re.search(r"^make setup$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert "make setup" in (ROOT / "README.md").read_text()
     assert re.search(r"^setup:", (ROOT / "Makefile").read_text(), re.M)
-    assert re.search(r"\bdeepspeed==", runs) and "--no-build-isolation" in runs, "DeepSpeed rebuilt against the image's torch"
+    assert re.search(r"\bdeepspeed==", runs) and "--no-build-isolation" in runs, \
+        "DeepSpeed rebuilt against the image's torch"
     for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1"):
         assert op in runs, f"DeepSpeed's {op} prebuilt"
     # DeepSpeed's JIT CPU comm op, built after the reinstall into the folder grading kernels use, owned by the user
@@ -343,7 +349,8 @@ def test_the_student_stage_copies_no_solutions_tests_or_graded_reference(student
     leaked = [f for f in files if f.split("/")[0] in ("solutions", "tests", "release", "submitted", "autograded",
                                                       "runs", "build") or f == "nbgrader_config.py"]
     assert not leaked, f"the student image would hold {leaked[:10]}"
-    assert {f for f in files if f.endswith(".ipynb")} == {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert {f for f in files if f.endswith(".ipynb")} == {f"notebooks/{p.name}"
+                                                          for p in (ROOT / "notebooks").glob("*.ipynb")}
     # every graded reference (convention M's markers) is a stub there: a docstring and a raise, nothing else
     refs = graded_references(ROOT)
     assert refs, "course_lib marks no graded reference"
@@ -355,8 +362,8 @@ def test_the_student_stage_copies_no_solutions_tests_or_graded_reference(student
             body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
             if isinstance(node, ast.ClassDef) and len(body) == 1 and getattr(body[0], "name", "") == "__init__":
                 body = [s for s in body[0].body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            stub = len(body) == 1 and isinstance(body[0], ast.Raise) and f"notebook {assignment}'s exercise {exercise}" \
-                in ast.unparse(body[0])
+            stub = len(body) == 1 and isinstance(body[0], ast.Raise) \
+                and f"notebook {assignment}'s exercise {exercise}" in ast.unparse(body[0])
             assert stub == (edition_of == "student"), f"course_lib.{ref} in the {edition_of} edition: stub={stub}"
 
 
@@ -365,7 +372,8 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
     course = tmp_path / "course"
     shutil.copytree(student_edition, course)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "TORCH_EXTENSIONS_DIR"))}
-    for target, expect in (("setup", ['-m pip install -q -c .venv/constraints.txt -e ".[test]"', "build_deepspeed_ops()"]),
+    for target, expect in (("setup", ['-m pip install -q -c .venv/constraints.txt -e ".[test]"',
+                                      "build_deepspeed_ops()"]),
                            ("ops", ["build_deepspeed_ops()"]),  # and the student's lab reads the student configuration:
                            ("lab", [f'$JUPYTER_CONFIG_PATH:}}{course}/docker/student-lab"', "jupyter lab notebooks/"])):
         proc = subprocess.run(["make", "-n", target], cwd=course, capture_output=True, text=True, timeout=60, env=env)
@@ -373,11 +381,13 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
         for line in expect:
             assert line in proc.stdout, f"`make -n {target}` in the student edition: no {line!r} in\n{proc.stdout}"
     # `pip install -e .` builds the package from the edition's pyproject.toml (its readme, package data, course_lib)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                           "-w", str(tmp_path / "wheel"), str(course)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(tmp_path / "wheel"), str(course)], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
-    assert "course_lib/parallel/ddp.py" in names and any(n.startswith("course_lib/apps/templates/") for n in names) and \
+    assert "course_lib/parallel/ddp.py" in names and \
+        any(n.startswith("course_lib/apps/templates/") for n in names) and \
         any(n.startswith("course_lib/apps/configs/") for n in names), names
 
 
@@ -397,7 +407,7 @@ def check_image(*args: str) -> subprocess.CompletedProcess:
 
 def verdicts(proc: subprocess.CompletedProcess) -> dict[str, str]:
     """{check: 'ok' or 'FAIL'} from check_image.py's report."""
-    return dict(reversed(l.split()[:2]) for l in proc.stdout.splitlines() if l[:4] in ("ok  ", "FAIL"))
+    return dict(reversed(line.split()[:2]) for line in proc.stdout.splitlines() if line[:4] in ("ok  ", "FAIL"))
 
 
 def floors() -> tuple[str, str]:
@@ -454,7 +464,8 @@ def test_base_image_is_the_documented_tag_and_meets_the_floor(dockerfile):
     assert SpecifierSet(torch_floor).contains(doc["torch"], prereleases=True), (doc, torch_floor)
     assert SpecifierSet(python_floor).contains(doc["python"]), (doc, python_floor)
     # docker/README.md's table gives the same tag, torch and Python
-    row = next((l for l in (DOCKER / "README.md").read_text().splitlines() if l.startswith(f"| `{doc['tag']}` |")), "")
+    row = next((line for line in (DOCKER / "README.md").read_text().splitlines()
+                if line.startswith(f"| `{doc['tag']}` |")), "")
     assert f"| `{doc['torch']}` | {doc['python']} |" in row, f"docker/README.md's base table lacks {doc}"
     # and the image's torch is one the real transformers and accelerate accept (the build's own check, fed it)
     proc = check_image("--torch-version", doc["torch"], "--deepspeed-ops", "")
@@ -519,11 +530,13 @@ def test_makefile_builds_the_student_and_the_grader_target():
 
 def test_docker_readme_says_which_image_each_role_gets(tmp_path):
     readme = (DOCKER / "README.md").read_text()
-    rows = {l.split("|")[4].strip(): l for l in readme.splitlines() if l.startswith("| `scaling-pytorch-course:")}
+    rows = {line.split("|")[4].strip(): line for line in readme.splitlines()
+            if line.startswith("| `scaling-pytorch-course:")}
     student = next(r for r in rows.values() if "`student` (the default)" in r)
     grader = next(r for r in rows.values() if "`grader`" in r)
     for platform in ("rocm", "cuda"):
-        assert f"`scaling-pytorch-course:{platform}`" in student and f"`scaling-pytorch-course:{platform}-grader`" in grader
+        assert f"`scaling-pytorch-course:{platform}`" in student
+        assert f"`scaling-pytorch-course:{platform}-grader`" in grader
     assert "student edition" in student and "No `solutions/`, no `tests/`" in student and "student servers" in student
     assert "`solutions/`" in grader and "`tests/`" in grader and "Formgrader" in grader and "Never a student" in grader
     # the flags it shows are the ones run.sh gives
@@ -666,7 +679,8 @@ def test_start_lab_serves_the_student_edition(student_edition, tmp_path):
     try:
         status, body = http_get(f"http://127.0.0.1:{port}/api/contents/notebooks", token=token)
         assert status == 200
-        assert {c["name"] for c in json.loads(body)["content"]} == {p.name for p in (course / "notebooks").glob("*.ipynb")}
+        assert {c["name"] for c in json.loads(body)["content"]} == {p.name
+                                                                    for p in (course / "notebooks").glob("*.ipynb")}
         # the edition's student configuration, after a folder given before (the class hub's takes precedence)
         environ = Path(f"/proc/{proc.pid}/environ").read_text().split("\0")
         assert f"JUPYTER_CONFIG_PATH={tmp_path / 'hub-student'}:{course / 'docker' / 'student-lab'}" in environ
@@ -699,7 +713,8 @@ def _run_sh(*args: str, tmp: Path) -> subprocess.CompletedProcess:
 def _run_sh_argv(*args: str, tmp: Path, **env: str) -> list[str]:
     """run.sh's docker command (--dry-run) as an argument list; env: KFD_TOPOLOGY, DRI_DIR."""
     proc = subprocess.run(["bash", str(DOCKER / "run.sh"), args[0], "--dry-run", "--work", str(tmp / "w"), *args[1:]],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, "JUPYTER_TOKEN": "tok123", **env})
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "JUPYTER_TOKEN": "tok123", **env})
     assert proc.returncode == 0, proc.stderr
     return shlex.split(proc.stdout)
 
@@ -731,7 +746,8 @@ def test_run_sh_rocm_gives_a_student_what_rocm_needs_and_no_host_ipc(tmp_path):
     assert _flag_values(argv, "--group-add") == ["video", str(gid)], "the device files' groups: video and render"
     assert _flag_values(argv, "--ipc") == ["private"] and _flag_values(argv, "--shm-size") == ["64G"]
     assert not _shares_the_host(argv), f"a student container gets {_shares_the_host(argv)}"
-    assert _flag_values(argv, "-p") == ["8888:8888"] and _flag_values(argv, "-v") == [f"{tmp_path / 'w'}:/home/student/work"]
+    assert _flag_values(argv, "-p") == ["8888:8888"]
+    assert _flag_values(argv, "-v") == [f"{tmp_path / 'w'}:/home/student/work"]
     assert "tok123" not in " ".join(argv), "the token goes by name, not on the command line"
     assert (tmp_path / "w").is_dir(), "the work folder is made on the host, so it outlives the container"
     # with --gpus: only those GPUs' render nodes, the same groups and shared memory, still no host IPC
@@ -742,7 +758,8 @@ def test_run_sh_rocm_gives_a_student_what_rocm_needs_and_no_host_ipc(tmp_path):
     assert not _shares_the_host(argv)
     # a host with no render node (not a ROCm host): said on stderr, how to add the group by hand
     proc = subprocess.run(["bash", str(DOCKER / "run.sh"), "rocm", "--dry-run", "--work", str(tmp_path / "w")],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, "DRI_DIR": str(tmp_path / "none")})
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "DRI_DIR": str(tmp_path / "none")})
     assert proc.returncode == 0 and "add --group-add <gid of the host's render group>" in proc.stderr, proc.stderr
 
 
@@ -750,7 +767,8 @@ def test_run_sh_instructor_gets_the_grader_image(tmp_path):
     dri, gid = _fake_render_nodes(tmp_path / "dri")
     for platform in ("rocm", "cuda"):
         argv = _run_sh_argv(platform, "--instructor", tmp=tmp_path, DRI_DIR=str(dri))
-        assert argv[-1] == f"scaling-pytorch-course:{platform}-grader" and "COURSE_ROLE=instructor" in _flag_values(argv, "-e")
+        assert argv[-1] == f"scaling-pytorch-course:{platform}-grader"
+        assert "COURSE_ROLE=instructor" in _flag_values(argv, "-e")
         assert _flag_values(argv, "--name") == [f"scaling-course-{platform}-grader"]
         assert _flag_values(argv, "--ipc") == ["private"] and not _shares_the_host(argv)
         argv = _run_sh_argv(platform, "--instructor", "--image", "my/grader:1", tmp=tmp_path, DRI_DIR=str(dri))

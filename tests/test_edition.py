@@ -39,8 +39,9 @@ KEPT = {
         "course_lib.train.train_step, the one step every notebook trains with, skips the sync on all but the last "
         "micro-step (model.no_sync)",
     ("09_deepspeed_zero", "make_ds_config"):
-        "course_lib.parallel.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every ZeRO run (and the size "
-        "sweep) launches with; one dict key matches the exercise's, whose arithmetic and errors are graded by behaviour",
+        "course_lib.parallel.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every "
+        "ZeRO run (and the size sweep) launches with; one dict key matches the exercise's, whose arithmetic and "
+        "errors are graded by behaviour",
 }
 # Idioms any training code writes; a match on one of them gives no exercise away.
 COMMON = {
@@ -52,7 +53,8 @@ COMMON = {
     "d, ffn = config.hidden_size, config.intermediate_size",
 }
 MIN_LINE = 25  # a shorter line is too common to say anything (`return x`, `loss.backward()`)
-TOP = {"notebooks", "course_lib", "docker", "pyproject.toml", "environment.yml", "Makefile", "README.md", ".gitignore", MARKER_FILE}
+TOP = {"notebooks", "course_lib", "docker", "pyproject.toml", "environment.yml", "Makefile", "README.md", ".gitignore",
+       MARKER_FILE}
 
 
 # ---------------------------------------------------------------- what solutions/ holds
@@ -91,8 +93,8 @@ def docstring_lines(text: str) -> set[int]:
     out = set()
     for n in ast.walk(tree):
         body = getattr(n, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             out |= set(range(body[0].lineno, body[0].end_lineno + 1))
     return out
 
@@ -131,7 +133,8 @@ def secrets(root: Path = ROOT) -> list[Secret]:
             for kind, begin, end in (("solution", "### BEGIN SOLUTION", "### END SOLUTION"),
                                      ("hidden test", "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")):
                 for region in regions(text, begin, end):
-                    lines = tuple(dict.fromkeys(ln.strip() for i, ln in region if i not in docs and distinctive(ln.strip(), visible)))
+                    lines = tuple(dict.fromkeys(ln.strip() for i, ln in region
+                                                if i not in docs and distinctive(ln.strip(), visible)))
                     out.append(Secret(nb_path.parent.name, exercise, kind, meta.get("grade_id", "?"), lines,
                                       normalised("\n".join(ln for _, ln in region))))
     return out
@@ -172,7 +175,8 @@ class Hit:
 
 def scan(folder: Path, root: Path = ROOT) -> list[Hit]:
     """Every distinctive solution or hidden-test line, and every whole hidden-test region, found in ``folder``."""
-    files = {rel: ({ln.strip() for ln in text.splitlines()}, normalised(text)) for rel, text in edition_texts(folder).items()}
+    files = {rel: ({ln.strip() for ln in text.splitlines()}, normalised(text))
+             for rel, text in edition_texts(folder).items()}
     hits = []
     for s in secrets(root):
         for rel, (lines, text) in files.items():
@@ -225,16 +229,18 @@ def files_of(folder: Path) -> set[str]:
 # ---------------------------------------------------------------- the scan
 
 def test_no_solution_line_or_hidden_test_is_in_the_student_edition(built):
-    assert set(KEPT) <= {(s.assignment, s.exercise) for s in secrets() if s.kind == "solution"}, "KEPT names no exercise"
+    assert set(KEPT) <= {(s.assignment, s.exercise) for s in secrets() if s.kind == "solution"}, \
+        "KEPT names no exercise"
     hits = scan(built)
     unused = sorted(set(KEPT) - {(h.secret.assignment, h.secret.exercise) for h in hits if h.kept})
     print("solution and hidden-test lines found in the student edition:\n" + summary(hits)
           + (f"\nKEPT entries that matched nothing (remove them?): {unused}" if unused else ""))
     leaks = [h for h in hits if not h.kept]
     assert not leaks, ("the student edition holds solution code:\n  " + "\n  ".join(map(str, leaks[:30]))
-                       + f"\n{'  ...' if len(leaks) > 30 else ''}For a course_lib definition that holds the answer, mark it "
-                       "with '# graded: <assignment> <exercise>' on the line above it (the edition stubs it); if the course "
-                       "measures with it on purpose, add the exercise to KEPT with the reason.\nSummary:\n" + summary(hits))
+                       + f"\n{'  ...' if len(leaks) > 30 else ''}For a course_lib definition that holds the answer, "
+                       "mark it with '# graded: <assignment> <exercise>' on the line above it (the edition stubs it); "
+                       "if the course measures with it on purpose, add the exercise to KEPT with the reason."
+                       "\nSummary:\n" + summary(hits))
 
 
 def test_the_scan_finds_an_unmarked_reference_and_not_a_marked_one(tmp_path):
@@ -248,7 +254,8 @@ def test_the_scan_finds_an_unmarked_reference_and_not_a_marked_one(tmp_path):
     unmarked = scan(build_student_edition(tmp_path / "unmarked", root=root), root)
     found = [h for h in unmarked if h.file == "course_lib/leak.py"]
     assert found and all(h.secret.exercise == "DelayedScalingFP8" for h in found), summary(unmarked)
-    (root / "course_lib" / "leak.py").write_text(pasted.replace(f"class {name}", f"# graded: 02_fp8 DelayedScalingFP8\nclass {name}"))
+    (root / "course_lib" / "leak.py").write_text(pasted.replace(f"class {name}",
+                                                                f"# graded: 02_fp8 DelayedScalingFP8\nclass {name}"))
     marked = scan(build_student_edition(tmp_path / "marked", root=root), root)
     assert not [h for h in marked if h.file == "course_lib/leak.py"], summary(marked)
 
@@ -267,8 +274,10 @@ for ref in json.loads(sys.argv[1]):
             obj()
         else:
             sig = inspect.signature(obj)
-            args = [None for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-            kwargs = {p.name: None for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty}
+            args = [None for p in sig.parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+            kwargs = {p.name: None for p in sig.parameters.values()
+                      if p.kind == p.KEYWORD_ONLY and p.default is p.empty}
             result = obj(*args, **kwargs)
             asyncio.run(result) if inspect.iscoroutine(result) else None
         out[ref] = ["returned", mod.__file__]
@@ -349,14 +358,15 @@ def test_stubs_keep_signature_and_docstring_and_leave_the_rest_byte_for_byte(tmp
     stubbed = edition.stub_module(root / "course_lib" / "toy.py", root)
     assert "def average(model,\n            world: int = 2,\n            *, op: str = \"sum\") -> dict[str, int]:\n" \
            "    \"\"\"Average gradients.\n\n    Over every rank.\n    \"\"\"\n    raise NotImplementedError(" in stubbed
-    assert "class Buckets(dict):\n    \"\"\"Buckets, in reverse order.\"\"\"\n\n    def __init__(self, *args, **kwargs):" in stubbed
+    assert "class Buckets(dict):\n    \"\"\"Buckets, in reverse order.\"\"\"\n\n" \
+           "    def __init__(self, *args, **kwargs):" in stubbed
     assert "@dataclasses.dataclass" not in stubbed and "async def fetch(x):\n    raise NotImplementedError(" in stubbed
     assert "return [self.cap]" not in stubbed and "world // 2" not in stubbed and "x + 1" not in stubbed
     assert stubbed.endswith(TOY[TOY.index("\n\ndef kept"):]) and stubbed.startswith(TOY[:TOY.index("# graded")])
     out = build_student_edition(tmp_path / "edition", root=root)
     results = stub_messages(out, ["toy.Buckets", "toy.average", "toy.fetch"], cwd=tmp_path)
-    assert results["toy.fetch"][0] == ("course_lib.toy.fetch is written in notebook 05_input_pipeline's exercise Prefetcher: "
-                                       "use the one you wrote there")
+    assert results["toy.fetch"][0] == ("course_lib.toy.fetch is written in notebook 05_input_pipeline's exercise "
+                                       "Prefetcher: use the one you wrote there")
     assert all(msg.startswith("course_lib.toy.") for msg, _ in results.values()), results
 
 
@@ -365,7 +375,8 @@ def test_a_marked_reference_in_a_subfolder_is_stubbed_too(tmp_path):
     stubbed in the edition's copy of that folder."""
     root = course_copy(tmp_path / "course")
     (root / "course_lib" / "apps" / "toy.py").write_text(TOY)
-    assert {k for k in graded_references(root) if "toy." in k} == {"apps.toy.Buckets", "apps.toy.average", "apps.toy.fetch"}
+    assert {k for k in graded_references(root) if "toy." in k} == {"apps.toy.Buckets", "apps.toy.average",
+                                                                    "apps.toy.fetch"}
     out = build_student_edition(tmp_path / "edition", root=root)
     assert "x + 1" not in (out / "course_lib" / "apps" / "toy.py").read_text()
     results = stub_messages(out, ["apps.toy.fetch"], cwd=tmp_path)
@@ -403,14 +414,19 @@ def without(text: str, names: set[str]) -> str:
 
 
 @pytest.mark.parametrize("module, expect", [
-    ("LIMIT = 2\n# graded: 07_ddp_reducer BucketedDDP\nLIMIT = 3\n", "must sit on the line right above a top-level def or class"),
-    ("class C:\n    # graded: 07_ddp_reducer BucketedDDP\n    def m(self):\n        return 1\n", "(a method is stubbed with its class"),
+    ("LIMIT = 2\n# graded: 07_ddp_reducer BucketedDDP\nLIMIT = 3\n",
+     "must sit on the line right above a top-level def or class"),
+    ("class C:\n    # graded: 07_ddp_reducer BucketedDDP\n    def m(self):\n        return 1\n",
+     "(a method is stubbed with its class"),
     ("LIMIT = 2\n# graded: 07_ddp_reducer BucketedDDP\n\ndef f():\n    return 1\n", "must sit on the line right above"),
-    ("LIMIT = 2\n# graded: 99_nowhere BucketedDDP\ndef f():\n    return 1\n", "'99_nowhere' is not a folder of solutions/"),
+    ("LIMIT = 2\n# graded: 99_nowhere BucketedDDP\ndef f():\n    return 1\n",
+     "'99_nowhere' is not a folder of solutions/"),
     ("LIMIT = 2\n# graded: 06_ddp NoSuchExercise\ndef f():\n    return 1\n",
      "'NoSuchExercise' is not the grade_id of a solution cell of 06_ddp; use one of ['rank_batches'"),
-    ("LIMIT = 2\n# graded: 06_ddp\ndef f():\n    return 1\n", "write exactly '# graded: <assignment> <exercise grade_id>'"),
-], ids=["above-a-statement", "above-a-method", "blank-line-between", "no-such-assignment", "no-such-exercise", "malformed"])
+    ("LIMIT = 2\n# graded: 06_ddp\ndef f():\n    return 1\n",
+     "write exactly '# graded: <assignment> <exercise grade_id>'"),
+], ids=["above-a-statement", "above-a-method", "blank-line-between", "no-such-assignment", "no-such-exercise",
+        "malformed"])
 def test_a_misplaced_or_wrong_marker_is_an_error_that_says_where_and_what_to_fix(tmp_path, module, expect):
     root = course_copy(tmp_path / "course")
     text = '"""Toy."""\n\n' + module
@@ -450,22 +466,25 @@ def test_the_edition_holds_what_a_student_needs_and_nothing_of_the_instructor(bu
 def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     dry = run(["make", "-n", "setup", "lab", "preflight", "ops"], cwd=built)
     assert dry.returncode == 0, dry.stderr
-    assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout and "jupyter lab notebooks/" in dry.stdout
+    assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout
+    assert "jupyter lab notebooks/" in dry.stdout
     assert "course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
-    assert "parallel.deepspeed_engine.build_deepspeed_ops" not in stubbed and not [r for r in stubbed if r.startswith("preflight.")]
+    assert "parallel.deepspeed_engine.build_deepspeed_ops" not in stubbed
+    assert not [r for r in stubbed if r.startswith("preflight.")]
     for target in ("test", "course", "release", "grade"):  # they need tests/ or solutions/: not in the edition
         assert run(["make", "-n", target], cwd=built).returncode != 0, target
     instructor = (ROOT / "Makefile").read_text().split("\n\n")
     for para in (built / "Makefile").read_text().split("\n\n")[2:]:  # after its own help text and .PHONY
         assert para.strip("\n") in [p.strip("\n") for p in instructor], f"not the instructor's rule:\n{para}"
     src = shutil.copytree(built, tmp_path / "src")  # pip writes build/ and egg-info into the source folder
-    out = run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "w")],
-              cwd=tmp_path)
+    out = run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
+               "-w", str(tmp_path / "w")], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     wheel = zipfile.ZipFile(next((tmp_path / "w").glob("*.whl")))
     packaged = {n for n in wheel.namelist() if n.startswith("course_lib/")}
-    assert packaged == {n for n in files_of(built) if n.startswith("course_lib/")}, "pip install packages the stubbed course_lib"
+    assert packaged == {n for n in files_of(built) if n.startswith("course_lib/")}, \
+        "pip install packages the stubbed course_lib"
     assert all(wheel.read(n) == (built / n).read_bytes() for n in packaged)
 
 
@@ -506,7 +525,8 @@ def test_for_grading_builds_once_per_content_of_course_lib(tmp_path, monkeypatch
     first = for_grading(root)
     assert {p.name for p in first.iterdir()} == {"course_lib", ".content-hash"}
     stamp = (first / ".content-hash").stat().st_mtime_ns
-    assert for_grading(root) == first and (first / ".content-hash").stat().st_mtime_ns == stamp, "rebuilt with no change"
+    assert for_grading(root) == first and (first / ".content-hash").stat().st_mtime_ns == stamp, \
+        "rebuilt with no change"
     with open(root / "course_lib" / "results.py", "a") as f:
         f.write("\nCHANGED = True\n")
     second = for_grading(root)

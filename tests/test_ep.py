@@ -61,7 +61,8 @@ def _ep(rank, world, factor):
         ((out * w).sum() + AUX * moe.aux_loss / world).backward()
     grads = {n: p.grad.numpy() for n, p in moe.named_parameters() if p.grad is not None}
     return {"out": out.detach().numpy(), "dx": x.grad.numpy(), "grads": grads, "dropped": moe.dropped,
-            "traffic": moe.traffic, "fwd": fwd.bytes_by_kind.get("all_to_all"), "bwd": bwd.bytes_by_kind.get("all_to_all")}
+            "traffic": moe.traffic, "fwd": fwd.bytes_by_kind.get("all_to_all"),
+            "bwd": bwd.bytes_by_kind.get("all_to_all")}
 
 
 def _every_check():

@@ -63,7 +63,7 @@ def test_pad_batch_masks_padding(tok):
         assert b["labels"][i, :n].tolist() == f["labels"]
     w = ins.padding_waste(b)
     assert w["real tokens"] == sum(len(f["input_ids"]) for f in feats)
-    assert w["scored tokens"] == sum(sum(l != ins.IGNORE_INDEX for l in f["labels"]) for f in feats)
+    assert w["scored tokens"] == sum(sum(label != ins.IGNORE_INDEX for label in f["labels"]) for f in feats)
 
 
 def test_packing_keeps_documents_apart(tok, tiny):
@@ -165,7 +165,8 @@ def test_stand_in_base_learns_its_task_and_a_fine_tune_is_scored(tok):
     sort_feats = [ins.tokenize_example(tok, e) for e in sort["test"]]
     assert ft.evaluate_loss(base, sort_feats, tok.pad_token_id) < 0.8 * ft.evaluate_loss(untrained, sort_feats,
                                                                                            tok.pad_token_id)
-    assert all(not n.startswith("_orig_mod") for n in base.state_dict())  # a plain model: the training copy was prepared
+    # a plain model: the training copy was prepared
+    assert all(not n.startswith("_orig_mod") for n in base.state_dict())
     train = [ins.tokenize_example(tok, e) for e in rev["train"]]
     test = [ins.tokenize_example(tok, e) for e in rev["test"]]
     model = lora.same_start(twin(base))
@@ -312,7 +313,7 @@ def test_a_dict_batch_that_does_not_split_is_refused(tok):
 
 def test_finetune_cli_runs_in_one_process():
     res = ft.main(["--preset", "tiny", "--steps", "2", "--seq-len", "64", "--micro-batch", "2"])
-    assert res["world_size"] == 1 and len(res["losses"]) == 2 and all(l == l for l in res["losses"])
+    assert res["world_size"] == 1 and len(res["losses"]) == 2 and all(loss == loss for loss in res["losses"])
 
 
 def test_rocm_validation_paths():
@@ -339,7 +340,8 @@ def test_peft_lora_layer_reference_freezes_the_base_and_adds_the_scaled_update()
     base = torch.nn.Linear(8, 6)
     w = base.weight.detach().clone()
     layer = lora.lora_linear(base, r=2, alpha=6)
-    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A.default.weight", "lora_B.default.weight"}
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == {"lora_A.default.weight",
+                                                                           "lora_B.default.weight"}
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     b.data.normal_()
     x = torch.randn(4, 8)
@@ -349,7 +351,8 @@ def test_peft_lora_layer_reference_freezes_the_base_and_adds_the_scaled_update()
 # ------------------------------------------- a node run: real loading, data, loss, schedule, ranks
 LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
                    "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
-                   "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+                   "{%- if add_generation_prompt %}"
+                   "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 SEQ = 64
 
 
@@ -479,7 +482,8 @@ def _rank_grads(model, halves):
     (weight,) = token_weights([halves[rank]])
     (losses.forward_loss(ranks, halves[rank]) * weight).backward()
     losses.forward_loss(means, halves[rank]).backward()
-    as_lists = lambda m: {n: g.tolist() for n, g in grads(m).items()}  # plain data through the result queue
+    def as_lists(m):  # plain data through the result queue
+        return {n: g.tolist() for n, g in grads(m).items()}
     return weight, as_lists(ranks), as_lists(means)
 
 

@@ -41,7 +41,8 @@ def test_format_facts_are_the_formats_bits():
 
 def test_the_table_reads_max_from_finfo_and_measures_the_fnuz_formats():
     rows = {r["type"]: r for r in fp8.format_table()}
-    assert {name: r["max"] for name, r in rows.items()} == {n: float(torch.finfo(dt).max) for n, dt in fp8.TABLE_DTYPES.items()}
+    assert {name: r["max"] for name, r in rows.items()} == {n: float(torch.finfo(dt).max)
+                                                            for n, dt in fp8.TABLE_DTYPES.items()}
     e4, e5 = rows["fp8 e4m3fnuz"], rows["fp8 e5m2fnuz"]
     assert (e4["max"], e4["smallest normal"], e4["smallest subnormal"]) == (240.0, 2.0**-7, 2.0**-10)
     assert (e5["max"], e5["smallest normal"], e5["smallest subnormal"]) == (57344.0, 2.0**-15, 2.0**-17)
@@ -50,7 +51,8 @@ def test_the_table_reads_max_from_finfo_and_measures_the_fnuz_formats():
         assert (r["NaN patterns"], r["inf"], r["-0"], r["cast of 2*max"]) == (1, False, False, "nan")
     assert (rows["fp8 e4m3"]["NaN patterns"], rows["fp8 e4m3"]["inf"], rows["fp8 e4m3"]["-0"]) == (2, False, True)
     assert (rows["fp8 e5m2"]["NaN patterns"], rows["fp8 e5m2"]["inf"]) == (6, True)
-    assert (rows["fp16"]["NaN patterns"], rows["bf16"]["NaN patterns"], rows["fp32"]["NaN patterns"]) == (2046, 254, 2**24 - 2)
+    assert (rows["fp16"]["NaN patterns"], rows["bf16"]["NaN patterns"], rows["fp32"]["NaN patterns"]) == \
+        (2046, 254, 2**24 - 2)
     assert math.isnan(torch.tensor(480.0).to(torch.float8_e4m3fnuz).float())  # why clamping first is mandatory there
     assert fp8.quantize(torch.tensor([480.0, -1e6]), 1.0, torch.float8_e4m3fnuz).float().tolist() == [240.0, -240.0]
 
@@ -70,7 +72,8 @@ def test_flushed_fraction_counts_what_the_cast_stores():
     assert fp8.flushed_fraction(x, E4M3) == {"zero": 1 / 7, "subnormal": 3 / 7, "saturated": 1 / 7}
     # e4m3fnuz's exponent bias is one higher: 2^-7 is normal there, 2^-10 its smallest subnormal
     assert fp8.flushed_fraction(x, torch.float8_e4m3fnuz) == {"zero": 0.0, "subnormal": 3 / 7, "saturated": 1 / 7}
-    assert fp8.flushed_fraction(torch.tensor([0.0, 0.02, -0.02]), E4M3) == {"zero": 0.0, "subnormal": 0.0, "saturated": 0.0}
+    assert fp8.flushed_fraction(torch.tensor([0.0, 0.02, -0.02]), E4M3) == {"zero": 0.0, "subnormal": 0.0,
+                                                                           "saturated": 0.0}
 
 
 def test_about_half_of_normal_weights_of_std_002_are_subnormal_in_e4m3():

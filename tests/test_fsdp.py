@@ -101,7 +101,8 @@ def test_batches_are_a_function_of_the_step():
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))  # sizes 3 does not divide
+    # sizes 3 does not divide
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
 
 
 def _hand_sharded_against_one_process_and_fully_shard():

@@ -64,9 +64,10 @@ def test_checks_grade_known_submissions(assignment, server, gate):
     submission (``nbgrading.bundle``: each grading runs every probe), one case per exercise: each must still lose
     exactly its own points, and the others keep full marks beside it. Only the test cells a case can move run
     (``nbgrading.touched``: the exercises it rewrites, and the tests it is expected to lose). (What this cannot see:
-    a case that spoils another exercise's test which it is not expected to lose.) The gate (``make test``), for a change that
-    reaches this notebook only through the grader's core, grades a sample (``nbgrading.sample``): the reference, the
-    library calls, the attacks and one bundle of mistakes; every case runs when the notebook's own files changed."""
+    a case that spoils another exercise's test which it is not expected to lose.) The gate (``make test``), for a
+    change that reaches this notebook only through the grader's core, grades a sample (``nbgrading.sample``): the
+    reference, the library calls, the attacks and one bundle of mistakes; every case runs when the notebook's own
+    files changed."""
     solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
     known, attacks = g.cases(assignment).CASES, g.attack_cases(assignment, solution, points)

@@ -275,13 +275,15 @@ def test_class_signs_up_submits_and_is_graded_in_chromium(hub):
                 f"cd ~/work; nbgrader submit {ASSIGNMENT} --student=ben > ~/attack.log 2>&1; "
                 f'for who in ben ada; do d="$NBGRADER_EXCHANGE/{COURSE}/inbound/$who+{ASSIGNMENT}+{FORGED}+forged"; '
                 f'mkdir -p "$d" && cp {ASSIGNMENT}/{ASSIGNMENT}.ipynb "$d/" && echo "{FORGED}" > "$d/timestamp.txt"; '
-                "done; python -c \"import importlib.util as u; print('course_lib:', u.find_spec('course_lib').origin)\" "
+                "done; python -c \"import importlib.util as u; "
+                "print('course_lib:', u.find_spec('course_lib').origin)\" "
                 '>> ~/attack.log; echo "config path: $JUPYTER_CONFIG_PATH" >> ~/attack.log; '
                 "echo attack-done >> ~/attack.log\n")
             _wait_for(lambda: "attack-done" in attack.read_text(), f"ada's terminal commands ({attack})")
             shot("ada", "attack")
             edition_lib = hub.dir / "student-edition" / "course_lib" / "__init__.py"
-            assert f"course_lib: {edition_lib}\n" in attack.read_text(), "a lab imports the student edition's course_lib"
+            assert f"course_lib: {edition_lib}\n" in attack.read_text(), \
+                "a lab imports the student edition's course_lib"
             # the hub's student folder first, then the edition's student configuration (start-lab.sh adds it)
             folders = (ROOT / "docker" / "hub" / "student", hub.dir / "student-edition" / "docker" / "student-lab")
             assert f"config path: {folders[0]}:{folders[1]}\n" in attack.read_text(), attack.read_text()
@@ -382,7 +384,8 @@ def test_exchange_service_refuses_what_it_must_not_file(hub):
     def post(assignment, body=small, token=None):
         headers = {"Authorization": f"token {token}"} if token else {}
         r = requests.post(submit + assignment, json=body, headers=headers, timeout=60)
-        return r.status_code, r.json().get("error", "") if r.headers.get("Content-Type", "").startswith("application/json") else r.text
+        is_json = r.headers.get("Content-Type", "").startswith("application/json")
+        return r.status_code, r.json().get("error", "") if is_json else r.text
 
     try:
         assert requests.get(hub.exchange_url, timeout=30).status_code == 200
@@ -392,7 +395,8 @@ def test_exchange_service_refuses_what_it_must_not_file(hub):
             "a made-up token": (post("refusal_probe", token="0" * 32), 403, "no valid JupyterHub token"),
             "not a student": (post("refusal_probe", token=prof), 403, f"{INSTRUCTOR} is not a student of this class"),
             "not released": (post("nope", token=cy), 404, "no released assignment 'nope'"),
-            "too large": (post("refusal_probe", {"files": {"big.bin": base64.b64encode(os.urandom(1_200_000)).decode()}},
+            "too large": (post("refusal_probe",
+                               {"files": {"big.bin": base64.b64encode(os.urandom(1_200_000)).decode()}},
                                token=cy), 413, "more than the 1.0 MB limit"),
             "leaves the folder": (post("refusal_probe", {"files": {"../../outbound/x": "eA=="}}, token=cy), 400,
                                   "must be relative and stay inside"),

@@ -11,10 +11,10 @@ This is the suite's one whole-notebook autograde: what autograde adds over calli
 (tests/test_grading.py grades every notebook's known-wrong submissions so) is the same for every notebook, and each
 student here proves one part of it. ada: the reference (full marks); ben: a wrong answer with a test cell he fails
 edited to pass (autograde restores the cell: he scores what his code deserves), and another exercise that never
-finishes (the cell timeout stops it; only its own test cells lose points); mal0 and mal1: the attacks on the grading kernel
-and on the tests (tests/submissions/attacks.py: writing the gradebook, rebinding the tests' helpers, patching their
-judges, swallowing later errors), several exercises wrong in one notebook, each losing only its own points; and zoe,
-graded before, whose grades the gradebook attack tries to raise and must not change. (That the untouched release
+finishes (the cell timeout stops it; only its own test cells lose points); mal0 and mal1: the attacks on the grading
+kernel and on the tests (tests/submissions/attacks.py: writing the gradebook, rebinding the tests' helpers, patching
+their judges, swallowing later errors), several exercises wrong in one notebook, each losing only its own points; and
+zoe, graded before, whose grades the gradebook attack tries to raise and must not change. (That the untouched release
 scores zero is the checks' own test, tests/test_checks.py: autograde's scores are the checks'.) Checked: every
 student's score per test cell and in total, the feedback each one gets back, the CSV, that no submitted file changed
 while it was graded, and that no other student's grade moved.

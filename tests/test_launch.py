@@ -314,7 +314,8 @@ def test_a_timed_out_launch_says_where_each_process_waited_and_leaves_no_rank_al
     assert "ranks started: rank0, rank1 of this launch" in message
     stacks = dict(re.findall(r"--- (\w+)'s stack ---\n(.*?)(?=\n--- |\Z)", message, re.S))
     assert sorted(stacks) == ["rank0", "rank1", "torchrun"], message
-    assert all(" in stubborn\n" in stacks[rank] for rank in ("rank0", "rank1")), f"each rank waits in the worker: {message}"
+    assert all(" in stubborn\n" in stacks[rank] for rank in ("rank0", "rank1")), \
+        f"each rank waits in the worker: {message}"
     assert "torch/distributed/elastic/agent" in stacks["torchrun"], f"torchrun waits in its agent: {message}"
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived its timed-out launch"
     assert not list((tmp_path / "tmp").iterdir()), "launch left its temporary folder behind"
@@ -467,7 +468,8 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling(mo
     built = {p: p.stat().st_mtime_ns for p in (folder / "deepspeed_shm_comm").glob("*.[os]*")}
     assert any(p.suffix == ".so" for p in built), f"make ops built nothing in {folder}"
     ops, start = {p.name for p in folder.iterdir()}, time.monotonic()
-    results = launch("course_lib.parallel.deepspeed_engine:train", 2, {"stage": 2, "steps": 1}, device_type="cpu", echo=False, timeout=120)
+    results = launch("course_lib.parallel.deepspeed_engine:train", 2, {"stage": 2, "steps": 1}, device_type="cpu",
+                     echo=False, timeout=120)
     seconds = time.monotonic() - start
     assert results[0]["losses"] == results[1]["losses"]
     assert {p: p.stat().st_mtime_ns for p in built} == built, "the launch recompiled DeepSpeed's op"

@@ -163,7 +163,8 @@ def test_the_visible_checks_stored_numbers_are_course_libs_and_bitsandbytes():
     for (w, bs, hexes), error in zip(nb12.single_blocks(), nb12.SINGLE_BLOCK_ERRORS):
         packed, absmax = nf4.quantize_nf4(w, bs)
         assert bytes(packed.tolist()).hex() == hexes
-        assert nf4.relative_rms_error(nf4.dequantize_nf4(packed, absmax, w.shape, bs), w) == pytest.approx(error, rel=1e-6)
+        assert nf4.relative_rms_error(nf4.dequantize_nf4(packed, absmax, w.shape, bs), w) == \
+            pytest.approx(error, rel=1e-6)
     c = nf4.compress_absmax(nb12.ABSMAX_X)
     assert c.scales.tolist() == list(nb12.ABSMAX_SCALES) and float(c.offset) == nb12.ABSMAX_OFFSET
     assert nf4.relative_rms_error(nf4.decompress_absmax(c), nb12.ABSMAX_X) == pytest.approx(nb12.ABSMAX_ERROR, rel=1e-6)
@@ -215,7 +216,8 @@ def test_memory_table_of_the_llama_shapes():
         table = qlora.memory_table(cfg)
         bf16, qlora_row = table["bf16 LoRA"], table["QLoRA (NF4)"]
         assert bf16["base weights"] == 2 * llama_num_parameters(cfg)
-        assert bf16["adapters (fp32)"] == qlora_row["adapters (fp32)"] == 4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
+        assert bf16["adapters (fp32)"] == qlora_row["adapters (fp32)"] == \
+            4 * lora_trainable_parameters(cfg, 16, ALL_LINEAR)
         # read from transformers' modules, the count agrees with the formula on every target set
         for targets in (ALL_LINEAR, ("k_proj", "v_proj"), ("down_proj",)):
             assert qlora.adapter_parameters(cfg, 8, targets) == lora_trainable_parameters(cfg, 8, targets)

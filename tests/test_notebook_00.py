@@ -45,7 +45,8 @@ def test_seed003_tables_rebuilt(executed):
 
 def test_claims_and_figures(executed):
     res = executed("00_orientation")
-    assert claim(res, "fp32 Adam training holds 4x the model size: 1x weights, 1x gradients, 2x optimizer states")["held"]
+    assert claim(res, "fp32 Adam training holds 4x the model size: "
+                      "1x weights, 1x gradients, 2x optimizer states")["held"]
     assert claim(res, "mixed precision (autocast) keeps the weights in full precision")["held"]
     assert claim(res, "bert-base-cased fp32 training needs 1.61 GB")["held"]
     # what the measurement contradicts

@@ -34,7 +34,8 @@ def test_the_notebooks_own_scaler_skips_overflowing_steps_and_backs_off(executed
     assert trace[0] == start
     assert value(res, "fp16_skipped_steps_big_init_scale") >= 3
     assert max(trace[1:]) < start and min(trace) <= start - 3, "the scale must have backed off"
-    assert all(abs(b - a) in (0.0, 1.0) for a, b in zip(trace, trace[1:])), "the scale halves or doubles, one step at a time"
+    assert all(abs(b - a) in (0.0, 1.0) for a, b in zip(trace, trace[1:])), \
+        "the scale halves or doubles, one step at a time"
     assert claim(res, "FP16: range")["held"]
 
 

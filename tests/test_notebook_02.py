@@ -23,11 +23,12 @@ def test_fnuz_formats_are_in_the_table_with_torchs_max(executed):
     res = executed("02_fp8")
     assert value(res, "format_table_max") == {name: float(torch.finfo(dt).max) for name, dt in fp8.TABLE_DTYPES.items()}
     assert (value(res, "e4m3fnuz_max"), value(res, "e5m2fnuz_max")) == (240.0, 57344.0)
-    assert value(res, "e4m3fnuz_smallest_subnormal") == 2.0**-10 and value(res, "e5m2fnuz_smallest_subnormal") == 2.0**-17
+    assert value(res, "e4m3fnuz_smallest_subnormal") == 2.0**-10
+    assert value(res, "e5m2fnuz_smallest_subnormal") == 2.0**-17
     assert (value(res, "e4m3fnuz_mantissa_bits"), value(res, "e5m2fnuz_mantissa_bits")) == (3, 2)
     for name in ("e4m3fnuz", "e5m2fnuz"):  # one NaN, no inf, no -0; a cast past max is that NaN
-        assert (value(res, f"{name}_nan_patterns"), value(res, f"{name}_has_inf"), value(res, f"{name}_has_negative_zero")) \
-            == (1, False, False)
+        assert (value(res, f"{name}_nan_patterns"), value(res, f"{name}_has_inf"),
+                value(res, f"{name}_has_negative_zero")) == (1, False, False)
         assert value(res, f"{name}_cast_of_2x_max") == "nan"
     assert value(res, "e4m3fnuz_of_480_is_nan") is True
     assert value(res, "e4m3_has_negative_zero") is True and value(res, "e4m3_has_inf") is False
@@ -45,13 +46,16 @@ def test_about_half_of_std_002_weights_are_subnormal_in_e4m3(executed):
 
 def test_fp8_matmul_error_and_the_need_for_a_scale(executed):
     res = executed("02_fp8")
-    err = {k: value(res, f"matmul_error_{k}") for k in ("fp16", "bf16", "e4m3_unscaled", "e4m3_scaled", "e5m2_e4m3_scaled")}
-    assert err["fp16"] < err["bf16"] < 0.005 < err["e4m3_scaled"] < 0.06 and err["e4m3_scaled"] < err["e5m2_e4m3_scaled"]
+    err = {k: value(res, f"matmul_error_{k}")
+           for k in ("fp16", "bf16", "e4m3_unscaled", "e4m3_scaled", "e5m2_e4m3_scaled")}
+    assert err["fp16"] < err["bf16"] < 0.005 < err["e4m3_scaled"] < 0.06
+    assert err["e4m3_scaled"] < err["e5m2_e4m3_scaled"]
     assert err["e4m3_unscaled"] > 1.3 * err["e4m3_scaled"]
     assert 8 < value(res, "e4m3_scaled_vs_bf16_error_ratio") < 32, "3 mantissa bits against 7: about 16x coarser"
     assert value(res, "e4m3_weights_zero_unscaled") > 0.01 and value(res, "e4m3_weights_subnormal_unscaled") > 0.3
     unscaled, scaled = value(res, "sweep_e4m3_unscaled"), value(res, "sweep_e4m3_scaled")
-    assert unscaled[0] > 0.9 and unscaled[-1] > 0.9 and min(unscaled) < 2 * min(scaled)  # flushed, saturated, fine between
+    # flushed, saturated, fine between
+    assert unscaled[0] > 0.9 and unscaled[-1] > 0.9 and min(unscaled) < 2 * min(scaled)
     assert max(scaled) < 1.1 * min(scaled) and max(value(res, "sweep_bf16")) < 0.005
     assert value(res, "matmul_error_path") in ("torch._scaled_mm", "emulated: dequantized to float32, float32 matmul")
     assert claim(res, "FP8: 8 bits, range limited")["held"]

@@ -71,7 +71,8 @@ def test_the_students_offloaded_adamw_lets_gradients_leave_during_backward(execu
     """Measured on the CPU too: with the student's hooks the model never holds more than one tensor's gradient in
     backward; torch's AdamW on the same bf16 model holds every gradient (2 bytes per parameter) until its step."""
     res = executed("10_zero_offload")
-    mine, plain = value(res, "your_offload_grad_peak_bytes_per_param"), value(res, "adamw_bf16_grad_peak_bytes_per_param")
+    mine = value(res, "your_offload_grad_peak_bytes_per_param")
+    plain = value(res, "adamw_bf16_grad_peak_bytes_per_param")
     assert plain == 2.0 and 0 < mine < 1.0, (mine, plain)
     verdict = claim(res, "ZeRO-Offload's gradients leave the device during backward")
     assert verdict["kind"] == "measured" and verdict["held"], verdict

@@ -48,7 +48,8 @@ def test_the_node_entry_point_reads_a_saved_model_and_data(executed):
     res = executed("11_llama_finetune")
     assert math.isfinite(value(res, "cli_final_loss"))
     examples = value(res, "cli_examples")  # 400 examples and one too long for --seq-len 64, read from JSON lines
-    assert sum(examples.values()) == 401 and examples["kept"] == 400 and examples["dropped"] == 1  # its prompt alone fills the row
+    # its prompt alone fills the row
+    assert sum(examples.values()) == 401 and examples["kept"] == 400 and examples["dropped"] == 1
     assert 15 < value(res, "node_8b_full_state_gb_per_gpu") < 17  # 8.03e9 params x 16 bytes / 8 GPUs
 
 

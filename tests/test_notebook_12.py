@@ -78,6 +78,7 @@ def test_claims_held_and_figures_saved(executed):
     assert len(measured) >= 4 and all(c["held"] for c in measured), res["claims"]
     qlora = claim(res, "QLoRA puts a LoRA fine-tune of a 70B Llama")  # 70B and 8B rows: arithmetic
     assert (qlora["kind"], qlora["held"], qlora["agrees"]) == ("predicted", None, True), qlora
-    targets = [c for c in res["claims"] if c["source"] == "the fast recipe's target (H100/H200)"]  # set for an H100/H200
+    # set for an H100/H200
+    targets = [c for c in res["claims"] if c["source"] == "the fast recipe's target (H100/H200)"]
     assert targets and all(c["kind"] == "not measured here" and c["held"] is None for c in targets), targets
     assert len(res["figures"]) >= 2

@@ -59,7 +59,8 @@ def test_claims_and_figures(executed):
     kinds = {c["claim"]: c["kind"] for c in res["claims"]}
     measured = [c for c in res["claims"] if c["kind"] == "measured"]
     assert len(measured) >= 7 and all(c["held"] for c in measured), measured
-    assert claim(res, "a ring of 8 GPUs fits 8x")["kind"] == "predicted" and claim(res, "a ring of 8 GPUs fits 8x")["agrees"]
+    ring = claim(res, "a ring of 8 GPUs fits 8x")
+    assert ring["kind"] == "predicted" and ring["agrees"]
     torch_cp = claim(res, "torch's context_parallel")
     assert torch_cp["kind"] == "not measured here" and "GPU" in torch_cp["measured"], torch_cp
     assert claim(res, "one GPU runs out where")["kind"] == "not measured here"  # a GPU tier measures it

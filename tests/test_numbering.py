@@ -43,7 +43,8 @@ def test_the_title_carries_the_file_s_number(name):
     for folder in ("solutions", "notebooks"):
         path = ROOT / folder / (f"{name}/{name}.ipynb" if folder == "solutions" else f"{name}.ipynb")
         first = "".join(json.loads(path.read_text())["cells"][0]["source"]).splitlines()[0]
-        assert re.match(rf"# {name[:2]} · \S", first), f"{path.relative_to(ROOT)}: title {first!r} must start '# {name[:2]} · '"
+        assert re.match(rf"# {name[:2]} · \S", first), \
+            f"{path.relative_to(ROOT)}: title {first!r} must start '# {name[:2]} · '"
 
 
 def references(text: str) -> list[tuple[int, set[str]]]:
@@ -84,5 +85,6 @@ def test_a_stale_number_is_caught():
     assert wrong_references("Data parallelism (04) and sharding (05, 06)")[0].startswith("bare reference '(04)'")
     assert wrong_references("DDP (notebook 05) keeps")[0].startswith("'ddp' is taught in ['06', '07'], not ['05']")
     assert "does not exist" in wrong_references("see notebook 31")[0]
-    assert wrong_references("FSDP, notebook 08, shards") == [] == wrong_references("as ZeRO-3 does (notebook 08 measured")
+    assert wrong_references("FSDP, notebook 08, shards") == [] == \
+        wrong_references("as ZeRO-3 does (notebook 08 measured")
     assert references("notebooks 06-10 start") == [(0, {"06", "07", "08", "09", "10"})]

@@ -26,14 +26,16 @@ from course_lib.apps import preflight
 ROOT = Path(__file__).resolve().parent.parent
 TORCHAO_FOR_TESTS = ROOT / ".venv" / "torchao-for-tests"  # where `make test` puts torchao (pyproject.toml says why)
 CPU_ROWS = ["version: python", "version: torch", "version: transformers", "version: accelerate", "version: deepspeed",
-            "transformers sees torch", "attention: course_sdpa fp32 on cpu", "attention: course_sdpa fp32 + document mask on cpu",
+            "transformers sees torch", "attention: course_sdpa fp32 on cpu",
+            "attention: course_sdpa fp32 + document mask on cpu",
             "attention: course_sdpa bf16 on cpu", "attention: course_sdpa bf16 + document mask on cpu",
             "collectives: gloo, 2 CPU ranks", "DeepSpeed ops for CPU ranks (comm op, CPU Adam)"]
 GPU_ROWS = ["GPUs", "GPU stack", "collectives: nccl, GPU ranks", "DeepSpeed ops for GPU ranks (CPU Adam)",
             "DeepSpeed ops for GPU ranks (fused Adam)"]
 OPTIONAL_ROWS = ["FP8 matmul: torch._scaled_mm float8_e4m3fn on cpu", "FP8 training: torchao on cpu",
                  "4-bit: bitsandbytes NF4 matmul on cpu"]
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs: these rows are the CPU machine's")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="this machine has GPUs: these rows are the CPU machine's")
 
 
 def run_preflight(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
@@ -51,9 +53,7 @@ def test_on_a_cpu_machine_the_cpu_rows_pass_and_the_gpu_rows_say_no_gpu(tmp_path
     with_torchao = importlib.util.find_spec("torchao") is not None or (TORCHAO_FOR_TESTS / "torchao").is_dir()
     if importlib.util.find_spec("torchao") is None and with_torchao:  # torchao's real op runs too
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHAO_FOR_TESTS), env.get("PYTHONPATH")]))
-    start = time.monotonic()
     proc, rows = run_preflight(tmp_path, env=env)
-    seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert set(rows) == set(CPU_ROWS + GPU_ROWS + OPTIONAL_ROWS + ["NUMA auto-balancing"]), sorted(rows)
     assert {r["status"] for r in rows.values()} <= set(preflight.STATUSES)

@@ -91,7 +91,8 @@ def test_the_readme_table_gives_every_notebook_its_words_and_cpu_time():
         if m:
             rows[m.group(1)] = (int(m.group(2).replace(",", "")), int(m.group(3)))
     notebooks = run_all.notebooks()
-    assert list(rows) == [nb.stem[:2] for nb in notebooks], "README's table lists the notebooks in order, with words and time"
+    assert list(rows) == [nb.stem[:2] for nb in notebooks], \
+        "README's table lists the notebooks in order, with words and time"
     for nb in notebooks:
         words, seconds = rows[nb.stem[:2]]
         assert abs(words - run_all.markdown_words(nb)) <= 0.1 * words, (

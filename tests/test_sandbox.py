@@ -69,7 +69,8 @@ def tree(tmp_path) -> Path:
 
 
 def test_landlock_is_here():
-    assert sandbox.landlock_abi() >= 1, "grading needs Linux >= 5.13 with Landlock enabled (see course_lib/apps/sandbox.py)"
+    assert sandbox.landlock_abi() >= 1, \
+        "grading needs Linux >= 5.13 with Landlock enabled (see course_lib/apps/sandbox.py)"
 
 
 def test_reads_only_what_it_is_given(tree):
@@ -149,7 +150,8 @@ def test_handled_rights_follow_the_kernels_abi():
 def test_without_landlock_grading_refuses_unless_told_to_run_unfenced(monkeypatch, capsys):
     monkeypatch.setattr(sandbox, "landlock_abi", lambda: 0)  # a kernel without Landlock (this one has it)
     monkeypatch.delenv(sandbox.UNSANDBOXED, raising=False)
-    with pytest.raises(sandbox.SandboxUnavailable, match=r"Linux >= 5\.13 with Landlock enabled.*COURSE_GRADE_UNSANDBOXED=1"):
+    with pytest.raises(sandbox.SandboxUnavailable,
+                       match=r"Linux >= 5\.13 with Landlock enabled.*COURSE_GRADE_UNSANDBOXED=1"):
         sandbox.restrict(["/usr"], [])
     monkeypatch.setenv(sandbox.UNSANDBOXED, "1")
     sandbox.restrict(["/usr"], [])  # returns: this process stays unfenced

@@ -66,7 +66,8 @@ def test_out_of_memory_is_caught_and_its_memory_freed_but_other_errors_are_not()
         assert row["fits"] is False and alive[0]() is None
     finally:
         gc.enable()
-    assert size_sweep.attempt(lambda s, m: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")), (1, 1), 1)["fits"] is False
+    assert size_sweep.attempt(lambda s, m: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory")),
+                              (1, 1), 1)["fits"] is False
     with pytest.raises(ValueError, match="a real bug"):
         size_sweep.attempt(lambda s, m: (_ for _ in ()).throw(ValueError("a real bug")), (1, 1), 1)
 
@@ -75,12 +76,14 @@ def test_a_real_trial_measures_a_tiny_llama_and_the_search_runs_on_it():
     config = size_sweep.sweep_config(128, 2, vocab_size=512, seq_len=32)
     row = size_sweep.train_trial("pytorch", config, 2, 32, steps=1, warmup=1)
     assert row["n_params"] == llama_num_parameters(config) and row["tokens_per_s"] > 0
-    assert row["tflops"] == pytest.approx(row["tokens_per_s"] * (6 * (row["n_params"] - 512 * 128) + 12 * 2 * 128 * 32) / 1e12)
+    assert row["tflops"] == pytest.approx(
+        row["tokens_per_s"] * (6 * (row["n_params"] - 512 * 128) + 12 * 2 * 128 * 32) / 1e12)
 
     def trial(shape, micro_batch):  # real steps, and the GPU's limit played by a token budget
         if shape[0] * micro_batch > 256:
             raise torch.OutOfMemoryError("out of memory (token budget)")
-        return size_sweep.train_trial("pytorch", size_sweep.sweep_config(*shape, vocab_size=512, seq_len=16), micro_batch, 16, steps=1)
+        return size_sweep.train_trial("pytorch", size_sweep.sweep_config(*shape, vocab_size=512, seq_len=16),
+                                      micro_batch, 16, steps=1)
 
     found = size_sweep.search_largest(trial, [(128, 1), (256, 1), (384, 1)], [1, 2, 4])
     assert found["largest"]["shape"] == (256, 1) and found["largest"]["micro_batch"] == 1
@@ -90,8 +93,9 @@ def test_a_real_trial_measures_a_tiny_llama_and_the_search_runs_on_it():
 
 def test_offload_sweep_runs_deepspeeds_real_engines_with_cpu_adam():
     for strategy in ("zero2_offload", "zero3_offload"):  # on the GPU these run unverified here: at least the code runs
-        out = launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": strategy, "shapes": [[128, 2]], "micro_batches": [1],
-                                                   "seq_len": 16, "steps": 1, "vocab_size": 512}, echo=False,
-                     timeout=300, device_type="cpu")[0]
+        out = launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": strategy, "shapes": [[128, 2]],
+                                                   "micro_batches": [1], "seq_len": 16, "steps": 1,
+                                                   "vocab_size": 512},
+                     echo=False, timeout=300, device_type="cpu")[0]
         assert [r["fits"] for r in out["rows"]] == [True] and out["largest"]["tokens_per_s"] > 0, out
         assert out["cpu_adam"] is True and out["largest"]["optimizer"] == "DeepSpeedCPUAdam"

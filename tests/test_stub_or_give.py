@@ -50,8 +50,9 @@ GIVEN = {
     "course_lib.parallel.cp._check": "argument checking: the shapes of q, k, v and the global length they make",
     "course_lib.parallel.cp._acc_dtype": "the accumulation dtype, float32 at least (the exercise's text says so)",
     "course_lib.parallel.cp._local_chunks": "where a rank's rows are contiguous: one block, or zig-zag's two halves",
-    "course_lib.parallel.cp.block_attention_backward": "one block's attention gradients (softmax backward): the exercise "
-                                                      "asks for the ring's forward, not attention's calculus",
+    "course_lib.parallel.cp.block_attention_backward": "one block's attention gradients (softmax backward): the "
+                                                      "exercise asks for the ring's forward, not attention's "
+                                                      "calculus",
     "course_lib.parallel.ddp._unused_parameters_message": "the text of BucketedDDP's error for a parameter without a "
                                                           "gradient (the exercise asks to raise one naming it)",
 }

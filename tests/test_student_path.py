@@ -80,7 +80,8 @@ def test_an_exercise_not_written_yet_is_named_by_its_test():
     checks.register("test_unwritten_example", probe, lambda data: "passed")
     try:
         for fn, name in ((dispatch, "dispatch"), (LoRALinear, "LoRALinear")):
-            with pytest.raises(AssertionError, match=rf"{name} is not written yet .*replace `raise NotImplementedError"):
+            with pytest.raises(AssertionError,
+                               match=rf"{name} is not written yet .*replace `raise NotImplementedError"):
                 checks.check("test_unwritten_example", {"fn": lambda fn=fn: fn(None) if fn is dispatch else fn()})
         got = checks.outcome(dispatch, None)
         assert got["raised"] == "NotImplementedError" and "dispatch is not written yet" in got["message"]

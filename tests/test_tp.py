@@ -1,5 +1,6 @@
-"""course_lib.parallel.tp and course_lib.parallel.tp_train on real gloo ranks: Megatron's pair against the unsplit layers (and the
-mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the bytes counted.
+"""course_lib.parallel.tp and course_lib.parallel.tp_train on real gloo ranks: Megatron's pair against the unsplit
+layers (and the mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the
+bytes counted.
 
 Ranks are forked (``run_forked``); the tiny Llama, short sequences and few steps keep 4 ranks on 2 cores fast.
 """

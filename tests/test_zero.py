@@ -1,6 +1,6 @@
-"""course_lib.parallel.zero and course_lib.parallel.deepspeed_engine beyond what notebooks 09 and 10 measure: DeepSpeed's default
-clipping, the config's arithmetic, ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a resumed checkpoint,
-DDP's bytes) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
+"""course_lib.parallel.zero and course_lib.parallel.deepspeed_engine beyond what notebooks 09 and 10 measure:
+DeepSpeed's default clipping, the config's arithmetic, ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a
+resumed checkpoint, DDP's bytes) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
 
 Every ZeRO stage against DDP, the sharded optimizer state and the checkpoint resume run in notebook 09, offload
@@ -45,7 +45,8 @@ def test_deepspeed_clips_at_one_unless_told_so_and_the_config_says_it():
 
 def test_config_is_derived_from_the_global_batch_and_refuses_what_deepspeed_would():
     cfg = ds_config(train_batch=256, accum_steps=8, world_size=8, stage=3, offload_optimizer=True, offload_param=True)
-    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (256, 4, 8)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
+        (256, 4, 8)
     assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"}
     check_batch_arithmetic(cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"],
                            cfg["gradient_accumulation_steps"], 8)
@@ -53,7 +54,8 @@ def test_config_is_derived_from_the_global_batch_and_refuses_what_deepspeed_woul
                                          r"use a multiple of 32 \(e.g. 96\)"):  # train.Dims: the one check
         ds_config(train_batch=100, accum_steps=4, world_size=8, stage=2)
     assert ds_config(train_batch=96, accum_steps=4, world_size=8, stage=2)["train_micro_batch_size_per_gpu"] == 3
-    with pytest.raises(ValueError, match=r"train_batch_size=256 but micro_batch 4 x accum_steps 4 x world_size 8 = 128"):
+    with pytest.raises(ValueError,
+                       match=r"train_batch_size=256 but micro_batch 4 x accum_steps 4 x world_size 8 = 128"):
         check_batch_arithmetic(256, 4, 4, 8)
     with pytest.raises(ValueError, match="offload_param=True needs stage=3"):
         ds_config(train_batch=8, accum_steps=1, world_size=2, stage=2, offload_param=True)
@@ -188,8 +190,10 @@ def test_offload_plan_and_link_bytes_follow_the_zero_offload_accounting():
     on = lambda s, where: sum(b for w, b in per[s].values() if w == where)  # noqa: E731
     assert on("pytorch", "GPU") == 16 and on("zero2_offload", "GPU") == 2 and on("zero3_offload", "GPU") == 0
     assert on("zero2_offload", "CPU") == 16 and on("zero3_offload", "CPU") == 18 and on("zero3_nvme", "NVMe") == 18
-    sharded = {r["state"]: r["bytes on this rank"] for r in offload.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
-    assert sharded == {"16-bit weights": 4000, "fp32 gradients": 1000, "fp32 master weights": 1000, "Adam m and v": 2000}
+    sharded = {r["state"]: r["bytes on this rank"]
+               for r in offload.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
+    assert sharded == {"16-bit weights": 4000, "fp32 gradients": 1000, "fp32 master weights": 1000,
+                       "Adam m and v": 2000}
     assert offload.link_bytes_per_step("zero2_offload", 10) == {"host to GPU": 20, "GPU to host": 40, "NVMe read": 0,
                                                              "NVMe write": 0}
     assert sum(offload.link_bytes_per_step("zero3_offload", 1).values()) == 8

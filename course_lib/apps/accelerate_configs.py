@@ -5,10 +5,11 @@
 
 ``ddp``, ``fsdp`` and ``deepspeed`` are seed 003's YAML files for one node of 8 GPUs (MI300X or
 NVIDIA); ``fsdp_8gpu`` (FSDP2) and ``zero3_8gpu`` (DeepSpeed ZeRO-3) run the course's Llama
-fine-tune on such a node (``course_lib.apps.finetune.node_launch_command``). ``validate`` runs them through what ``accelerate launch`` does before it starts a
-process: its argument parser, its config loading and checks, the environment it hands each
-rank, and the plugin (``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``) the training
-script's ``Accelerator`` builds from that environment. A misspelt strategy or a stage that does
+fine-tune on such a node (``course_lib.apps.finetune.node_launch_command``). ``validate`` runs
+them through what ``accelerate launch`` does before it starts a process: its argument parser,
+its config loading and checks, the environment it hands each rank, and the plugin
+(``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``) the training script's ``Accelerator``
+builds from that environment. A misspelt strategy or a stage that does
 not exist fails here, on a laptop, not on the cluster.
 """
 
@@ -73,7 +74,8 @@ def validate(name: str, num_processes: int | None = None) -> dict:
         plugin = None
         if args.use_deepspeed:
             fields = list(defaults.deepspeed_config.keys()) if defaults else []
-            args.deepspeed_fields_from_accelerate_config = ",".join(fields + (["mixed_precision"] if mp_from_config else []))
+            args.deepspeed_fields_from_accelerate_config = ",".join(
+                fields + (["mixed_precision"] if mp_from_config else []))
             _, env = prepare_deepspeed_cmd_env(args)
         else:
             env = prepare_multi_gpu_env(args)
@@ -119,7 +121,8 @@ def _has_gpu() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.apps.accelerate_configs``: validate every shipped config and print its launch line (or ``--path NAME``)."""
+    """``python -m course_lib.apps.accelerate_configs``: validate every shipped config and print its launch line
+    (or ``--path NAME``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", metavar="NAME", help="print the path of one config and exit")
     args = parser.parse_args(argv)

@@ -137,8 +137,8 @@ def _build(recipe: Recipe, *, preset: str, seq_len: int, micro_batch: int, lora:
     frozen_bytes = 2 if (lora and recipe.frozen_weights_bf16) else 4
     plan = plan_micro_batch(config, seq_len, device, micro_batch=micro_batch, lora=lora,
                             chunked_loss=recipe.chunked_loss, frozen_bytes=frozen_bytes,
-                            chunk_tokens=recipe.loss_chunk_tokens, lora_params=trainable_parameters(model) if lora else 0,
-                            held_bytes=held)
+                            chunk_tokens=recipe.loss_chunk_tokens,
+                            lora_params=trainable_parameters(model) if lora else 0, held_bytes=held)
     if plan["accum_steps"] != 1:
         raise ValueError(f"micro_batch={micro_batch} does not fit even with checkpointing ({plan}): pick a smaller one")
     recipe = replace(recipe, checkpointing=plan["checkpointing"])
@@ -250,14 +250,17 @@ def benchmark(preset: str | None = None, seq_len: int | None = None, micro_batch
     found = device_peak(device)
     peak = found.flops if found else None
     b, r = (_summarise(runs[k], flops, peak) for k in ("baseline", "recipe"))
-    both = lambda k: r[k] / b[k] if r[k] and b[k] else None
+    def both(k):
+        return r[k] / b[k] if r[k] and b[k] else None
     ratio = {"tokens_per_s": both("tokens_per_s"), "mfu": both("mfu"), "peak_memory_bytes": both("peak_memory_bytes"),
              "loss": r["loss"] / b["loss"]}
     shape = {**{k: a[k] for k in ("preset", "seq_len", "micro_batch", "steps", "warmup", "repeats")}, "lora": lora,
-             "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+             "device": str(device),
+             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
              "memory_bytes": device_memory_bytes(device) if device.type == "cuda" else None, "peak_flops": peak,
              "peak_card": found.card if found else None, "peak_reason": found.reason if found else None,
-             "mfu_parameters": n_mm, "packing": "document-masked (position ids restart per document, block-causal mask)"}
+             "mfu_parameters": n_mm,
+             "packing": "document-masked (position ids restart per document, block-causal mask)"}
     return {"shape": shape, "baseline": b, "recipe": r, "ratio": ratio, **compare_losses(b["losses"], r["losses"])}
 
 
@@ -279,9 +282,11 @@ def check_targets(result: dict) -> list[dict]:
     """
     s, q = result["shape"], result["ratio"]
     checks = [{"target": f"step-0 loss of recipe = baseline's to bf16 tolerance (rel. diff <= {STEP0_TOLERANCE:g})",
-               "value": f"{result['step0_loss_rel_diff']:.2e}", "passed": result["step0_loss_rel_diff"] <= STEP0_TOLERANCE},
+               "value": f"{result['step0_loss_rel_diff']:.2e}",
+               "passed": result["step0_loss_rel_diff"] <= STEP0_TOLERANCE},
               {"target": f"loss curves within {CURVE_TOLERANCE:.0%} at every step",
-               "value": f"{result['max_curve_rel_diff']:.2e}", "passed": result["max_curve_rel_diff"] <= CURVE_TOLERANCE}]
+               "value": f"{result['max_curve_rel_diff']:.2e}",
+               "passed": result["max_curve_rel_diff"] <= CURVE_TOLERANCE}]
     kind = _target_shape(s)
     if kind is None:
         return checks + [{"target": "speed targets", "passed": None,
@@ -315,7 +320,8 @@ def _kernels_text(row: dict) -> str:
 
 def _weights_text(row: dict) -> str:
     w = row["weight_dtypes"]
-    part = lambda d: " + ".join(f"{n / 1e6:.2f}M {t}" for t, n in sorted(d.items())) or "none"
+    def part(d):
+        return " + ".join(f"{n / 1e6:.2f}M {t}" for t, n in sorted(d.items())) or "none"
     return f"trainable {part(w['trainable'])}, frozen {part(w['frozen'])}"
 
 
@@ -360,10 +366,12 @@ def format_table(result: dict) -> str:
                      f"{fmt(sp['max'], 'tok')} | {fmt(r['mfu'], 'mfu')} | {fmt(r['peak_memory_bytes'], 'mem')} | "
                      f"{fmt(r['losses'][0], 'loss')} | {fmt(r['loss'], 'loss')} | {ck} | {r['compile']} |")
     q = result["ratio"]
-    f2 = lambda v: "n/a" if v is None else f"{v:.2f}x"
+    def f2(v):
+        return "n/a" if v is None else f"{v:.2f}x"
     lines.append(f"| recipe / baseline | | {f2(q['tokens_per_s'])} | | {f2(q['mfu'])} | {f2(q['peak_memory_bytes'])} | "
                  f"rel. diff {result['step0_loss_rel_diff']:.1e} | {f2(q['loss'])} | | |")
-    foot = (f"\nLoss curves: step-0 relative difference {result['step0_loss_rel_diff']:.1e} (same weights, same batch), "
+    foot = (f"\nLoss curves: step-0 relative difference {result['step0_loss_rel_diff']:.1e} "
+            "(same weights, same batch), "
             f"largest over all {len(result['baseline']['losses'])} steps {result['max_curve_rel_diff']:.1e}.")
     return "\n".join(_header(result) + lines) + foot
 

@@ -153,7 +153,8 @@ def hostfile(nodelist: list[str], gpus_per_node: int = 8) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.apps.cluster FORM [options] -- COMMAND``: print (or ``-o`` write) the sbatch script of a form."""
+    """``python -m course_lib.apps.cluster FORM [options] -- COMMAND``: print (or ``-o`` write) the sbatch script of
+    a form."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:

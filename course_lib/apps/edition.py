@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 MARKER_FILE = ".student-edition.json"  # in every student edition: a later build may replace that folder
 MARKER = re.compile(r"# graded: (\S+) (\S+)")
 LOOKS_LIKE_MARKER = re.compile(r"#\s*graded\s*:")
-STUB_MESSAGE = "course_lib.{module}.{name} is written in notebook {assignment}'s exercise {exercise}: use the one you wrote there"
+STUB_MESSAGE = ("course_lib.{module}.{name} is written in notebook {assignment}'s exercise {exercise}: "
+                "use the one you wrote there")
 # What a student gets besides notebooks/ and course_lib/ (copied as they are).
 STUDENT_FILES = ("pyproject.toml", "environment.yml", "docker/start-lab.sh", "docker/student-lab", ".gitignore")
 # The instructor Makefile's targets a student uses; their rules are copied unchanged (student_makefile).
@@ -88,7 +89,8 @@ def _marked(root: Path, path: Path) -> tuple[list[tuple[ast.AST, str, str]], lis
         where = f"{rel}:{line}"
         m = MARKER.fullmatch(text)
         if not m:
-            errors.append(f"{where}: {text!r} is not a marker: write exactly '# graded: <assignment> <exercise grade_id>'")
+            errors.append(f"{where}: {text!r} is not a marker: "
+                          "write exactly '# graded: <assignment> <exercise grade_id>'")
             continue
         assignment, exercise = m.groups()
         node = starts.get(line + 1)
@@ -99,9 +101,11 @@ def _marked(root: Path, path: Path) -> tuple[list[tuple[ast.AST, str, str]], lis
         ids = _solution_ids(root, assignment)
         if ids is None:
             known = sorted(p.name for p in (root / "solutions").iterdir() if p.is_dir())
-            errors.append(f"{where}: assignment {assignment!r} is not a folder of solutions/ with its notebook; use one of {known}")
+            errors.append(f"{where}: assignment {assignment!r} is not a folder of solutions/ with its notebook; "
+                          f"use one of {known}")
         elif exercise not in ids:
-            errors.append(f"{where}: {exercise!r} is not the grade_id of a solution cell of {assignment}; use one of {ids}")
+            errors.append(f"{where}: {exercise!r} is not the grade_id of a solution cell of {assignment}; "
+                          f"use one of {ids}")
         else:
             found.append((node, assignment, exercise))
     return found, errors
@@ -155,7 +159,8 @@ def _header(lines: list[str], node: ast.AST) -> str:
 def _docstring(lines: list[str], source: str, node: ast.AST, header_end: int) -> str:
     """The definition's docstring as written (indented lines ending in a newline), or ''."""
     first = node.body[0]
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
         return ""
     if first.lineno > header_end:  # the usual case: the docstring starts its own line, kept byte for byte
         return "".join(lines[first.lineno - 1:first.end_lineno]).rstrip("\n") + "\n"
@@ -167,7 +172,8 @@ def stub_source(lines: list[str], source: str, node: ast.AST, message: str) -> s
     header = _header(lines, node)
     doc = _docstring(lines, source, node, node.lineno + header.count("\n"))
     if isinstance(node, ast.ClassDef):  # a class: construct it and you learn where it is written
-        return f"{header}\n{doc}\n    def __init__(self, *args, **kwargs):\n        raise NotImplementedError({message!r})\n"
+        return (f"{header}\n{doc}\n    def __init__(self, *args, **kwargs):\n"
+                f"        raise NotImplementedError({message!r})\n")
     return f"{header}\n{doc}    raise NotImplementedError({message!r})\n"
 
 
@@ -223,8 +229,10 @@ def student_makefile(root: Path = ROOT) -> str:
             "#   make setup      create .venv and install the course (a torch already installed is kept)\n"
             "#   make lab        start JupyterLab on notebooks/\n"
             "#   make ops        (re)build DeepSpeed's CPU ops into TORCH_EXTENSIONS_DIR (setup does it once)\n"
-            "#   make preflight  check this machine's GPU paths (one table; exit 1 when a path the course needs fails)\n"
-            "# Written by course_lib/apps/edition.py from the course's Makefile (its rules for these targets, unchanged).\n")
+            "#   make preflight  check this machine's GPU paths "
+            "(one table; exit 1 when a path the course needs fails)\n"
+            "# Written by course_lib/apps/edition.py from the course's Makefile "
+            "(its rules for these targets, unchanged).\n")
     return head + "\n.PHONY: setup ops lab preflight\n\n" + "\n\n".join(kept) + "\n"
 
 
@@ -241,7 +249,8 @@ def _title(nb_path: Path) -> str:
 def student_readme(root: Path = ROOT) -> str:
     """The student edition's README: set up, open the notebooks, where the exercises are."""
     notebooks = "\n".join(f"- `notebooks/{p.name}`: {_title(p)}" for p in sorted((root / "notebooks").glob("*.ipynb")))
-    stubs = "\n".join(f"- `course_lib.{name}`: notebook {a}, exercise `{e}`" for name, (a, e) in sorted(graded_references(root).items()))
+    stubs = "\n".join(f"- `course_lib.{name}`: notebook {a}, exercise `{e}`"
+                      for name, (a, e) in sorted(graded_references(root).items()))
     return f"""# Scaling PyTorch training (student edition)
 
 Notebooks that teach how to train models too big or too slow for one plain GPU loop, on a small
@@ -293,7 +302,8 @@ def _check_replaceable(dest: Path) -> None:
     foreign = sorted(p for p in now if recorded.get(p) != now[p])
     if foreign:
         raise FileExistsError(f"{dest} is a student edition, but these files are new or changed since it was built: "
-                              f"{foreign[:5]}{' ...' if len(foreign) > 5 else ''}; move them (or the folder) away, then run again")
+                              f"{foreign[:5]}{' ...' if len(foreign) > 5 else ''}; "
+                              "move them (or the folder) away, then run again")
 
 
 def _write_edition(out: Path, root: Path) -> None:
@@ -384,7 +394,8 @@ def grading_cache(root: Path = ROOT) -> Path:
         return Path(os.environ["COURSE_STUDENT_EDITION_DIR"])
     if (root / ".venv").is_dir():
         return root / ".venv" / "student_edition"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scaling-pytorch-course" / "student_edition"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "scaling-pytorch-course" / "student_edition"
 
 
 def for_grading(root: Path = ROOT) -> Path:
@@ -444,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edition: {err}", file=sys.stderr)
         return 2
     refs = graded_references()
-    print(f"student edition: {dest} ({len(refs)} graded references stubbed)" + (f", {dest}.tar.gz" if args.archive else ""))
+    print(f"student edition: {dest} ({len(refs)} graded references stubbed)"
+          + (f", {dest}.tar.gz" if args.archive else ""))
     return 0
 
 

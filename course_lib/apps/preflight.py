@@ -177,8 +177,8 @@ def transformers_sees_torch() -> Row:
         return Row(check, PASS, f"transformers {transformers.__version__} accepts torch {torch.__version__}")
     return Row(check, FAIL, f"transformers {transformers.__version__} refuses torch {torch.__version__} "
                "(is_torch_available() is False): no model can be built",
-               "use an image whose torch is a release transformers accepts (docker/README.md), or an older transformers "
-               "that accepts this torch")
+               "use an image whose torch is a release transformers accepts (docker/README.md), "
+               "or an older transformers that accepts this torch")
 
 
 def parse_floor(text: str) -> tuple[str, str]:
@@ -241,7 +241,8 @@ def check_system() -> list[Row]:
     else:
         rows = [Row("GPU stack", PASS, f"{stack}, {rccl_version()}, {gpu_architecture()}, torch {torch.__version__}")]
     if torch.version.hip is None or not torch.cuda.is_available():
-        return rows + [Row("NUMA auto-balancing", SKIPPED, f"{numa_balancing()}; seed 001's check is for ROCm GPU nodes")]
+        return rows + [Row("NUMA auto-balancing", SKIPPED,
+                           f"{numa_balancing()}; seed 001's check is for ROCm GPU nodes")]
     arch = gpu_architecture()
     for c in validate_rocm():
         if c["check"] in ("GPU", "GPUs"):  # the GPUs row has them
@@ -331,7 +332,8 @@ def collective_row(device_type: str, nprocs: int) -> Row:
     check = f"collectives: {backend}, {nprocs} {'GPU' if device_type == 'cuda' else 'CPU'} ranks"
     fix = ("run again with NCCL_DEBUG=INFO to see why; in a container give it --ipc=host (or --shm-size 16g), and on "
            "ROCm --device /dev/kfd --device /dev/dri" if device_type == "cuda" else
-           "gloo connects ranks over 127.0.0.1: check that localhost resolves and that GLOO_SOCKET_IFNAME is unset or lo")
+           "gloo connects ranks over 127.0.0.1: check that localhost resolves "
+           "and that GLOO_SOCKET_IFNAME is unset or lo")
     try:
         results = launch("course_lib.apps.preflight:collective_worker", nprocs=nprocs, timeout=180,
                          device_type=device_type,
@@ -443,7 +445,8 @@ def check_deepspeed_ops(quick: bool = False) -> list[Row]:
         rows = [Row("DeepSpeed ops for CPU ranks (comm op, CPU Adam)", PASS, detail if prebuilt else
                     detail + ", built just now", "" if prebuilt else f"build them once before class: {build_fix}")]
     if not torch.cuda.is_available():
-        return rows + [Row(f"DeepSpeed ops for GPU ranks ({op})", NO_GPU, "no GPU") for op in ("CPU Adam", "fused Adam")]
+        return rows + [Row(f"DeepSpeed ops for GPU ranks ({op})", NO_GPU, "no GPU")
+                       for op in ("CPU Adam", "fused Adam")]
     _, result, out = run_probe("deepspeed_ops_probe('cuda')", ops_env("cuda"))
     result = result or {"CPU Adam": out, "fused Adam": out}
     rows.append(Row("DeepSpeed ops for GPU ranks (CPU Adam)", PASS if result["CPU Adam"] is None else FAIL,
@@ -458,7 +461,8 @@ def check_deepspeed_ops(quick: bool = False) -> list[Row]:
 # ------------------------------------------------------------------ optional packages: FP8 and bitsandbytes
 
 def torchao_probe(device: str) -> str | None:
-    """In a process of its own (torchao's import prints kernel-load failures): ``fp8_compute.torchao_fp8_runs(device)``."""
+    """In a process of its own (torchao's import prints kernel-load failures):
+    ``fp8_compute.torchao_fp8_runs(device)``."""
     return fp8_compute.torchao_fp8_runs(device)
 
 
@@ -552,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     bad = failed(rows)
     print(table(rows))
-    verdict = f"{len(bad)} needed path(s) FAIL: fix them before class" if bad else "every path the course needs works here"
+    verdict = (f"{len(bad)} needed path(s) FAIL: fix them before class" if bad
+               else "every path the course needs works here")
     print(f"\npreflight: {verdict} ({len(rows)} checks, {seconds:.0f} s)")
     return 1 if bad else 0
 

@@ -64,7 +64,8 @@ def check_cell_ids(root: Path = ROOT) -> None:
                              "on every release")
 
 
-def nbgrader(course: Path, *args: str, env: dict | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+def nbgrader(course: Path, *args: str, env: dict | None = None,
+             timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run an nbgrader command in a course folder; raise with its output if it fails."""
     cmd = [sys.executable, "-m", "nbgrader", *args]
     env = {**os.environ, **(env or {})}
@@ -82,7 +83,8 @@ def released(course: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.apps.release``: regenerate ``notebooks/`` from ``solutions/``; with ``--check``, exit 1 if they differ."""
+    """``python -m course_lib.apps.release``: regenerate ``notebooks/`` from ``solutions/``; with ``--check``, exit 1
+    if they differ."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only report whether notebooks/ is in sync")
     args = parser.parse_args(argv)

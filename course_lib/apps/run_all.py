@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m course_lib.apps.run_all``: execute the notebooks on this machine's tier, write ``runs/summary.md``."""
+    """``python -m course_lib.apps.run_all``: execute the notebooks on this machine's tier,
+    write ``runs/summary.md``."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.jobs < 1:

@@ -55,12 +55,14 @@ def sweep_config(hidden: int, layers: int, vocab_size: int = 128256, seq_len: in
     if hidden % heads_dim or hidden < heads_dim or layers < 1:
         raise ValueError(f"hidden={hidden}, layers={layers}: hidden must be a multiple of {heads_dim} and layers >= 1")
     heads = hidden // heads_dim
-    return llama_config("8b", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=int(3.5 * hidden) // 256 * 256,
-                        num_attention_heads=heads, num_key_value_heads=min(8, heads), vocab_size=vocab_size,
+    return llama_config("8b", hidden_size=hidden, num_hidden_layers=layers,
+                        intermediate_size=int(3.5 * hidden) // 256 * 256, num_attention_heads=heads,
+                        num_key_value_heads=min(8, heads), vocab_size=vocab_size,
                         max_position_embeddings=max(seq_len, 128))
 
 
-def predicted_bytes(strategy: str, config, micro_batch: int, seq_len: int, checkpointing: bool = False) -> dict[str, float]:
+def predicted_bytes(strategy: str, config, micro_batch: int, seq_len: int,
+                    checkpointing: bool = False) -> dict[str, float]:
     """Bytes a training step of ``strategy`` needs on the GPU, in host memory and on NVMe (a prediction).
 
     Model state from ``offload_plan`` (plus DeepSpeed's pinned bf16 copy of the weights on the host with
@@ -77,8 +79,8 @@ def predicted_bytes(strategy: str, config, micro_batch: int, seq_len: int, check
     if strategy == "zero3_nvme":
         where["CPU"] += 4 * 2**30  # pinned swap buffers
     tokens = micro_batch * seq_len
-    acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing, logits_bytes=0,
-                                  recomputing=True)
+    acts = llama_activation_bytes(config, micro_batch, seq_len, dtype_bytes=2, checkpointed=checkpointing,
+                                  logits_bytes=0, recomputing=True)
     acts += tokens * config.vocab_size * 10
     where["GPU"] += acts + min(_GPU_WORKING_SET[strategy], 2 * n)
     return where
@@ -132,7 +134,8 @@ def search_largest(trial: Callable[[tuple, int], dict], shapes=SWEEP_SHAPES, mic
     micro-batch that fitted), and that best row for each shape whose batch was grown (``best_by_shape``).
     """
     if not shapes or not micro_batches or sorted(micro_batches) != list(micro_batches):
-        raise ValueError(f"shapes={shapes}, micro_batches={micro_batches}: give at least one of each, batches ascending")
+        raise ValueError(f"shapes={shapes}, micro_batches={micro_batches}: "
+                         "give at least one of each, batches ascending")
     rows, fitted = [], {}
     for shape in shapes:
         rows.append(attempt(trial, shape, micro_batches[0]))
@@ -292,8 +295,9 @@ def sweep_all(strategies=("pytorch", "zero2_offload", "zero3_offload"), shapes=S
               steps: int = 3, micro_batches=MICRO_BATCHES, batch_shapes=(), nvme_path: str | None = None,
               cpu_adam: bool = True, checkpointing: bool = False, timeout: float = 24 * 3600) -> list[dict]:
     """``sweep`` for each strategy, each in a fresh one-rank process (``launch``) on this machine's first GPU."""
-    return [launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": s, "shapes": [list(x) for x in shapes], "seq_len": seq_len,
-                                                "steps": steps, "micro_batches": list(micro_batches),
+    return [launch("course_lib.apps.size_sweep:sweep", 1, {"strategy": s, "shapes": [list(x) for x in shapes],
+                                                "seq_len": seq_len, "steps": steps,
+                                                "micro_batches": list(micro_batches),
                                                 "batch_shapes": [list(x) for x in batch_shapes], "nvme_path": nvme_path,
                                                 "cpu_adam": cpu_adam, "checkpointing": checkpointing},
                    timeout=timeout, echo=False)[0]
@@ -310,7 +314,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-params", type=float, default=None, help="skip shapes above this many parameters")
     parser.add_argument("--nvme-path", default=None, help="a folder on an NVMe drive, for zero3_nvme (needs libaio)")
     parser.add_argument("--checkpointing", action="store_true", help="recompute each layer in the backward")
-    parser.add_argument("--torch-adam", action="store_true", help="torch's AdamW on the CPU instead of DeepSpeed's CPU Adam")
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="torch's AdamW on the CPU instead of DeepSpeed's CPU Adam")
     args = parser.parse_args(argv)
     shapes = [s for s in SWEEP_SHAPES if not args.max_params or
               llama_num_parameters(sweep_config(*s, seq_len=args.seq_len)) <= args.max_params]

@@ -171,7 +171,8 @@ def failed_tests(executed: dict) -> dict[str, str]:
         if cell.cell_type == "code" and is_grade(cell):
             score, points = determine_grade(cell)
             if score is not None and score < points:
-                shown = [o.get("text") or o.get("evalue") or "" for o in cell.outputs if o.output_type in ("stream", "error")]
+                shown = [o.get("text") or o.get("evalue") or ""
+                         for o in cell.outputs if o.output_type in ("stream", "error")]
                 out[cell.metadata.nbgrader.grade_id] = "".join(shown)[-600:]
     return out
 
@@ -237,7 +238,8 @@ def run(names: list[str], out: Path, blank: bool = False, root: Path = ROOT) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m course_lib.apps.student_path [NN ...] [--blank] [--out DIR]``: exit 1 if a notebook fails."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.student_path", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.apps.student_path",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("only", nargs="*", help="notebooks by number or name (default: all)")
     parser.add_argument("--blank", action="store_true", help="validate the untouched release: every exercise must fail")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "student-path",

@@ -101,7 +101,8 @@ def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[di
             out[name] = {"data": checks.plain(checks.REGISTRY[name].probe(namespace))}
         except BaseException as err:
             last = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
-            where = f" (line {last[0].lineno} of {last[0].filename})" if last and last[0].filename.startswith("<cell") else ""
+            where = (f" (line {last[0].lineno} of {last[0].filename})"
+                     if last and last[0].filename.startswith("<cell") else "")
             out[name] = {"error": f"{type(err).__name__}: {err}{where}"}
         finally:
             signal.alarm(0)

@@ -89,7 +89,8 @@ class Server:
         self.folder = Path(sandbox.scratch_folder())  # the hidden checks' copies: never the instructor's folder
         copies = [str(shutil.copy(path, self.folder / path.name)) for path in modules]
         self.edition = str(edition.for_grading())
-        env = {**sandbox.grading_env(dict(os.environ), str(self.folder), self.edition), "NBGRADER_EXECUTION": "autograde"}
+        env = {**sandbox.grading_env(dict(os.environ), str(self.folder), self.edition),
+               "NBGRADER_EXECUTION": "autograde"}
         self.proc = subprocess.Popen([sys.executable, "-m", "course_lib.checks.child", "--serve", *copies],
                                      cwd=self.folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -102,7 +103,8 @@ class Server:
             job = {"cells": cells, "names": names, "seconds": seconds, "out": str(scratch / "out.pt"),
                    "log": str(scratch / "log.txt"), "scratch": str(scratch), "fence": fence, "read": read,
                    "write": write, "limit": seconds * (len(cells) + len(names)) + 60,
-                   "env": {k: v for k, v in sandbox.grading_env({}, str(scratch), self.edition).items() if k != "PYTHONPATH"}}
+                   "env": {k: v for k, v in sandbox.grading_env({}, str(scratch), self.edition).items()
+                           if k != "PYTHONPATH"}}
             (scratch / "job.json").write_text(json.dumps(job))
             self.proc.stdin.write(f"{scratch / 'job.json'}\n")
             self.proc.stdin.flush()
@@ -111,7 +113,8 @@ class Server:
             try:
                 return torch.load(scratch / "out.pt", weights_only=True)
             except Exception as err:
-                tail = (scratch / "log.txt").read_text(errors="replace")[-2000:] if (scratch / "log.txt").exists() else ""
+                log = scratch / "log.txt"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 return {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
                                                        f"its last output:\n{tail}"]}
         finally:

@@ -31,9 +31,11 @@ def counts(ns: dict, configs: dict) -> dict:
 def judge_counts(got: dict, configs: dict, build=build_llama) -> str:
     for key, cfg in configs.items():
         built = count_parameters(build(cfg))
-        assert isinstance(got[key], (int, float)) and int(got[key]) == got[key], f"{key}: return a whole number, not {got[key]!r}"
+        assert isinstance(got[key], (int, float)) and int(got[key]) == got[key], \
+            f"{key}: return a whole number, not {got[key]!r}"
         assert got[key] == built, (f"{key} (d={cfg.hidden_size}, layers={cfg.num_hidden_layers}, "
-                                   f"tied={cfg.tie_word_embeddings}): you count {got[key]:,}, the built model has {built:,}")
+                                   f"tied={cfg.tie_word_embeddings}): you count {got[key]:,}, "
+                                   f"the built model has {built:,}")
     return "parameter counts match the built models"
 
 

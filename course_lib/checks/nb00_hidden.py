@@ -99,14 +99,17 @@ def probe_meter(ns: dict) -> dict:
 
 def judge_meter(got: dict) -> str:
     assert got["square"] == 8 * 8 * 4, f"a * a saves a twice: one storage, {8 * 8 * 4} bytes, not {got['square']}"
-    assert got["gram"] == 8 * 8 * 4, f"a.t() @ a saves a view of a and a: one storage, {8 * 8 * 4} bytes, not {got['gram']}"
-    assert got["slice"] == 1000 * 16 * 4, f"a saved slice keeps its whole storage alive: {1000 * 16 * 4} bytes, not {got['slice']}"
+    assert got["gram"] == 8 * 8 * 4, \
+        f"a.t() @ a saves a view of a and a: one storage, {8 * 8 * 4} bytes, not {got['gram']}"
+    assert got["slice"] == 1000 * 16 * 4, \
+        f"a saved slice keeps its whole storage alive: {1000 * 16 * 4} bytes, not {got['slice']}"
     for name, dt in DTYPES.items():
         ref = memory.activation_bytes(*tiny_llama_forward(dt))
         assert got[name] == ref, f"tiny Llama, {name}: expected {ref:,} bytes, got {got[name]:,}"
     assert not got["leaks"], ("an activation outlived your meter: pack returned the saved tensor itself, so a saved "
-                              "output holds its own grad_fn, a cycle autograd never frees (each metered forward leaks its "
-                              "activations: on a GPU, out of memory); return t.detach(), the same storage without its history")
+                              "output holds its own grad_fn, a cycle autograd never frees (each metered forward "
+                              "leaks its activations: on a GPU, out of memory); return t.detach(), the same storage "
+                              "without its history")
     return "saved twice, through a view, a slice's storage, the tiny Llama in fp32 and bf16, and nothing kept alive"
 
 

@@ -57,7 +57,8 @@ def compare(mine: list, ref: list, what: str) -> None:
     for i, ((s, w), (rs, rw)) in enumerate(zip(mine, ref)):
         assert s == rs, f"{what}, after step {i}: scale {s}, GradScaler's {rs}"
         for a, b in zip(w, rw):
-            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"{what}, after step {i}: the weights differ from GradScaler's"
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), \
+                f"{what}, after step {i}: the weights differ from GradScaler's"
 
 
 def gradscaler_trajectory(kw: dict, injections: dict, **how) -> list:
@@ -132,8 +133,9 @@ def judge_amp(got: dict) -> str:
         assert g["seen"] and g["seen"][0] == str(dt), \
             f"the model's forward ran in {g['seen'][0] if g['seen'] else 'nothing'}, expected {dt}: use autocast"
         assert isinstance(g["loss"], float) and abs(g["loss"] - rloss) < 1e-3, "return the unscaled loss as a float"
-        assert max_abs_diff(g["params"], rparams) < 1e-5, (f"{dt}: the weights after one step differ from the reference "
-                                                           "(in fp16, did the backward go through scaler.scale(loss)?)")
+        assert max_abs_diff(g["params"], rparams) < 1e-5, (f"{dt}: the weights after one step differ from the "
+                                                           "reference (in fp16, did the backward go through "
+                                                           "scaler.scale(loss)?)")
     return "bf16 and fp16 steps match the reference"
 
 

@@ -54,7 +54,8 @@ def probe_amp(ns: dict) -> dict:
 
 def judge_amp(got: dict) -> str:
     loss = got["loss"]
-    assert isinstance(loss, (int, float)) and math.isfinite(loss), "the returned loss is the unscaled loss, a finite float"
+    assert isinstance(loss, (int, float)) and math.isfinite(loss), \
+        "the returned loss is the unscaled loss, a finite float"
     assert max_abs_diff(got["params"], params(overflow_model())) == 0, \
         "at scale 2^40 the fp16 gradients overflow: scaler.step must skip the step"
     assert got["scale"] < 2.0**40, "after an overflow scaler.update() must lower the scale"

@@ -38,18 +38,21 @@ def probe_fp8(ns: dict) -> dict:
 
 
 def judge_fp8(got: dict) -> str:
-    assert got["start"]["scale"] == 1.0 and got["start"]["history"] is True, "start with scale 1.0 and an empty amax_history"
+    assert got["start"]["scale"] == 1.0 and got["start"]["history"] is True, \
+        "start with scale 1.0 and an empty amax_history"
     want = [1.0, 448 / 4, 448 / 4, 448 / 2]  # the history before each step: [], [4], [4, 2], [2, 1]
     scales = [step["scale"] for step in got["steps"]]
-    assert scales == want, (f"scales used {scales}, expected {want}: each step's scale comes from the amaxes of the steps "
-                            "before it (delayed scaling), never from the tensor being quantised")
+    assert scales == want, (f"scales used {scales}, expected {want}: each step's scale comes from the amaxes of the "
+                            "steps before it (delayed scaling), never from the tensor being quantised")
     for i, (step, x) in enumerate(zip(got["steps"], visible_stream())):
         assert step["q"]["dtype"] == str(torch.float8_e4m3fn), \
             f"step {i}: return the FP8 tensor itself, not a {step['q']['dtype']} one"
         assert torch.equal(step["q"]["values"], fp8.quantize(x, want[i], torch.float8_e4m3fn).float()), \
             f"step {i}: the values differ from torch's cast of x * scale"
-    assert got["history"] == [1.0, 0.5], f"after 4 steps with history_len=2 amax_history is {got['history']}, expected [1.0, 0.5]"
-    assert got["next"] == 448.0, f"after 4 steps the next scale is {got['next']}, expected 448 / max([1.0, 0.5]) = 448.0"
+    assert got["history"] == [1.0, 0.5], \
+        f"after 4 steps with history_len=2 amax_history is {got['history']}, expected [1.0, 0.5]"
+    assert got["next"] == 448.0, \
+        f"after 4 steps the next scale is {got['next']}, expected 448 / max([1.0, 0.5]) = 448.0"
     assert torch.equal(got["dequantized"], got["steps"][1]["q"]["values"] / 112.0), \
         "dequantize(q, scale) is q in float32 divided by the scale"
     return f"delayed scaling, step by step, as torch's casts give it: scales {scales}"

@@ -47,7 +47,8 @@ def judge_fp8(got: dict) -> str:
         for i, (step, x) in enumerate(zip(g["steps"], xs, strict=True)):
             q, s, sm = step["q"], step["scale"], step["scale_margin"]
             assert torch.isfinite(q).all(), \
-                f"{dt}, step {i}: inf or nan in the FP8 tensor: clamp x * scale to ±{torch.finfo(dt).max} before the cast"
+                (f"{dt}, step {i}: inf or nan in the FP8 tensor: "
+                 f"clamp x * scale to ±{torch.finfo(dt).max} before the cast")
             assert torch.equal(q, fp8.quantize(x, s, dt).float()), \
                 f"{dt}, step {i}: the values differ from torch's cast of x * scale clamped to ±max"
             assert i == 0 or s == 4 * sm, f"{dt}, step {i}: margin=2 divides the scale by 2**2 ({s} vs {sm})"

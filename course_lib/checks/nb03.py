@@ -110,7 +110,8 @@ def masked_batch(rows: int, seq: int, seed: int, masks: dict) -> dict:
 
 
 def token_case():
-    """The tests' tiny Llama (vocabulary 256, seed 4) and the visible test's 8 rows, the first ones almost all masked."""
+    """The tests' tiny Llama (vocabulary 256, seed 4) and the visible test's 8 rows, the first ones almost all
+    masked."""
     torch.manual_seed(4)
     return build_llama("tiny", vocab_size=256, seed=4), masked_batch(8, 24, 4, {0: 22, 1: 22, 2: 20, 3: 20, 4: 2})
 
@@ -133,8 +134,8 @@ def probe_tokens(ns: dict) -> dict:
 
 def judge_tokens(got: dict) -> str:
     ref_grads, want = whole_batch(*token_case())
-    assert max_rel_diff(got["grads"], ref_grads) < 1e-4, ("the gradient is not the whole batch's: weight each micro-batch "
-                                                          "by its share of the scored tokens, not by 1/k")
+    assert max_rel_diff(got["grads"], ref_grads) < 1e-4, ("the gradient is not the whole batch's: weight each "
+                                                          "micro-batch by its share of the scored tokens, not by 1/k")
     assert isinstance(got["loss"], (int, float)) and abs(got["loss"] - want) < 1e-4, \
         f"return the whole batch's token-mean loss ({want:.4f}), not {got['loss']}"
     return "token-weighted accumulation gives the whole batch's gradient"
@@ -212,7 +213,8 @@ def judge_sync(got: dict) -> str:
     rounds, per_micro = one_round(model, x, y), got["per_micro"]
     assert sum(per_micro) == rounds, f"expected {rounds} bucket all-reduces (one round), got {sum(per_micro)}"
     assert per_micro[-1] == rounds, f"all-reduces per micro-batch {per_micro}: synchronise on the last one"
-    assert max_rel_diff(got["grads"], big_batch(model, x, y)[0]) < 1e-5, "the accumulated, synchronised gradient is wrong"
+    assert max_rel_diff(got["grads"], big_batch(model, x, y)[0]) < 1e-5, \
+        "the accumulated, synchronised gradient is wrong"
     return "one all-reduce round per optimizer step, on the last micro-batch"
 
 

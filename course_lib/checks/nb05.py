@@ -1,5 +1,6 @@
 """Notebook 05's visible tests (the input pipeline): the Prefetcher's every item on every pass, its overlap with the
-step, its copies on a side stream under a faked ``torch.cuda``, and a loop that leaves early (no thread, no worker left).
+step, its copies on a side stream under a faked ``torch.cuda``, and a loop that leaves early (no thread, no worker
+left).
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class FakeCuda:
     and ``to_device`` (in course_lib.data and every namespace in ``spaces``) clones the batch as "the copy", logging
     the stream it was issued on. ``log`` lists, in order, plain dicts: ``what`` (copy, record_event, wait_event,
     wait_stream, record_stream, synchronize, received), ``thread`` ("loop": the thread that entered the block),
-    ``stream`` (``default`` or ``side N``) and the item or event each names. ``received(item)`` logs an item the loop got.
+    ``stream`` (``default`` or ``side N``) and the item or event each names. ``received(item)`` logs an item the loop
+    got.
     """
 
     def __init__(self, *spaces: dict):
@@ -184,7 +186,8 @@ class FakeCuda:
         return _FakeStream(self, f"side {self.n_streams}")
 
     def to_device(self, batch, device, non_blocking: bool = False):
-        tensors = [batch] if torch.is_tensor(batch) else list(batch.values()) if isinstance(batch, dict) else list(batch)
+        tensors = ([batch] if torch.is_tensor(batch) else list(batch.values()) if isinstance(batch, dict)
+                   else list(batch))
         number = int(tensors[0].reshape(-1)[0])  # the probes' items carry their number in their first tensor
         copies = [t.clone() for t in tensors]
         self.kept += copies
@@ -203,14 +206,16 @@ class FakeCuda:
         fake = self
 
         def record_stream(tensor, stream):
-            fake.note("record_stream", item=fake.copies.get(id(tensor), -1), stream=getattr(stream, "name", repr(stream)))
+            fake.note("record_stream", item=fake.copies.get(id(tensor), -1),
+                      stream=getattr(stream, "name", repr(stream)))
 
         self.loop = threading.get_ident()
         self.saved = [(torch.cuda, k, getattr(torch.cuda, k)) for k in
                       ("Stream", "Event", "stream", "current_stream", "default_stream", "synchronize", "is_available")]
         self.saved += [(torch.Tensor, "record_stream", torch.Tensor.__dict__.get("record_stream"))]
         self.saved_spaces = [(space, space.get("to_device")) for space in self.spaces]
-        torch.cuda.Stream, torch.cuda.Event, torch.cuda.stream = self.new_stream, lambda *a, **k: _FakeEvent(self), self.stream
+        torch.cuda.Stream, torch.cuda.Event, torch.cuda.stream = (self.new_stream, lambda *a, **k: _FakeEvent(self),
+                                                                   self.stream)
         torch.cuda.current_stream = lambda device=None: self.current()
         torch.cuda.default_stream = lambda device=None: self.default
         torch.cuda.synchronize = lambda device=None: self.note("synchronize", stream="all")
@@ -291,7 +296,8 @@ def probe_stream(ns: dict) -> dict:
 
     def run(device):
         with FakeCuda(ns) as cuda:
-            got = outcome(lambda: [cuda.received(item) for item in Prefetcher(streamed_items(), depth=2, device=device)])
+            got = outcome(lambda: [cuda.received(item)
+                                   for item in Prefetcher(streamed_items(), depth=2, device=device)])
         return {"log": cuda.log, **{k: v for k, v in got.items() if k != "value"}}
 
     return {"cuda": yours(ns, lambda: run("cuda")), "cpu": yours(ns, lambda: run("cpu"))}
@@ -322,10 +328,12 @@ def judge_stream(got: dict) -> str:
         side, after = copy["stream"], log[j:k]
         recorded = {e["event"] for e in after if e["what"] == "record_event" and e["stream"] == side}
         assert any(e["thread"] == "loop" and e.get("stream") == "default" and
-                   (e["what"] == "wait_event" and e["event"] in recorded or e["what"] == "wait_stream" and e["on"] == side)
+                   (e["what"] == "wait_event" and e["event"] in recorded
+                    or e["what"] == "wait_stream" and e["on"] == side)
                    for e in after), (f"item {i}: the step's stream never waited for its copy, so the step can read the "
                                      "batch before it has arrived: record an event on the side stream after the copy, "
-                                     "and in the loop, before yielding, torch.cuda.current_stream(device).wait_event(it)")
+                                     "and in the loop, before yielding, "
+                                     "torch.cuda.current_stream(device).wait_event(it)")
         taken = [e for e in after if e["what"] == "record_stream" and e["item"] == i and e.get("stream") == "default"]
         assert len(taken) >= copy["tensors"], (
             f"item {i}: {len(taken)} of its {copy['tensors']} tensors recorded on the step's stream: call "

@@ -43,7 +43,8 @@ def judge_depth(got: dict) -> str:
     for depth in (1, 3):
         ahead = got["ahead"][depth]
         assert max(ahead) <= depth + 1, (f"depth={depth}: the thread read {max(ahead)} items ahead of the loop; a "
-                                         f"queue of {depth} slots allows {depth + 1} (a full queue and the item it holds)")
+                                         f"queue of {depth} slots allows {depth + 1} "
+                                         "(a full queue and the item it holds)")
         assert max(ahead) >= depth, f"depth={depth}: the thread was never more than {max(ahead)} item(s) ahead"
     assert got["rejects"], "depth=0 and depth=1.5 must raise ValueError"
     return "the thread runs depth items ahead and no further; a bad depth is refused"

@@ -30,7 +30,8 @@ AVERAGE = (ddp.all_reduce_gradients,)
 
 # ---------------------------------------------------------------- rank_batches
 def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tuple, seed: int = 0) -> list:
-    """Per rank, ``{epoch: the student's rank_batches(...)}`` on ``nprocs`` forked ranks, course_lib's loaders forbidden."""
+    """Per rank, ``{epoch: the student's rank_batches(...)}`` on ``nprocs`` forked ranks, course_lib's loaders
+    forbidden."""
     space = student(ns, "rank_batches")
 
     def rank():

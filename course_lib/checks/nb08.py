@@ -107,9 +107,10 @@ def probe_wrap(ns: dict) -> dict:
         mesh = init_device_mesh("cpu", (world,))
         with forbid(fsdp.shard_model, namespace=space):  # course_lib's wrapping, out of reach
             m = space["apply_fsdp"](build_llama("tiny", seed=0), mesh)
-        facts = {"root": isinstance(m, FSDPModule), "layers": all(isinstance(l, FSDPModule) for l in m.model.layers),
+        facts = {"root": isinstance(m, FSDPModule),
+                 "layers": all(isinstance(layer, FSDPModule) for layer in m.model.layers),
                  "sharded": all(isinstance(p, DTensor) and p.placements == (Shard(0),)
-                                for l in m.model.layers for p in l.parameters())}
+                                for layer in m.model.layers for p in layer.parameters())}
         forward_loss(m, batch[rank * 2:(rank + 1) * 2]).backward()
         facts["grads"] = {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters()}
         dist.barrier()

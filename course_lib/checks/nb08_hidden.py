@@ -61,19 +61,21 @@ def probe_reshard(ns: dict) -> dict:
             with forbid(fsdp.shard_model, namespace=space):
                 m = space["apply_fsdp"](build_llama("tiny", seed=0), init_device_mesh("cpu", (world,)),
                                         reshard_after_forward=flag)
-            count = lambda *a: out["gathered"].append(sum(not isinstance(l.self_attn.q_proj.weight, DTensor)
-                                                          for l in m.model.layers))
-            hooks = [l.mlp.register_forward_hook(count) for l in m.model.layers] if flag else []
+            def count(*a):
+                out["gathered"].append(sum(not isinstance(layer.self_attn.q_proj.weight, DTensor)
+                                           for layer in m.model.layers))
+            hooks = [layer.mlp.register_forward_hook(count) for layer in m.model.layers] if flag else []
             loss = forward_loss(m, batch[:2])
             # between forward and backward: sharded DTensors if resharded, full plain tensors if not
-            out[str(flag)] = [isinstance(p, DTensor) for l in m.model.layers for p in l.parameters()]
+            out[str(flag)] = [isinstance(p, DTensor) for layer in m.model.layers for p in layer.parameters()]
             loss.backward()
             for h in hooks:
                 h.remove()
         with forbid(fsdp.shard_model, namespace=space):
             m2 = space["apply_fsdp"](build_llama("tiny", seed=0),
                                      init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
-        out["2d"] = all(p.placements == (Replicate(), Shard(0)) for l in m2.model.layers for p in l.parameters())
+        out["2d"] = all(p.placements == (Replicate(), Shard(0))
+                        for layer in m2.model.layers for p in layer.parameters())
         dist.barrier()  # no rank leaves while another still sets up its groups
         return out
 

@@ -48,7 +48,8 @@ def cnn(frozen: bool) -> torch.nn.Module:
 
 def groups(model: torch.nn.Module, kw: dict) -> list[dict]:
     """Two parameter groups, the head's at half the learning rate (its bias may be frozen: the optimizer leaves it)."""
-    return [{"params": list(model.features.parameters())}, {"params": list(model.head.parameters()), "lr": kw["lr"] / 2}]
+    return [{"params": list(model.features.parameters())},
+            {"params": list(model.head.parameters()), "lr": kw["lr"] / 2}]
 
 
 def halving(optimizer) -> torch.optim.lr_scheduler.StepLR:
@@ -229,8 +230,9 @@ def judge_traffic(runs: list, nprocs: int, frozen: bool) -> float:
     for r, run in enumerate(runs):
         sent = sum(run["sent"].values())
         assert run["sent"].get("reduce_scatter"), f"rank {r}'s step ran no reduce-scatter: it sent {run['sent']}"
-        assert sent <= 1.01 * ddp, (f"rank {r}'s step sent {sent / ddp:.2f}x what DDP's all-reduce sends ({run['sent']}): "
-                                    "one reduce-scatter of the gradients and one all-gather of the weights, nothing more")
+        assert sent <= 1.01 * ddp, (f"rank {r}'s step sent {sent / ddp:.2f}x what DDP's all-reduce sends "
+                                    f"({run['sent']}): one reduce-scatter of the gradients and one all-gather of the "
+                                    "weights, nothing more")
     return sent / ddp
 
 
@@ -286,7 +288,8 @@ def trains(config: dict, steps: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def launched(config: str, steps: int) -> dict:
-    return on_ranks(deepspeed_engine.train_with_config, 2, "cpu", timeout=300, config=json.loads(config), steps=steps)[0]
+    return on_ranks(deepspeed_engine.train_with_config, 2, "cpu", timeout=300, config=json.loads(config),
+                    steps=steps)[0]
 
 
 def judge_config(cfg) -> str:
@@ -298,7 +301,7 @@ def judge_config(cfg) -> str:
     run = trains(cfg, 3)
     assert run["micro_batch"] == 4 and run["global_steps"] == 3, run
     assert run["losses"][-1] < run["losses"][0] + 0.5, "training with this config went wrong"
-    return f"DeepSpeed accepted the config and trained: {[round(l, 3) for l in run['losses']]}"
+    return f"DeepSpeed accepted the config and trained: {[round(loss, 3) for loss in run['losses']]}"
 
 
 register("test_make_ds_config",

@@ -18,7 +18,8 @@ from course_lib.grading import forbid
 from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
 
-ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)  # no clipping: a contract of its own
+# no clipping: a contract of its own
+ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
@@ -51,7 +52,8 @@ def judge_sharded_hidden(got: dict) -> str:
     ratio = judge_traffic(got["sgd"], 3, True)
     _, full, n_params = one_process(24, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
     for held in got["state"]:
-        assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, f"a rank holds {held / full:.3f} of the state on 3 ranks"
+        assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, \
+            f"a rank holds {held / full:.3f} of the state on 3 ranks"
     ds = deepspeed_stage1()
     assert max(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, "not DeepSpeed stage 1's losses"
     return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "

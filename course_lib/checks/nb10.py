@@ -93,9 +93,11 @@ def judge_sent_down(got: dict) -> None:
         assert not still, (f"step {step}: parameters {still} still hold their gradient after backward: send each one "
                            "down in a post-accumulate-grad hook and free it there (p.grad = None)")
         for i, (g, w) in enumerate(zip(landed, want)):
-            assert (g is None) == (w is None), f"step {step}, master {i}: .grad is {g!r:.60} where the gradient is {w!r:.60}"
+            assert (g is None) == (w is None), \
+                f"step {step}, master {i}: .grad is {g!r:.60} where the gradient is {w!r:.60}"
             if w is not None:
-                assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"step {step}, master {i}: .grad is {g!r:.80}"
+                assert isinstance(g, torch.Tensor) and g.shape == w.shape, \
+                    f"step {step}, master {i}: .grad is {g!r:.80}"
                 gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
                 assert gap < 1e-5, f"step {step}, master {i}: its .grad is {gap:.1e} (relative) from the gradient"
 
@@ -114,8 +116,10 @@ def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: boo
     assert len(masters) == len(trainable), f"{len(masters)} masters for {len(trainable)} trainable parameters"
     judge_sent_down(got)
     for i, (p, m, r) in enumerate(zip(trainable, masters, ref)):
-        assert m["dtype"] == "torch.float32" and m["device"] == "cpu", f"master {i}: {m['dtype']} on {m['device']}, not fp32 on the CPU"
-        assert p["dtype"] == str(dtype) and p["device"] == got["device"], f"parameter {i} is now {p['dtype']} on {p['device']}"
+        assert m["dtype"] == "torch.float32" and m["device"] == "cpu", \
+            f"master {i}: {m['dtype']} on {m['device']}, not fp32 on the CPU"
+        assert p["dtype"] == str(dtype) and p["device"] == got["device"], \
+            f"parameter {i} is now {p['dtype']} on {p['device']}"
         assert p["grad_is_none"], f"parameter {i} still holds its gradient after step(): free it (p.grad = None)"
         gap = ((m["value"] - r).abs().max() / r.abs().max().clamp(min=1e-12)).item()
         assert gap < 1e-5, f"master {i} is {gap:.1e} (relative) from fp32 AdamW on the same gradients"

@@ -31,7 +31,8 @@ def accumulation_probe(ns: dict) -> list:
                 got = twin_grads(twin, loss)
                 want = got if want is None else [a + b for a, b in zip(want, got)]
                 loss(model).backward()
-            steps.append({"want": want, "landed": [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]})
+            steps.append({"want": want,
+                          "landed": [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]})
             opt.step()
     return steps
 

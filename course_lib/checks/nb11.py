@@ -113,7 +113,8 @@ def probe_layer(ns: dict) -> dict:
     with forbid(*PEFT, namespace=ns):
         fresh = ns["LoRALinear"](copy.deepcopy(base0), 4, 8)
         out = {"trainable": {n: list(p.shape) for n, p in fresh.named_parameters() if p.requires_grad},
-               "A": tensor(fresh.lora_A.weight), "B": tensor(fresh.lora_B.weight), "fresh y": tensor(fresh(fresh_input()))}
+               "A": tensor(fresh.lora_A.weight), "B": tensor(fresh.lora_B.weight),
+               "fresh y": tensor(fresh(fresh_input()))}
     mine, x = my_pair(ns, 4, 8)
     with forbid(*PEFT, namespace=ns):
         y = mine(x)
@@ -142,8 +143,10 @@ def judge_layer(got: dict) -> str:
     is_tensor(got["y"], "the layer's output")
     assert torch.allclose(got["y"], y_ref, atol=1e-5), \
         f"output differs from peft's by {(got['y'] - y_ref).abs().max():.2e}: base(x) + lora_B(lora_A(x)) * alpha / r"
-    assert isinstance(got["A grad"], torch.Tensor), f"A's gradient differs from peft's: lora_A.weight.grad is {got['A grad']}"
-    assert torch.allclose(got["A grad"], theirs.lora_A["default"].weight.grad, atol=1e-5), "A's gradient differs from peft's"
+    assert isinstance(got["A grad"], torch.Tensor), \
+        f"A's gradient differs from peft's: lora_A.weight.grad is {got['A grad']}"
+    assert torch.allclose(got["A grad"], theirs.lora_A["default"].weight.grad, atol=1e-5), \
+        "A's gradient differs from peft's"
     return "one layer: peft's outputs and gradients"
 
 
@@ -183,7 +186,8 @@ def judge_llama(got: dict) -> str:
     with torch.no_grad():
         ref = peft_llama(input_ids=ids).logits
     is_tensor(got["logits"], "the logits")
-    assert torch.allclose(got["logits"], ref, atol=1e-4), f"logits differ from peft's by {(got['logits'] - ref).abs().max():.2e}"
+    assert torch.allclose(got["logits"], ref, atol=1e-4), \
+        f"logits differ from peft's by {(got['logits'] - ref).abs().max():.2e}"
     return "tiny Llama: peft's trainable count and logits"
 
 

@@ -78,9 +78,11 @@ def judge_merge(got: dict) -> str:
         y = got["y"]
         assert torch.allclose(y, y_ref, atol=1e-5), "r=8, alpha=4: the update is scaled by alpha / r = 0.5"
         assert torch.equal(got["w merged twice"], got["w merged"]), "merging twice must not add the update twice"
-        assert got["merged"] and torch.allclose(got["y merged"], y, atol=1e-5), "the merged layer computes the same outputs"
+        assert got["merged"] and torch.allclose(got["y merged"], y, atol=1e-5), \
+            "the merged layer computes the same outputs"
         theirs.merge()
-        assert torch.allclose(got["w merged"], theirs.base_layer.weight, atol=1e-6), "merge: W + (alpha / r) * B @ A, as peft's"
+        assert torch.allclose(got["w merged"], theirs.base_layer.weight, atol=1e-6), \
+            "merge: W + (alpha / r) * B @ A, as peft's"
         assert not got["merged after unmerge"] and torch.allclose(got["w unmerged"], base.weight, atol=1e-6), \
             "unmerge restores W"
         assert torch.allclose(got["y unmerged"], y, atol=1e-5)

@@ -78,17 +78,19 @@ def judge_nf4(got: dict) -> str:
         is_tensor(codes, "codes")
         is_tensor(back, "the round trip")
         want = torch.tensor([int(digit, 16) for digit in hexes])
-        assert tuple(back.shape) == tuple(w.shape), f"nf4_dequantize must return shape {tuple(w.shape)}, not {tuple(back.shape)}"
+        assert tuple(back.shape) == tuple(w.shape), \
+            f"nf4_dequantize must return shape {tuple(w.shape)}, not {tuple(back.shape)}"
         assert codes.numel() == want.numel(), f"codes: one index per value, {want.numel()} here, not {codes.numel()}"
         off = (codes.reshape(-1).long() != want).nonzero().flatten().tolist()
-        assert not off, (f"shape {tuple(w.shape)}: your indices differ from bitsandbytes' at positions {off[:8]}: each value "
-                         f"goes to the NF4 level nearest to value / absmax (not to a grid of evenly spaced levels)")
+        assert not off, (f"shape {tuple(w.shape)}: your indices differ from bitsandbytes' at positions {off[:8]}: "
+                         f"each value goes to the NF4 level nearest to value / absmax "
+                         f"(not to a grid of evenly spaced levels)")
         assert back.float().abs().max() == w.float().abs().max(), \
             "the block's largest |value| sits on the level ±1: it comes back exactly"
         mine_error = nf4.relative_rms_error(back.float(), w.float())
         assert abs(mine_error - error) <= 1e-4 * error, \
-            (f"shape {tuple(w.shape)}: your round trip is off the weights by {mine_error:.6f} (relative RMS), bitsandbytes' "
-             f"by {error:.6f}: a value comes back as its level of NF4 times its block's absmax")
+            (f"shape {tuple(w.shape)}: your round trip is off the weights by {mine_error:.6f} (relative RMS), "
+             f"bitsandbytes' by {error:.6f}: a value comes back as its level of NF4 times its block's absmax")
     return "single blocks: bitsandbytes' NF4 indices, and the error of its round trip"
 
 
@@ -123,7 +125,8 @@ def probe_storage(ns: dict) -> dict:
     codes = torch.tensor(list(bytes.fromhex(ABSMAX_CODES)), dtype=torch.uint8)
     with forbid(*NF4_ANSWERS, namespace=ns):
         packed = [tensor(ns["pack_4bit"](torch.tensor([int(d, 16) for d in h]))) for h in hexes]
-        unpacked = [tensor(ns["unpack_4bit"](torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8), len(h))) for h in hexes]
+        unpacked = [tensor(ns["unpack_4bit"](torch.tensor(list(bytes.fromhex(h)), dtype=torch.uint8), len(h)))
+                    for h in hexes]
         compressed = [tensor(t) for t in ns["compress_absmax"](ABSMAX_X.clone())]
         back = ns["decompress_absmax"](codes, torch.tensor(ABSMAX_SCALES), torch.tensor(ABSMAX_OFFSET))
     return {"packed": packed, "unpacked": unpacked, "compressed": compressed, "back": tensor(back)}
@@ -133,7 +136,8 @@ def judge_storage(got: dict) -> str:
     for (_, _, hexes), packed, unpacked in zip(single_blocks(), got["packed"], got["unpacked"]):
         is_tensor(packed, "pack_4bit's bytes")
         assert packed.dtype == torch.uint8 and packed.numel() == len(hexes) // 2, \
-            f"pack_4bit: {len(hexes)} codes fill {len(hexes) // 2} bytes (uint8); got {packed.numel()} of {packed.dtype}"
+            (f"pack_4bit: {len(hexes)} codes fill {len(hexes) // 2} bytes (uint8); "
+             f"got {packed.numel()} of {packed.dtype}")
         mine = bytes(packed.reshape(-1).tolist()).hex()
         assert mine == hexes, (f"your bytes {mine[:16]}... are not bitsandbytes' {hexes[:16]}...: two codes a byte, "
                                f"the first in the high nibble (code0 * 16 + code1)")
@@ -146,14 +150,17 @@ def judge_storage(got: dict) -> str:
     codes, scales, offset = got["compressed"]
     for name, x in (("codes", codes), ("scales", scales), ("offset", offset)):
         is_tensor(x, name)
-    assert abs(float(offset) - ABSMAX_OFFSET) < 1e-6, f"offset: the mean of the scales ({ABSMAX_OFFSET:.6f}), not {offset}"
+    assert abs(float(offset) - ABSMAX_OFFSET) < 1e-6, \
+        f"offset: the mean of the scales ({ABSMAX_OFFSET:.6f}), not {offset}"
     assert tuple(scales.shape) == (2,) and torch.allclose(scales.float(), torch.tensor(ABSMAX_SCALES), rtol=1e-6), \
         (f"300 scales in blocks of 256: two block scales, the largest |scale - offset| of each block, "
          f"{ABSMAX_SCALES}; got {scales.tolist()[:4]}")
-    assert codes.dtype == torch.uint8 and codes.numel() == 300, f"one uint8 code per scale; got {codes.numel()} of {codes.dtype}"
+    assert codes.dtype == torch.uint8 and codes.numel() == 300, \
+        f"one uint8 code per scale; got {codes.numel()} of {codes.dtype}"
     off = (codes.reshape(-1) != torch.tensor(list(bytes.fromhex(ABSMAX_CODES)), dtype=torch.uint8)).nonzero().flatten()
-    assert not len(off), (f"your 8-bit codes differ from bitsandbytes' at positions {off[:8].tolist()}: each code is the "
-                          f"index of the DYNAMIC level nearest to (scale - offset) / its block's scale")
+    assert not len(off), (f"your 8-bit codes differ from bitsandbytes' at positions {off[:8].tolist()}: "
+                          f"each code is the index of the DYNAMIC level nearest to (scale - offset) / its block's "
+                          f"scale")
     back = got["back"]
     is_tensor(back, "decompress_absmax's scales")
     assert tuple(back.shape) == (300,), f"decompress_absmax: one scale per code, 300 here, not {tuple(back.shape)}"
@@ -189,7 +196,8 @@ def standing_in(ns: dict, stand_ins: dict):
                 ns.pop(name, None)
 
 
-def qlora_base(out_features: int, in_features: int, seed: int, exact: bool = True, bias: bool = True) -> torch.nn.Linear:
+def qlora_base(out_features: int, in_features: int, seed: int, exact: bool = True,
+               bias: bool = True) -> torch.nn.Linear:
     """A linear layer with a bias; its weight one NF4 stores exactly (``nf4_exact_weight``) or normal, std 0.02."""
     g = torch.Generator().manual_seed(seed)
     layer = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -220,7 +228,8 @@ def probe_qlora(ns: dict, base: torch.nn.Linear, r: int, alpha: float, shape: tu
     out = {"trainable": {n: list(p.shape) for n, p in layer.named_parameters() if p.requires_grad},
            "B": tensor(layer.lora_B.weight),
            "buffers": {n: [str(b.dtype), b.numel(), b.element_size()] for n, b in layer.named_buffers()},
-           "stored float bytes": sum(t.numel() * t.element_size() for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+           "stored float bytes": sum(t.numel() * t.element_size()
+                                     for n, t in [*layer.named_parameters(), *layer.named_buffers()]
                                      if t.is_floating_point() and not n.startswith("lora_"))}
     a, b, x = qlora_adapters(base, r, shape, seed)
     layer.lora_A.weight.data.copy_(a)
@@ -232,7 +241,8 @@ def probe_qlora(ns: dict, base: torch.nn.Linear, r: int, alpha: float, shape: tu
         y.float().sum().backward()
     out.update({"y": tensor(y), "x grad": tensor(x.grad), "A grad": tensor(layer.lora_A.weight.grad),
                 "B grad": tensor(layer.lora_B.weight.grad),
-                "base grads": [n for n, p in layer.named_parameters() if p.grad is not None and not n.startswith("lora_")]})
+                "base grads": [n for n, p in layer.named_parameters()
+                               if p.grad is not None and not n.startswith("lora_")]})
     with torch.no_grad(), standing_in(ns, STORAGE_STAND_INS), forbid(*NF4_ANSWERS, *PEFT, namespace=ns), autocast:
         layer.packed.fill_(0x77)  # every code 7: the level 0.0
         out["y, packed all zero"] = tensor(layer(x))
@@ -262,20 +272,24 @@ def judge_qlora_layer(got: dict, base: torch.nn.Linear, weight: torch.Tensor, r:
     out_f, in_f = base.weight.shape
     trainable = {n: tuple(s) for n, s in got["trainable"].items()}
     assert trainable == {"lora_A.weight": (r, in_f), "lora_B.weight": (out_f, r)}, \
-        f"only lora_A (r x in) and lora_B (out x r) train; the base (its bias too) is frozen. Trainable here: {trainable}"
+        (f"only lora_A (r x in) and lora_B (out x r) train; the base (its bias too) is frozen. "
+         f"Trainable here: {trainable}")
     is_tensor(got["B"], "lora_B.weight")
     assert (got["B"] == 0).all(), "lora_B starts at zero, so the layer starts as the (quantised) base"
     packed = got["buffers"].get("packed")
     assert packed is not None and packed[0] == "torch.uint8" and packed[1] == out_f * in_f // 2, \
-        f"a buffer named packed holds the {out_f * in_f} codes, two a byte (uint8, {out_f * in_f // 2}); buffers: {got['buffers']}"
+        (f"a buffer named packed holds the {out_f * in_f} codes, two a byte (uint8, {out_f * in_f // 2}); "
+         f"buffers: {got['buffers']}")
     assert got["stored float bytes"] < out_f * in_f, \
-        (f"the layer keeps {got['stored float bytes']} bytes of float tensors besides its adapters: QLoRA keeps no float "
-         f"copy of the weight ({out_f * in_f} weights), it dequantises the packed codes at every forward")
+        (f"the layer keeps {got['stored float bytes']} bytes of float tensors besides its adapters: "
+         f"QLoRA keeps no float copy of the weight ({out_f * in_f} weights), it dequantises the packed codes "
+         f"at every forward")
     assert not got["base grads"], f"only the adapters get gradients, not {got['base grads']}"
     ref = peft_reference(base, weight, r, alpha, shape, seed)
     for key in ("y", "x grad", "A grad", "B grad"):
         is_tensor(got[key], key)
-        assert tuple(got[key].shape) == tuple(ref[key].shape), f"{key}: shape {tuple(ref[key].shape)}, not {tuple(got[key].shape)}"
+        assert tuple(got[key].shape) == tuple(ref[key].shape), \
+            f"{key}: shape {tuple(ref[key].shape)}, not {tuple(got[key].shape)}"
         error = nf4.relative_rms_error(got[key].float(), ref[key])
         assert error < tolerance, (f"{key} is off LoRA's on the dequantised weight by {error:.2e} (relative RMS): "
                                    f"base(x) with the weight dequantised + lora_B(lora_A(x)) * alpha / r")
@@ -297,7 +311,8 @@ def judge_qlora_visible(got: dict) -> str:
     base = qlora_base(12, 64, QLORA_VISIBLE["seed"])
     # NF4 stores this weight exactly; its scales, double-quantised, to 8 bits of their spread (within 2x): ~0.3%
     judge_qlora_layer(got, base, base.weight.detach(), **QLORA_VISIBLE, tolerance=5e-3)
-    return "one layer, a weight NF4 stores exactly: only the adapters train, packed codes, peft's LoRA outputs and gradients"
+    return ("one layer, a weight NF4 stores exactly: only the adapters train, packed codes, "
+            "peft's LoRA outputs and gradients")
 
 
 register("test_QLoRALinear", probe_qlora_visible, judge_qlora_visible)

@@ -75,11 +75,13 @@ def judge_nf4(got: dict) -> str:
         codes, absmax, back = mine["codes"], mine["absmax"], mine["back"]
         want = torch.stack([w.reshape(-1)[s:s + bs].abs().max() for s in range(0, w.numel(), bs)])
         assert absmax.shape == want.shape and torch.allclose(absmax.float(), want), \
-            f"one absmax per block of {bs} (the last one shorter): expected shape {tuple(want.shape)}, got {tuple(absmax.shape)}"
+            (f"one absmax per block of {bs} (the last one shorter): expected shape {tuple(want.shape)}, "
+             f"got {tuple(absmax.shape)}")
         assert codes.numel() == w.numel() and tuple(back.shape) == tuple(w.shape)
         assert max(block_errors(w, back, bs)) < 0.2, block_errors(w, back, bs)
     codes, absmax, back = got["zero"]["codes"], got["zero"]["absmax"], got["zero"]["back"]
-    assert absmax[1] == 0 and bool((codes.reshape(3, 64)[1] == 7).all()), "an all-zero block: absmax 0, and index 7 everywhere"
+    assert absmax[1] == 0 and bool((codes.reshape(3, 64)[1] == 7).all()), \
+        "an all-zero block: absmax 0, and index 7 everywhere"
     assert torch.isfinite(back).all() and bool((back[1] == 0).all()), "an all-zero block comes back as zeros, not nan"
     assert max(block_errors(inputs["scales"], got["scales"]["back"], 64)) < 0.2, \
         "each block has its own scale: huge values must not ruin a block of small ones"
@@ -152,7 +154,8 @@ def judge_storage(got: dict) -> str:
     for n, unpacked in zip((101, 21, 256), got["unpacked"]):
         want = nf4.unpack_4bit(torch.randint(0, 256, ((n + 1) // 2,), generator=g, dtype=torch.uint8), n)
         is_tensor(unpacked, "unpack_4bit's codes")
-        assert tuple(unpacked.shape) == (n,) and torch.equal(unpacked.long(), want), f"unpack_4bit(packed, {n}): the first {n} codes"
+        assert tuple(unpacked.shape) == (n,) and torch.equal(unpacked.long(), want), \
+            f"unpack_4bit(packed, {n}): the first {n} codes"
     for (absmax, bs), mine, back, seed in zip(absmax_cases(), got["compressed"], got["back"], (7, 8, 9)):
         assert isinstance(mine, list) and len(mine) == 3, "compress_absmax returns (codes, scales, offset)"
         ref = nf4.compress_absmax(absmax, bs)
@@ -161,11 +164,13 @@ def judge_storage(got: dict) -> str:
         codes, scales, offset = mine
         assert torch.allclose(offset.float(), ref.offset) and tuple(scales.shape) == tuple(ref.scales.shape) \
             and torch.allclose(scales.float(), ref.scales, rtol=1e-6), \
-            f"{absmax.numel()} scales in blocks of {bs}: one scale per block ({ref.scales.numel()}) and the offset, their mean"
+            (f"{absmax.numel()} scales in blocks of {bs}: one scale per block ({ref.scales.numel()}) "
+             "and the offset, their mean")
         assert codes.dtype == torch.uint8 and codes.numel() == absmax.numel()
         diff = (codes.reshape(-1).int() - ref.codes.int()).abs()  # a near-tie may round to the neighbouring code
         assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01, \
-            f"{absmax.numel()} scales in blocks of {bs}, of different magnitudes: each block is scaled by its own largest"
+            (f"{absmax.numel()} scales in blocks of {bs}, of different magnitudes: "
+             "each block is scaled by its own largest")
         want = nf4.decompress_absmax(nf4.CompressedAbsmax(*stored_absmax(absmax.numel(), bs, seed)), bs)
         is_tensor(back, "decompress_absmax's scales")
         assert tuple(back.shape) == tuple(want.shape) and torch.isfinite(back).all() \
@@ -179,7 +184,7 @@ def judge_storage(got: dict) -> str:
 register("test_nf4_storage_hidden", probe_storage, judge_storage)
 
 
-# ---------------------------------------------------------------- QLoRALinear: normal weights, double quantisation, bytes
+# ---------------------------------------------------------------- QLoRALinear: normal weights, double-quantised, bytes
 # Right exercise-4 and -5 functions, in torch alone (the grading process has the student edition: course_lib's are
 # stubs there), which stand in for the student's while their QLoRALinear is tested (nb11.STORAGE_STAND_INS).
 def _blocks(x: torch.Tensor, blocksize: int) -> torch.Tensor:
@@ -228,7 +233,8 @@ def _decompress_absmax(codes, scales, offset, blocksize=256):
 
 
 STORAGE_STAND_INS.update(nf4_quantize=_nf4_quantize, nf4_dequantize=_nf4_dequantize, pack_4bit=_pack_4bit,
-                         unpack_4bit=_unpack_4bit, compress_absmax=_compress_absmax, decompress_absmax=_decompress_absmax)
+                         unpack_4bit=_unpack_4bit, compress_absmax=_compress_absmax,
+                         decompress_absmax=_decompress_absmax)
 
 QLORA_CASES = {"float32": dict(r=4, alpha=16, shape=(2, 3), seed=11),          # a 3-D input, scaling 4
                "bf16": dict(r=8, alpha=8, shape=(6,), seed=12, dtype=torch.bfloat16),  # bf16 autocast
@@ -254,9 +260,10 @@ def judge_qlora_hidden(got: dict) -> str:
             assert mine["y"].dtype == torch.bfloat16, "a bf16 input under bf16 autocast gives a bf16 output"
         stored = sum(numel * size for dtype, numel, size in mine["buffers"].values())
         assert stored == nf4.stored_bytes(base.weight), \
-            (f"{case}: the buffers hold {stored} bytes; QLoRA stores {nf4.stored_bytes(base.weight)} (codes two a byte, "
-             f"8-bit scales, a scale per 256 of them and the offset)")
-    return "normal weights with double quantisation: outputs and gradients, stored bytes, a 3-D input, bf16 autocast, no bias"
+            (f"{case}: the buffers hold {stored} bytes; QLoRA stores {nf4.stored_bytes(base.weight)} "
+             f"(codes two a byte, 8-bit scales, a scale per 256 of them and the offset)")
+    return ("normal weights with double quantisation: outputs and gradients, stored bytes, a 3-D input, "
+            "bf16 autocast, no bias")
 
 
 register("test_QLoRALinear_hidden", probe_qlora_hidden, judge_qlora_hidden)

@@ -28,7 +28,8 @@ def bad_size_rank(ns: dict) -> bytes:
 
 
 def probe_pair(ns: dict) -> dict:
-    strip = lambda runs: [{k: run[k] for k in ("output", "grads")} for run in runs]
+    def strip(runs):
+        return [{k: run[k] for k in ("output", "grads")} for run in runs]
     return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
             "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0]}
 

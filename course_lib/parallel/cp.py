@@ -238,8 +238,8 @@ def ring_forward(q, k, v, *, causal: bool, group=None, seq_len: int | None = Non
         pending = ring_pass(kv, buffers[(step + 1) % 2], group) if step < world - 1 else []
         k_pos = local_positions((rank - step) % world, world, local, zigzag, q.device)
         for qs, ks, mask in _tiles(q_pos, k_pos, causal, seq_len, zigzag):
-            o, l = block_attention(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], mask, scale)
-            out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, l)
+            o, o_lse = block_attention(q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], mask, scale)
+            out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, o_lse)
             work += (qs.stop - qs.start) * (ks.stop - ks.start) / local ** 2
         for p in pending:
             p.wait()

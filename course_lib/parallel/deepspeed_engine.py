@@ -149,7 +149,8 @@ def train(engine: str = "deepspeed", stage: int = 2, steps: int = 5, global_batc
     history = fit(net, optimizer, lambda step: to_device(batches[step], device), steps, start=start, step=step_fn,
                   after_step=stop_here, progress=False)
     module = getattr(net, "module", net)
-    return worker_result([r["loss"] for r in history], start_step=start, digest=_full_digest(module, stage if engine == "deepspeed" else 0),
+    return worker_result([r["loss"] for r in history], start_step=start,
+                         digest=_full_digest(module, stage if engine == "deepspeed" else 0),
                          optimizer_state_bytes=optimizer_state_bytes(optimizer), device=str(device),
                          placement=engine_placement(net) if engine == "deepspeed" else None,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),

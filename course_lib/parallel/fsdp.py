@@ -93,7 +93,8 @@ class ShardedModule(nn.Module):
         self.module = module.to("meta")
 
     def forward(self, *args, **kwargs):
-        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, self.shards)}
+        full = {name: GatherParameter.apply(shard, shape)
+                for name, shape, shard in zip(self.names, self.shapes, self.shards)}
         return functional_call(self.module, full, args, kwargs)
 
 
@@ -143,7 +144,8 @@ def _build(preset: str, seed: int, meta_init: bool, shard, device: torch.device)
         model = build_llama(preset, seed=seed, device=device)
         built = tensor_bytes(model.parameters())  # every rank holds a full copy before sharding
         return shard(model), built
-    full = build_llama(preset, seed=seed, device=device).state_dict() if dist.get_rank() == 0 else {}  # one full copy, on rank 0
+    # one full copy, on rank 0
+    full = build_llama(preset, seed=seed, device=device).state_dict() if dist.get_rank() == 0 else {}
     built = tensor_bytes(full.values())  # counted now: loading below turns the dict's tensors into local shards
     model = shard(empty_llama(preset))  # shapes only: sharding a meta model allocates nothing
     model.to_empty(device=device)  # allocate this rank's shards, uninitialised
@@ -193,7 +195,8 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
         mesh = make_mesh(strategy, shard_size, dev.type)
         mesh_shape = list(mesh.shape)
         model, built = _build(preset, seed, meta_init, lambda m: shard_model(
-            m, mesh, reshard_after_forward=strategy != "grad_op", mixed_precision=mixed_precision, offload=offload), dev)
+            m, mesh, reshard_after_forward=strategy != "grad_op", mixed_precision=mixed_precision,
+            offload=offload), dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     measured: dict[str, int] = {}
 
@@ -221,7 +224,8 @@ def train(preset: str = "tiny", steps: int = 5, strategy: str = "full", mixed_pr
     layer = model.model.layers[0].mlp.gate_proj.weight
     return worker_result(losses, strategy=strategy, mesh_shape=mesh_shape, start_step=start, bytes=held,
                          full_bytes=estimate_model_state(n_params), n_params=n_params, full_weights_built=built,
-                         digest=param_digest(model), layer_placements=[str(pl) for pl in getattr(layer, "placements", [])])
+                         digest=param_digest(model),
+                         layer_placements=[str(pl) for pl in getattr(layer, "placements", [])])
 
 
 def sweep(runs: list[dict] = ()) -> dict:

@@ -3,10 +3,11 @@
 ``offload_plan`` says where each model state lives and how many bytes per parameter it takes there, and
 ``link_bytes_per_step`` what crosses the GPU-host link per step; ``tokens_to_hide`` how many tokens a step must
 compute for the link and the CPU optimizer to hide behind it (where a real DeepSpeed engine holds each state is
-``deepspeed_engine.engine_placement``'s reading), and ``time_cpu_adam`` times DeepSpeed's CPU Adam against torch's AdamW on the host.
-``OffloadedAdamW`` is offload's optimizer by hand: fp32 masters on the host, each gradient sent down during
-backward; it is notebook 10's exercise (a stub in the student edition). How much bigger a model offload lets
-a GPU train is ``size_sweep``'s question; the engine and its configs are ``course_lib.parallel.deepspeed_engine``'s.
+``deepspeed_engine.engine_placement``'s reading), and ``time_cpu_adam`` times DeepSpeed's CPU Adam against
+torch's AdamW on the host. ``OffloadedAdamW`` is offload's optimizer by hand: fp32 masters on the host, each
+gradient sent down during backward; it is notebook 10's exercise (a stub in the student edition). How much
+bigger a model offload lets a GPU train is ``size_sweep``'s question; the engine and its configs are
+``course_lib.parallel.deepspeed_engine``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def nvme_offload_available() -> bool:
         return False
 
 
-# ------------------------------------------------------------------ ZeRO-Offload and ZeRO-Infinity: where each state lives
+# ------------------------------------------------------------------ ZeRO-Offload, ZeRO-Infinity: where each state lives
 # Where each model state lives on one GPU (world_size 1) with bf16 mixed precision, in bytes per parameter, as
 # DeepSpeed 0.19.8 keeps it. "pytorch" is plain PyTorch: fp32 weights and gradients under bf16 autocast, AdamW's m, v.
 # ZeRO-2 with the optimizer offloaded keeps only the bf16 weights on the GPU: each gradient bucket is reduced,
@@ -45,7 +46,8 @@ OFFLOAD_STRATEGIES = {
 }
 STRATEGY_NAMES = {"pytorch": "PyTorch (AdamW, bf16 autocast)", "zero2_offload": "ZeRO-2 + optimizer offload",
                   "zero3_offload": "ZeRO-3 + parameter offload", "zero3_nvme": "ZeRO-Infinity (NVMe)"}
-_STATE_BYTES = {"16-bit weights": 2, "fp32 weights": 4, "fp32 gradients": 4, "fp32 master weights": 4, "Adam m and v": 8}
+_STATE_BYTES = {"16-bit weights": 2, "fp32 weights": 4, "fp32 gradients": 4, "fp32 master weights": 4,
+                "Adam m and v": 8}
 
 
 def check_strategy(strategy: str) -> None:

@@ -207,7 +207,8 @@ def _torch_stages(model: nn.Module, indices: list[int], n_stages: int, mb_rows: 
     d, vocab, out = model.config.hidden_size, model.config.vocab_size, []
     for s in indices:
         # requires_grad matters: the stage sends a gradient back only for inputs that require one
-        inp = torch.zeros(mb_rows, seq, dtype=torch.long) if s == 0 else torch.zeros(mb_rows, seq, d, requires_grad=True)
+        inp = (torch.zeros(mb_rows, seq, dtype=torch.long) if s == 0
+               else torch.zeros(mb_rows, seq, d, requires_grad=True))
         outp = torch.zeros(mb_rows, seq, vocab if s == n_stages - 1 else d, requires_grad=True)
         out.append(PipelineStage(parts[s].to(device), s, n_stages, device, input_args=inp.to(device),
                                  output_args=outp.to(device)))
@@ -259,7 +260,8 @@ def _build(schedule: str, model: nn.Module, m: int, v: int, batch: int, seq: int
     for st in stages:
         recorder.wrap(st)
     sched = make_schedule(schedule, stages, m)
-    return nn.ModuleList(st.submod for st in stages), lambda tokens: _step(sched, tokens, rank, world), torch_order(sched)
+    return (nn.ModuleList(st.submod for st in stages), lambda tokens: _step(sched, tokens, rank, world),
+            torch_order(sched))
 
 
 def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms) -> dict:
@@ -269,7 +271,8 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
     if batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m}")
     # untied: the embedding and the LM head live on the first and the last stage (the 1b preset ties them)
-    model = build_llama(preset, seed=seed, tie_word_embeddings=False, **({"num_hidden_layers": layers} if layers else {}))
+    model = build_llama(preset, seed=seed, tie_word_embeddings=False,
+                        **({"num_hidden_layers": layers} if layers else {}))
     recorder = Recorder(rank, rank_device())
     mine, run, planned = _build(schedule, model, m, v, batch, seq, recorder, simulate_ms)
     opt = torch.optim.AdamW(mine.parameters(), lr=lr)
@@ -297,7 +300,8 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
     return worker_result(losses, schedule=schedule, microbatches=m, stages_per_rank=v, timeline=timeline,
                          bubble=min(measured), bubble_median=statistics.median(measured), bubbles=bubbles,
                          formula=bubble_formula(world, m), in_flight_peak=in_flight_peak(timeline),
-                         saved_bytes_peak=meter.peak, tokens_per_s=batch * seq * len(measured) / sum(times[-len(measured):]),
+                         saved_bytes_peak=meter.peak,
+                         tokens_per_s=batch * seq * len(measured) / sum(times[-len(measured):]),
                          planned_order=planned, simulated_ms=simulate_ms)
 
 

@@ -140,9 +140,10 @@ def run_1f1b(stage: nn.Module, rank: int, p: int, micro_batches: list, order: li
     micro-batch's activation, the tensor a stage receives from the one before (float32). Activations go to
     rank + 1 and gradients to rank - 1 with ``isend``, waited on only once the peer surely has them: a
     blocking send waits for the peer's receive, and in 1F1B's steady state rank r sends an activation up while
-    rank r + 1 sends a gradient down, each before it receives the other's: two blocking sends deadlock. The stage's ``.grad`` gets the gradient of the mean of the m
-    losses (each backward scaled by 1/m). Returns the last rank's m losses ([] elsewhere) and the most
-    micro-batches whose tensors this rank held at once (a micro-batch is dropped as soon as its backward ran).
+    rank r + 1 sends a gradient down, each before it receives the other's: two blocking sends deadlock. The
+    stage's ``.grad`` gets the gradient of the mean of the m losses (each backward scaled by 1/m). Returns the
+    last rank's m losses ([] elsewhere) and the most micro-batches whose tensors this rank held at once (a
+    micro-batch is dropped as soon as its backward ran).
     """
     m, first, last = len(micro_batches), rank == 0, rank == p - 1
     held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
@@ -291,7 +292,8 @@ def in_flight_peak(timeline: list[dict]) -> list[int]:
 
 
 def rank_orders(timeline: list[dict]) -> list[list[Action]]:
-    """Per rank, the (kind, mb) actions in the order the timeline shows them run (stage added when a rank has several)."""
+    """Per rank, the (kind, mb) actions in the order the timeline shows them run (stage added when a rank has
+    several)."""
     ranks = sorted({e["rank"] for e in timeline})
     multi = len({e["stage"] for e in timeline}) > len(ranks)
     return [[(e["kind"], e["mb"]) + ((e["stage"],) if multi else ())

@@ -48,7 +48,8 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad):
         if _world(ctx.group) == 1:
             return grad, None
-        grad = grad.contiguous().clone()  # autograd may hand the same tensor to another branch: never reduce it in place
+        # autograd may hand the same tensor to another branch: never reduce it in place
+        grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 

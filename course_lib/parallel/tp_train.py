@@ -123,7 +123,8 @@ def reduce_partial_grads(model: nn.Module) -> None:
     """
     for p in model.parameters():
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-            p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
+            p.grad = p.grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
 
 
 def _loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -139,9 +140,10 @@ def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int 
     ``mode``: "single" (the whole model in this process: the reference), "hand" (``parallelize_llama_by_hand``
     over the world), "torch" (``parallelize_llama`` on a 1-D mesh), "ddp" (torch's DDP over the world), "dp"
     (FSDP2 over the world, no TP) or "dp_tp" (a (dp, world/dp) mesh: TP inside "tp", FSDP2 over "dp"). TP
-    ranks see the same tokens; DP ranks their slice of the global batch. ``overrides`` go to the model config (``num_key_value_heads=4``).
-    ``layers=(column, row)`` gives "hand" another pair (notebook 13's, in ranks forked from it: ``run_forked``).
-    Returns the global batch's losses, tokens/s, peak GPU memory, and the last step's collectives.
+    ranks see the same tokens; DP ranks their slice of the global batch. ``overrides`` go to the model config
+    (``num_key_value_heads=4``). ``layers=(column, row)`` gives "hand" another pair (notebook 13's, in ranks
+    forked from it: ``run_forked``). Returns the global batch's losses, tokens/s, peak GPU memory, and the last
+    step's collectives.
     """
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
@@ -179,7 +181,8 @@ def bytes_per_dimension(preset: str = "tiny", dp: int = 2, batch: int = 4, seq: 
     out = {}
     for name, mode in (("ddp", "ddp"), ("dp", "dp"), ("tp", "torch"), ("dp_tp", "dp_tp")):
         r = train(mode=mode, steps=steps, preset=preset, batch=batch, seq=seq, dp=dp, **overrides)
-        out[name] = {k: r[k] for k in ("bytes_by_kind", "sent_bytes_by_kind", "calls_by_kind", "bytes_by_group", "losses")}
+        out[name] = {k: r[k] for k in ("bytes_by_kind", "sent_bytes_by_kind", "calls_by_kind", "bytes_by_group",
+                                       "losses")}
     dist.barrier()
     return out
 

@@ -32,7 +32,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int, world_size: int) -> None:
-    """DeepSpeed's rule for a config someone wrote, with the fix in the message: train_batch = micro × accumulation × world."""
+    """DeepSpeed's rule for a config someone wrote, with the fix in the message: train_batch = micro × accumulation
+    × world."""
     if train_batch != micro_batch * accum_steps * world_size:
         raise ValueError(
             f"train_batch_size={train_batch} but micro_batch {micro_batch} x accum_steps {accum_steps} x world_size "
@@ -65,11 +66,13 @@ def data_parallel(model: nn.Module, engine: str, make_optimizer=None, lr: float 
     device = next(model.parameters()).device
     if engine == "ddp":
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    default = torch.optim.AdamW if engine == "ddp" else functools.partial(ShardedOptimizer, optimizer_cls=torch.optim.AdamW)
+    default = (torch.optim.AdamW if engine == "ddp"
+               else functools.partial(ShardedOptimizer, optimizer_cls=torch.optim.AdamW))
     return model, (make_optimizer or (lambda ps: default(ps, lr=lr, weight_decay=0.01)))(model.parameters())
 
 
-def step_traffic(engine: str = "ddp", make_optimizer=None, width: int = 8, global_batch: int = 16, seed: int = 0) -> dict:
+def step_traffic(engine: str = "ddp", make_optimizer=None, width: int = 8, global_batch: int = 16,
+                 seed: int = 0) -> dict:
     """What one training step of SmallCNN sends from this rank, per collective, counted by ``CollectiveBytes``: DDP's
     all-reduce (``"ddp"``) or ZeRO-1's reduce-scatter and all-gather (``"zero1"``; ``make_optimizer`` as in ``train``).
 
@@ -85,7 +88,8 @@ def step_traffic(engine: str = "ddp", make_optimizer=None, width: int = 8, globa
         train_step(net, optimizer, to_device(batch, rank_device()))
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"rank": rank, "world_size": world, "n_params": n, "calls": counted.calls_by_kind,
-            "sent_bytes": counted.sent_bytes_by_kind, "sent_bytes_per_param": sum(counted.sent_bytes_by_kind.values()) / n}
+            "sent_bytes": counted.sent_bytes_by_kind,
+            "sent_bytes_per_param": sum(counted.sent_bytes_by_kind.values()) / n}
 
 
 # graded: 09_deepspeed_zero ShardedOptimizer
@@ -141,7 +145,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return torch.cat([t.reshape(-1) for t in tensors] + [ref.new_zeros(pad)])
 
     def reduce_gradients(self) -> None:
-        """Each group's gradients reduce-scattered: this rank's slice of their average lands in its shard's ``.grad``."""
+        """Each group's gradients reduce-scattered: this rank's slice of their average lands in its shard's
+        ``.grad``."""
         for group, shard in zip(self.param_groups, self.shards):
             ps = group["params"]
             flat = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])

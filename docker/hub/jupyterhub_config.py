@@ -30,7 +30,8 @@ USERS_FILE = Path(os.environ.get("COURSE_HUB_USERS", STATE / "users.txt"))
 GPU_MAP_FILE = Path(os.environ.get("COURSE_HUB_GPU_MAP", STATE / "gpus.txt"))  # optional: `name 0,1` a line
 N_GPUS = int(os.environ.get("COURSE_HUB_GPUS", "8"))  # without a map entry, user i of the users file gets GPU i % N
 PLATFORM = os.environ.get("COURSE_HUB_GPU", "rocm")  # rocm or cuda: which workshop image, which device flags
-IMAGE = os.environ.get("COURSE_HUB_IMAGE", f"scaling-pytorch-course:{PLATFORM}")  # the student image (`make docker-rocm`)
+# the student image (`make docker-rocm`)
+IMAGE = os.environ.get("COURSE_HUB_IMAGE", f"scaling-pytorch-course:{PLATFORM}")
 MEM_LIMIT = os.environ.get("COURSE_HUB_MEM_LIMIT", "96G")  # per user; an 8x MI300X node has 1.5-2 TB
 SHM_SIZE = "64G"  # seed 001's --shm-size, as docker/run.sh
 IDLE_TIMEOUT = int(os.environ.get("COURSE_HUB_IDLE_TIMEOUT", "3600"))  # s; the culler stops idle labs, work stays

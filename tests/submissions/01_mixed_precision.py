@@ -149,12 +149,14 @@ CASES = {
                                              "scores": scores(**NO_SCALER_POINTS)},
     "calls_library_DynamicLossScaler": {"cells": {"DynamicLossScaler": CALLS_LIBRARY_SCALER},
                                         "scores": scores(**NO_SCALER_POINTS)},
-    "calls_torch_gradscaler": {"cells": {"DynamicLossScaler": CALLS_TORCH_SCALER}, "scores": scores(**NO_SCALER_POINTS)},
+    "calls_torch_gradscaler": {"cells": {"DynamicLossScaler": CALLS_TORCH_SCALER},
+                               "scores": scores(**NO_SCALER_POINTS)},
     "fp16_without_scaler": {  # unscaled fp16 gradients lose the small values (visible) and overflow is not skipped
         "cells": {"amp_train_step": AMP_FP16_WITHOUT_SCALER}, "scores": scores(**NO_AMP_POINTS)},
     "no_autocast": {  # the forward runs in float32, and in float32 the scaled gradients never overflow
         "cells": {"amp_train_step": AMP_NO_AUTOCAST}, "scores": scores(**NO_AMP_POINTS)},
     "no_scaler_update": {  # the step is skipped, but the scale stays at 2^40
         "cells": {"amp_train_step": AMP_NO_UPDATE}, "scores": scores(test_amp_train_step_hidden=0)},
-    "calls_library_amp_train_step": {"cells": {"amp_train_step": CALLS_LIBRARY_AMP_STEP}, "scores": scores(**NO_AMP_POINTS)},
+    "calls_library_amp_train_step": {"cells": {"amp_train_step": CALLS_LIBRARY_AMP_STEP},
+                                     "scores": scores(**NO_AMP_POINTS)},
 }

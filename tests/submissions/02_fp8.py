@@ -64,5 +64,6 @@ CASES = {
         "cells": {"DelayedScalingFP8": FP8_CURRENT_SCALING}, "scores": scores(test_DelayedScalingFP8=0)},
     "fp8_no_clamp": {  # no overflow in the visible test; the hidden amax jump overflows e5m2 to inf
         "cells": {"DelayedScalingFP8": FP8_NO_CLAMP}, "scores": scores(test_DelayedScalingFP8_hidden=0)},
-    "calls_library_DelayedScalingFP8": {"cells": {"DelayedScalingFP8": CALLS_LIBRARY_FP8}, "scores": scores(**NO_FP8_POINTS)},
+    "calls_library_DelayedScalingFP8": {"cells": {"DelayedScalingFP8": CALLS_LIBRARY_FP8},
+                                        "scores": scores(**NO_FP8_POINTS)},
 }

@@ -143,21 +143,26 @@ CASES = {
     "loss_not_divided": {"cells": {"accumulate_gradients": ACCUMULATE_NOT_DIVIDED},
                          "scores": scores(test_accumulate_gradients=0, test_accumulate_gradients_hidden=0)},
     "stale_gradients": {  # passes the visible test (fresh model), fails the hidden one
-        "cells": {"accumulate_gradients": ACCUMULATE_KEEPS_STALE_GRADS}, "scores": scores(test_accumulate_gradients_hidden=0)},
+        "cells": {"accumulate_gradients": ACCUMULATE_KEEPS_STALE_GRADS},
+        "scores": scores(test_accumulate_gradients_hidden=0)},
     "calls_library_accumulate_gradients": {
         "cells": {"accumulate_gradients": CALLS_LIBRARY_ACCUMULATE},
-        "scores": scores(test_accumulate_gradients=0, test_accumulate_gradients_hidden=0, test_accumulate_gradients_errors=0)},
+        "scores": scores(test_accumulate_gradients=0, test_accumulate_gradients_hidden=0,
+                         test_accumulate_gradients_errors=0)},
     "tokens_mean_of_means": {"cells": {"accumulate_tokens": TOKENS_MEAN_OF_MEANS}, "scores": scores(**NO_TOKEN_POINTS)},
     "tokens_count_the_first_label": {"cells": {"accumulate_tokens": TOKENS_COUNTS_THE_FIRST_LABEL},
                                      "scores": scores(**NO_TOKEN_POINTS)},
     "tokens_nan_on_an_empty_micro_batch": {  # the visible batch has no empty micro-batch
-        "cells": {"accumulate_tokens": TOKENS_NAN_ON_AN_EMPTY_MICRO_BATCH}, "scores": scores(test_accumulate_tokens_hidden=0)},
+        "cells": {"accumulate_tokens": TOKENS_NAN_ON_AN_EMPTY_MICRO_BATCH},
+        "scores": scores(test_accumulate_tokens_hidden=0)},
     "tokens_keep_stale_gradients": {"cells": {"accumulate_tokens": TOKENS_KEEP_STALE_GRADIENTS},
                                     "scores": scores(test_accumulate_tokens_hidden=0)},
-    "calls_library_accumulate_tokens": {"cells": {"accumulate_tokens": CALLS_LIBRARY_TOKENS}, "scores": scores(**NO_TOKEN_POINTS)},
+    "calls_library_accumulate_tokens": {"cells": {"accumulate_tokens": CALLS_LIBRARY_TOKENS},
+                                        "scores": scores(**NO_TOKEN_POINTS)},
     "no_sync_always": {"cells": {"micro_step_context": NO_SYNC_ALWAYS}, "scores": scores(**NO_SYNC_POINTS)},
     "no_sync_never": {"cells": {"micro_step_context": NO_SYNC_NEVER}, "scores": scores(**NO_SYNC_POINTS)},
     "sync_on_the_first_micro_batch": {  # one round of all-reduces in all: only which micro-batch sent it is wrong
         "cells": {"micro_step_context": SYNC_ON_THE_FIRST}, "scores": scores(**NO_SYNC_POINTS)},
-    "calls_library_micro_step_context": {"cells": {"micro_step_context": CALLS_LIBRARY_SYNC}, "scores": scores(**NO_SYNC_POINTS)},
+    "calls_library_micro_step_context": {"cells": {"micro_step_context": CALLS_LIBRARY_SYNC},
+                                         "scores": scores(**NO_SYNC_POINTS)},
 }

@@ -93,16 +93,20 @@ def scores(**changed):
 CASES = {
     "no_recomputation": {  # the gradients are right; what autograd keeps is not
         "cells": {"checkpointed": NO_RECOMPUTATION},
-        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0,
+                         test_checkpointed_rng_autocast_hidden=0)},
     "parameters_not_inputs_of_the_function": {  # right while an input requires grad; a frozen input loses them
         "cells": {"checkpointed": PARAMETERS_NOT_INPUTS}, "scores": scores(test_checkpointed_inputs_hidden=0)},
-    "rng_not_restored": {"cells": {"checkpointed": RNG_NOT_RESTORED}, "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
+    "rng_not_restored": {"cells": {"checkpointed": RNG_NOT_RESTORED},
+                         "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
     "recomputes_outside_autocast": {"cells": {"checkpointed": RECOMPUTES_OUTSIDE_AUTOCAST},
                                     "scores": scores(test_checkpointed_rng_autocast_hidden=0)},
     "calls_library_checkpointed": {
         "cells": {"checkpointed": CALLS_LIBRARY},
-        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0,
+                         test_checkpointed_rng_autocast_hidden=0)},
     "calls_torch_checkpoint": {
         "cells": {"checkpointed": CALLS_TORCH},
-        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0, test_checkpointed_rng_autocast_hidden=0)},
+        "scores": scores(test_checkpointed=0, test_checkpointed_inputs_hidden=0,
+                         test_checkpointed_rng_autocast_hidden=0)},
 }

@@ -128,5 +128,6 @@ CASES = {
         ("prefetcher_no_wait", PREFETCHER_NO_WAIT, dict(test_Prefetcher_stream=0)),
         ("prefetcher_no_record_stream", PREFETCHER_NO_RECORD_STREAM, dict(test_Prefetcher_stream=0)),
     ]},
-    "calls_library_Prefetcher": {"cells": {"Prefetcher": CALLS_LIBRARY_PREFETCHER}, "scores": scores(**{k: 0 for k in FULL})},
+    "calls_library_Prefetcher": {"cells": {"Prefetcher": CALLS_LIBRARY_PREFETCHER},
+                                 "scores": scores(**{k: 0 for k in FULL})},
 }

@@ -88,7 +88,8 @@ def mistake(base: str, old: str, new: str) -> str:
 
 CASES = {
     "no_set_epoch": {  # shards fine, but the same order every epoch
-        "cells": {"rank_batches": NO_SET_EPOCH}, "scores": scores(test_rank_batches_epochs=0, test_rank_batches_hidden=0)},
+        "cells": {"rank_batches": NO_SET_EPOCH},
+        "scores": scores(test_rank_batches_epochs=0, test_rank_batches_hidden=0)},
     "no_sampler": {  # reshuffles per epoch, but the ranks read the same samples
         "cells": {"rank_batches": NO_SAMPLER}, "scores": scores(test_rank_batches=0, test_rank_batches_hidden=0)},
     "sum_not_divided": {

@@ -79,8 +79,8 @@ BUCKETED_AFTER_BACKWARD = mistake(  # right gradients, no overlap: every bucket 
     "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n")
 BUCKETED_COUNTS_NOT_RESET = mistake("        self.in_flight = []\n        self.arrived = [set() for _ in self.buckets]\n",
                                   "        self.in_flight = []\n")
-# a BucketedDDP that never checks for a parameter without a gradient: a parameter the forward skips leaves its bucket unsent, without a word,
-# and the ranks' gradients differ from then on
+# a BucketedDDP that never checks for a parameter without a gradient: a parameter the forward skips leaves its bucket
+# unsent, without a word, and the ranks' gradients differ from then on
 BUCKETED_SILENT = mistake(
     "        unused = [f\"{self.names[id(p)]} (bucket {i})\" for i, bucket in enumerate(self.buckets)\n"
     "                  for p in bucket if id(p) not in self.arrived[i]]\n", "").replace(
@@ -129,7 +129,8 @@ class BucketedDDP(torch.nn.Module):   # torch's DDP does the work; nothing to fi
         pass
 '''
 
-FULL = {"test_BucketedDDP": 3, "test_BucketedDDP_buckets": 3, "test_BucketedDDP_unused": 2, "test_BucketedDDP_hidden": 4}
+FULL = {"test_BucketedDDP": 3, "test_BucketedDDP_buckets": 3, "test_BucketedDDP_unused": 2,
+        "test_BucketedDDP_hidden": 4}
 
 
 def scores(**changed):

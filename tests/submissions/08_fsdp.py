@@ -124,7 +124,8 @@ def _hand_edit(old: str, new: str) -> str:
     return HAND.replace(old, new)
 
 
-HAND_SUMMED = _hand_edit("        return mine / ctx.world_size, None\n", "        return mine, None   # the sum: an N x learning rate\n")
+HAND_SUMMED = _hand_edit("        return mine / ctx.world_size, None\n",
+                         "        return mine, None   # the sum: an N x learning rate\n")
 HAND_NO_AUTOGRAD = _hand_edit(  # gathered outside autograd: the module trains a copy that is thrown away
     "        full = {name: GatherParameter.apply(shard, shape)",
     "        full = {name: GatherParameter.apply(shard.detach(), shape).requires_grad_()")
@@ -152,7 +153,8 @@ CALLS_LIBRARY_SLICES = _hand_edit(
     "            shards.append(torch.nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad))\n").replace(
     "from torch.func import functional_call\n",
     "from torch.func import functional_call\n\nfrom course_lib.distributed import gather_slices, rank_slice   # course_lib's\n")
-assert all(CALLS_LIBRARY_SLICES.count(s) == 1 for s in ("rank_slice(p.detach())", "gather_slices(shard", "course_lib.distributed"))
+assert all(CALLS_LIBRARY_SLICES.count(s) == 1
+           for s in ("rank_slice(p.detach())", "gather_slices(shard", "course_lib.distributed"))
 
 CALLS_FULLY_SHARD = '''
 class ShardedModule(torch.nn.Module):   # torch's FSDP2 does the sharding
@@ -191,10 +193,12 @@ CASES = {
     "hand_gradient_summed_not_averaged": {"cells": {"ShardedModule": HAND_SUMMED},
                                           "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
     "hand_gather_without_autograd": {  # the shards never get a gradient
-        "cells": {"ShardedModule": HAND_NO_AUTOGRAD}, "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
+        "cells": {"ShardedModule": HAND_NO_AUTOGRAD},
+        "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
     "hand_unpadded": {"cells": {"ShardedModule": HAND_UNPADDED},  # right on 2 ranks, wrong on 3
                       "scores": scores(test_ShardedModule_hidden=0)},
-    "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL}, "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL},
+                                "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
     "calls_library_ShardedModule": {
         "cells": {"ShardedModule": CALLS_LIBRARY_HAND},
         "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},

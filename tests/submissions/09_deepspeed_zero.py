@@ -201,7 +201,8 @@ NO_SHARDED = dict(test_ShardedOptimizer=0, test_ShardedOptimizer_state=0, test_S
 
 CASES = {
     "sharded_keeps_all_states": {"cells": {"ShardedOptimizer": SHARDED_KEEPS_ALL_STATES},
-                                 "scores": {**FULL, "test_ShardedOptimizer_state": 0, "test_ShardedOptimizer_hidden": 0}},
+                                 "scores": {**FULL, "test_ShardedOptimizer_state": 0,
+                                            "test_ShardedOptimizer_hidden": 0}},
     "sharded_summed_not_averaged": {"cells": {"ShardedOptimizer": SHARDED_SUMMED},
                                     "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
     "sharded_no_all_gather": {"cells": {"ShardedOptimizer": SHARDED_NO_ALL_GATHER},

@@ -107,9 +107,11 @@ PACK_LOW_NIBBLE_FIRST = _storage_edit(("return flat[0::2] * 16 + flat[1::2]", "r
 PACK_PADS_WITH_ZERO = _storage_edit(("torch.full((1,), 7,", "torch.full((1,), 0,"))  # the level -1.0, not 0.0
 ABSMAX_WITHOUT_OFFSET = _storage_edit(("offset = absmax.float().mean()", "offset = torch.zeros(())"))
 # right on the CPU, where the tables are; on a GPU's weights it stops (the table stays on the CPU)
-STORAGE_IGNORES_THE_DEVICE = _storage_edit(("DYNAMIC.to(scaled.device)", "DYNAMIC"), ("DYNAMIC.to(codes.device)", "DYNAMIC"))
+STORAGE_IGNORES_THE_DEVICE = _storage_edit(("DYNAMIC.to(scaled.device)", "DYNAMIC"),
+                                           ("DYNAMIC.to(codes.device)", "DYNAMIC"))
 ABSMAX_ONE_SCALE = _storage_edit(  # one scale for all the absmax: no blocks of 256
-    ("blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)", "blocks = centred.view(1, -1)"),
+    ("blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)",
+     "blocks = centred.view(1, -1)"),
     ("levels.view(-1, blocksize)", "levels[:n].view(1, -1)"))
 
 CALLS_LIBRARY_STORAGE = '''

@@ -178,7 +178,8 @@ SAME_WARMUP_EVERY_RANK = changed((WARMUP, "        warmup = min(m, p)  # wrong: 
 
 WARMUP_PAST_M = changed((WARMUP, "        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist"),
                         ('''        order += [("B", i) for i in range(m - warmup, m)]  # drain''',
-                         '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''), reference=ORDER_SOLUTION)
+                         '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''),
+                        reference=ORDER_SOLUTION)
 
 CALLS_LIBRARY_ORDER = '''
 def one_f_one_b_order(p, m):
@@ -257,7 +258,8 @@ def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
     return run(stage, rank, p, micro_batches, order, loss_fn, shape)
 '''
 
-FULL = {"test_tensor_parallel_pair": 3, "test_tensor_parallel_pair_collectives": 2, "test_tensor_parallel_pair_hidden": 4,
+FULL = {"test_tensor_parallel_pair": 3, "test_tensor_parallel_pair_collectives": 2,
+        "test_tensor_parallel_pair_hidden": 4,
         "test_one_f_one_b_order": 3, "test_one_f_one_b_order_measured": 3, "test_one_f_one_b_order_hidden": 4,
         "test_run_1f1b": 3, "test_run_1f1b_activations": 3, "test_run_1f1b_hidden": 4}
 PAIR = ("test_tensor_parallel_pair", "test_tensor_parallel_pair_collectives", "test_tensor_parallel_pair_hidden")
@@ -275,11 +277,14 @@ CASES = {
                         "scores": scores("test_tensor_parallel_pair", "test_tensor_parallel_pair_hidden")},
     "no_f_backward": {"cells": {"tensor_parallel_pair": NO_F_BACKWARD}, "scores": scores(*PAIR)},
     "all_reduce_both": {"cells": {"tensor_parallel_pair": ALL_REDUCE_BOTH}, "scores": scores(*PAIR)},
-    "no_size_check": {"cells": {"tensor_parallel_pair": NO_SIZE_CHECK}, "scores": scores("test_tensor_parallel_pair_hidden")},
+    "no_size_check": {"cells": {"tensor_parallel_pair": NO_SIZE_CHECK},
+                      "scores": scores("test_tensor_parallel_pair_hidden")},
     "gather_without_backward": {"cells": {"tensor_parallel_pair": GATHER_NO_BACKWARD}, "scores": scores(*PAIR)},
     "gather_then_slice": {  # right numbers, one collective too many
-        "cells": {"tensor_parallel_pair": GATHER_THEN_SLICE}, "scores": scores("test_tensor_parallel_pair_collectives")},
-    "calls_library_tensor_parallel_pair": {"cells": {"tensor_parallel_pair": CALLS_LIBRARY_PAIR}, "scores": scores(*PAIR)},
+        "cells": {"tensor_parallel_pair": GATHER_THEN_SLICE},
+        "scores": scores("test_tensor_parallel_pair_collectives")},
+    "calls_library_tensor_parallel_pair": {"cells": {"tensor_parallel_pair": CALLS_LIBRARY_PAIR},
+                                           "scores": scores(*PAIR)},
     "gpipe_order": {"cells": {"one_f_one_b_order": GPIPE_ORDER}, "scores": scores(*ORDER)},
     "backward_too_soon": {"cells": {"one_f_one_b_order": BACKWARD_TOO_SOON}, "scores": scores(*ORDER)},
     "same_warmup_every_rank": {"cells": {"one_f_one_b_order": SAME_WARMUP_EVERY_RANK}, "scores": scores(*ORDER)},
@@ -288,7 +293,8 @@ CASES = {
     "blocking_sends": {"cells": {"run_1f1b": BLOCKING_SENDS}, "scores": scores(*EXECUTOR)},  # a deadlock: timeouts
     "keeps_every_micro_batch": {"cells": {"run_1f1b": KEEPS_EVERY_MICRO_BATCH},
                                 "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
-    "no_mean_over_micro_batches": {"cells": {"run_1f1b": NO_MEAN}, "scores": scores("test_run_1f1b", "test_run_1f1b_hidden")},
+    "no_mean_over_micro_batches": {"cells": {"run_1f1b": NO_MEAN},
+                                   "scores": scores("test_run_1f1b", "test_run_1f1b_hidden")},
     "ignores_the_order": {"cells": {"run_1f1b": IGNORES_THE_ORDER},
                           "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
     "calls_library_run_1f1b": {"cells": {"run_1f1b": CALLS_LIBRARY_EXECUTOR}, "scores": scores(*EXECUTOR)},

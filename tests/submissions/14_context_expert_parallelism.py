@@ -134,7 +134,8 @@ COMBINE_WRONG_ORDER = changed(("    token, gate = routing.token[plan.order], rou
                                "    token, gate = routing.token, routing.gate  # wrong: not the order the rows were sent in"),
                               reference=EXPERT_SOLUTION)
 
-CAPACITY_IGNORED = changed(("    return place < cap", "    return torch.ones_like(place, dtype=torch.bool)  # wrong: capacity ignored"),
+CAPACITY_IGNORED = changed(("    return place < cap",
+                            "    return torch.ones_like(place, dtype=torch.bool)  # wrong: capacity ignored"),
                            reference=EXPERT_SOLUTION)
 
 CALLS_LIBRARY_EXPERTS = '''

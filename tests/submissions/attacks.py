@@ -68,16 +68,19 @@ def _module_file(module: str, into: str) -> str:
 COPIES = {
     ("02_fp8", "DelayedScalingFP8"): _getsource("fp8", "DelayedScaler", "_fp8")
     + "\nclass DelayedScalingFP8(_fp8['DelayedScaler']):\n    pass\n",
-    ("05_input_pipeline", "Prefetcher"): _module_file("dataloader", "_dataloader") + "Prefetcher = _dataloader['Prefetcher']\n",
+    ("05_input_pipeline", "Prefetcher"): _module_file("dataloader", "_dataloader")
+    + "Prefetcher = _dataloader['Prefetcher']\n",
     ("06_ddp", "average_gradients"): _getsource("parallel.ddp", "all_reduce_gradients", "_all_reduce")
     + "\ndef average_gradients(model):\n    _all_reduce['all_reduce_gradients'](model)\n",
     # the whole file: a copy of the class alone still calls the library's bucket_parameters, which forbid() stops
-    ("07_ddp_reducer", "BucketedDDP"): _module_file("parallel.ddp", "_bucketed") + "BucketedDDP = _bucketed['BucketedDDP']\n",
+    ("07_ddp_reducer", "BucketedDDP"): _module_file("parallel.ddp", "_bucketed")
+    + "BucketedDDP = _bucketed['BucketedDDP']\n",
     ("08_fsdp", "ShardedModule"): _module_file("parallel.fsdp", "_fsdp")
     + "GatherParameter, ShardedModule = _fsdp['GatherParameter'], _fsdp['ShardedModule']\n",
     ("09_deepspeed_zero", "ShardedOptimizer"): _getsource("parallel.zero", "ShardedOptimizer", "_zero1")
     + "ShardedOptimizer = _zero1['ShardedOptimizer']\n",
-    ("10_zero_offload", "OffloadedAdamW"): _module_file("parallel.offload", "_offload") + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
+    ("10_zero_offload", "OffloadedAdamW"): _module_file("parallel.offload", "_offload")
+    + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
     ("12_qlora_recipe", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
@@ -114,7 +117,8 @@ class RowParallelLinear(nn.Module):
 ''',
     ("13_model_parallelism", "one_f_one_b_order"): _getsource("parallel.schedules", "one_f_one_b_order", "_schedules")
     + "one_f_one_b_order = _schedules['one_f_one_b_order']\n",
-    ("14_context_expert_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp") + '''merge = _cp["online_softmax_merge"]
+    ("14_context_expert_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp")
+    + '''merge = _cp["online_softmax_merge"]
 
 
 def ring_forward(q, k, v, causal, seq_len):
@@ -164,7 +168,8 @@ def cases(assignment: str, tests_of: dict[str, list[str]]) -> dict[str, dict]:
         elif (assignment, exercise) in COPIES:
             out[f"copy_reference_{exercise}"] = {"cells": {exercise: COPIES[assignment, exercise]}, "loses": tests}
         else:
-            out[f"read_solutions_{exercise}"] = {"cells": {exercise: read_solutions(assignment, exercise)}, "loses": tests}
+            out[f"read_solutions_{exercise}"] = {"cells": {exercise: read_solutions(assignment, exercise)},
+                                                 "loses": tests}
     return out
 
 

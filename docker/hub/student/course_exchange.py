@@ -49,7 +49,8 @@ class HubSubmit(ReadOnlyRoot, ExchangeSubmit):
     """Submit by posting the files to the hub's exchange service, which names and dates the submission itself."""
 
     url = Unicode(os.environ.get("COURSE_EXCHANGE_URL", ""),
-                  help="The exchange service's base URL (…/services/course-exchange/), reachable from this lab").tag(config=True)
+                  help="The exchange service's base URL (…/services/course-exchange/), "
+                       "reachable from this lab").tag(config=True)
     timeout = Float(300, help="Seconds to wait for the service to file a submission").tag(config=True)
 
     def init_dest(self) -> None:
@@ -95,7 +96,8 @@ class HubSubmit(ReadOnlyRoot, ExchangeSubmit):
             filed = self.post(files)
             self.timestamp = filed["timestamp"]
             # nbgrader's cache entry: the Assignment List shows it as submitted, feedback is found through its secret
-            cache_path = os.path.join(self.cache_path, f"{self.student}+{self.coursedir.assignment_id}+{self.timestamp}")
+            cache_path = os.path.join(self.cache_path,
+                                      f"{self.student}+{self.coursedir.assignment_id}+{self.timestamp}")
             os.makedirs(self.cache_path, exist_ok=True)
             shutil.copytree(staged, cache_path)
         Path(cache_path, "timestamp.txt").write_text(self.timestamp)
