@@ -104,9 +104,11 @@ $(TORCHAO_FOR_TESTS): $(VENV)/.installed
 # suite in about two thirds of the time of one process. Then the tests marked `alone` (conftest's ALONE: fixed
 # time limits, measured timings) run by themselves, with no other worker taking the cores they wait on.
 # TEST_WORKERS=0 runs the first part in this process. pytest exits 5 when the gate selected nothing there.
+# Before all of it, ruff checks the code ([tool.ruff] in pyproject.toml): a finding stops the run.
 TEST_WORKERS ?= 2
 TEST_SCOPE ?= --gate
 test: setup $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
+	$(PY) -m ruff check
 	@[ -z "$(TEST_SCOPE)" ] || $(PY) tests/selection.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone" $(TEST_SCOPE); \
 	first=$$?; [ $$first -ne 5 ] || first=0; \
