@@ -137,7 +137,7 @@ def _gate(config, items) -> None:
     GATE = selection.Selection(selection.base())
     paths = [item.path.resolve().relative_to(ROOT).as_posix() for item in items]
     kept = [item for item, path in zip(items, paths)
-            if GATE.keeps(path, getattr(getattr(item, "callspec", None), "id", ""))]
+            if GATE.keeps(path, getattr(getattr(item, "callspec", None), "id", ""), getattr(item, "originalname", ""))]
     if len(kept) < len(items):
         ids = {id(item) for item in kept}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])

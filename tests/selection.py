@@ -16,7 +16,9 @@ What a test reaches, as files:
   read files by glob (a file read is reached, not what it imports); ``LOADS``, modules imported by a computed name;
 - the notebooks it names (``"09_deepspeed_zero"``, in its code or in a test's parameters): a notebook reaches its
   solutions and release files, what its code cells import and launch, its checks (``nbNN.py``, ``nbNN_hidden.py``) and
-  its known submissions and attacks. A test whose parameters name one notebook reaches that one only.
+  its known submissions and attacks. A test whose parameters name a notebook, or whose name begins with one's
+  number (``test_13_...``), reaches that notebook only, and of what its module loads by a computed name only what
+  that notebook reaches.
 A change to a file of ``GLOBAL`` (the build, the test harness, the grader's core) selects everything.
 
 What this graph cannot see (a module imported by a name computed at run time, a file opened by a path built from
@@ -187,12 +189,14 @@ def direct(path: str) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
 
 
 @functools.cache
-def closure(path: str) -> frozenset[str]:
+def closure(path: str, loads: bool = True) -> frozenset[str]:
     """Every file ``path`` reaches: what it imports, what those import, and the files any of them reads (notebooks
-    it names not included)."""
+    it names not included). ``loads=False``: not what ``path`` itself imports by a computed name (``LOADS``)."""
     seen, todo = {path}, [path]
+    skipped = set() if loads else {p for p in tracked() for pat in LOADS.get(path, ()) if fnmatch.fnmatch(p, pat)}
     while todo:
-        for nxt in direct(todo.pop())[0]:
+        here = todo.pop()
+        for nxt in direct(here)[0] - (skipped if here == path else set()):
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
@@ -217,11 +221,22 @@ def module_reach(test_file: str) -> tuple[frozenset[str], frozenset[str]]:
     return closure(test_file), direct(test_file)[2]
 
 
-def reaches(test_file: str, params: str = "") -> frozenset[str]:
-    """The files a test reaches: its module's, and the notebooks it names (only the one its parameters name, if
-    they name one), as they run, or also as they are graded where the module grades them."""
-    files, named = module_reach(test_file)
+def own_notebooks(params: str = "", name: str = "") -> set[str]:
+    """The notebooks one test item is about: those its parameters name (``[09_deepspeed_zero]``), or the one its
+    function's name begins with (``test_13_runs_8_stages_and_tp_8``)."""
     own = set(NOTEBOOK.findall(params)) & set(assignments())
+    number = re.match(r"test_(\d\d)_", name)
+    return own or {n for n in assignments() if number and n.startswith(number.group(1) + "_")}
+
+
+def reaches(test_file: str, params: str = "", name: str = "") -> frozenset[str]:
+    """The files a test reaches: its module's, and the notebooks it names, as they run, or also as they are graded
+    where the module grades them. An item about its own notebooks (``own_notebooks``) reaches those only, and of the
+    modules its module loads by a computed name (every notebook's checks, say) only what those notebooks reach."""
+    files, named = module_reach(test_file)
+    own = own_notebooks(params, name)
+    if own:
+        files = closure(test_file, loads=False)
     return files.union(*(notebook_files(n, test_file in GRADING) for n in (own or named)))
 
 
@@ -238,8 +253,8 @@ class Selection:
         self.files = files if files is not None else (changed(rev) if rev else set())
         self.everything = rev is None or bool(self.files & set(GLOBAL))
 
-    def keeps(self, test_file: str, params: str = "") -> bool:
-        return self.everything or bool(self.files & reaches(test_file, params))
+    def keeps(self, test_file: str, params: str = "", name: str = "") -> bool:
+        return self.everything or bool(self.files & reaches(test_file, params, name))
 
     def notebook_changed(self, name: str) -> bool:
         return self.base is None or bool(self.files & notebook_files(name, graded=True))
