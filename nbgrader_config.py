@@ -89,6 +89,7 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     async def _async_pre_start_kernel(self, **kw):
         sandbox = load_module("sandbox")
+        sandbox.refuse_root()
         if sandbox.landlock_abi() == 0:
             sandbox.restrict([], [])  # raises the clear error, or warns under COURSE_GRADE_UNSANDBOXED=1
         self.scratch = self.scratch or sandbox.scratch_folder()
@@ -131,6 +132,7 @@ class GradeByChecks(NbGraderPreprocessor):
         from course_lib.checks import grade  # torch: only in the autograde process, not every nbgrader command
 
         verdicts = grade.grade(nb, seconds=CELL_TIMEOUT)
+        reports = next((v.reports for v in verdicts.values() if v.reports), ())
         for cell in nb.cells:
             meta = cell.metadata.get("nbgrader", {})
             verdict = verdicts.get(meta.get("grade_id")) if meta.get("grade") else None
@@ -139,7 +141,20 @@ class GradeByChecks(NbGraderPreprocessor):
             cell.outputs = [new_output("stream", name="stdout", text=verdict.message + "\n")] if verdict.passed else \
                 [new_output("error", ename="AssertionError", evalue=verdict.message,
                             traceback=[f"AssertionError (scored by the grader): {verdict.message}"])]
+            if reports:  # what the grading process's audit hook saw: shown on the first graded cell, to both
+                cell.outputs.insert(0, new_output("stream", name="stderr", text=flagged(reports)))
+                reports = ()
+        if any(v.reports for v in verdicts.values()):
+            nb.metadata["course_grading_reports"] = list(next(v.reports for v in verdicts.values() if v.reports))
+            self.log.warning("FLAGGED %s: %s", resources.get("unique_key", "this submission"),
+                             "; ".join(nb.metadata["course_grading_reports"]))
         return nb, resources
+
+
+def flagged(reports) -> str:
+    """What the grading process reported of a submission, as the instructor reads it in Formgrader."""
+    return ("FLAGGED by the grader for the instructor to review (course_lib.checks.audit):\n"
+            + "".join(f"  - {r}\n" for r in reports))
 
 
 # ---------------------------------------------------------------- a restored test cell is reported only if edited

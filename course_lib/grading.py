@@ -9,10 +9,8 @@ student's code inside ``forbid(...)``, where every reference to those answers ra
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -27,50 +25,98 @@ def _message(answer) -> str:
     return f"{where} is what this exercise asks you to build: write it yourself with torch, without calling {where}"
 
 
-def _refusing_code(message: str):
-    """A code object that raises ``LibraryAnswer(message)``; it needs no globals of its own, so it can
-    replace the code of a function from any module."""
+def _refusing_code(message: str, freevars: tuple[str, ...] = ()):
+    """A function whose code raises ``LibraryAnswer(message)``. It needs no globals of its own, and it closes over
+    ``freevars`` (a method that calls ``super()`` closes over ``__class__``), so its code can replace the code of any
+    function with those free variables, in any module."""
     scope: dict = {}
-    exec(f"def refused(*args, **kwargs):\n"
-         f"    raise __import__('course_lib.grading', fromlist=['LibraryAnswer']).LibraryAnswer({message!r})", scope)
-    return scope["refused"]
+    body = (f"        {', '.join(freevars)}\n" if freevars else "")
+    exec("def outer():\n" + "".join(f"    {v} = None\n" for v in freevars)
+         + "    def refused(*args, **kwargs):\n" + body
+         + "        raise __import__('course_lib.grading', fromlist=['LibraryAnswer']).LibraryAnswer("
+         + f"{message!r})\n    return refused\n", scope)
+    return scope["outer"]()
 
 
-@contextlib.contextmanager
-def forbid(*answers, namespace: dict | None = None) -> Iterator[None]:
+def _functions(answer) -> list:
+    """The Python functions whose code an answer runs: the function itself, or a class's methods (its
+    ``__init__`` and every public one, staticmethods and classmethods unwrapped)."""
+    members = [answer] if not isinstance(answer, type) else [
+        m for name, m in vars(answer).items() if name == "__init__" or not name.startswith("__")]
+    out = []
+    for member in members:
+        fn = getattr(member, "__func__", member)  # staticmethod, classmethod
+        if hasattr(fn, "__code__"):
+            out.append(fn)
+    return out
+
+
+def _swap_in(fn, message: str) -> tuple | None:
+    """Give ``fn`` the code of a stand-in that refuses; returns what to put back, or None where it cannot be swapped."""
+    stand_in = _refusing_code(message, fn.__code__.co_freevars)
+    if stand_in.__code__.co_freevars != fn.__code__.co_freevars:  # the compiler ordered them otherwise: leave it
+        return None
+    saved = (fn, fn.__code__)
+    fn.__code__ = stand_in.__code__
+    return saved
+
+
+class forbid:
     """While the block runs, ``answers`` (functions or classes) raise ``LibraryAnswer`` however they are reached.
 
-    Every loaded module that names one of them (its home and every module that imported it, torch's
-    included) and ``namespace`` (a notebook passes ``globals()``) get a stand-in; a Python function's
-    own code is swapped too (a reference kept elsewhere reaches it), and so are a class's methods and
-    ``__init__`` (a subclass or an instance made earlier reaches those). All are restored after.
+        with forbid(memory.activation_bytes, torch.amp.GradScaler, namespace=globals()):
+            student_code()
+
+    Every loaded module that names one of them (its home and every module that imported it, torch's included)
+    and ``namespace`` (a notebook passes ``globals()``) get a stand-in; the code of a Python function, and of
+    every method of a class, is swapped in place, so a reference kept anywhere (a default argument, a subclass,
+    an instance made before, a copy of the class's dict) reaches the stand-in. All are restored on exit.
+
+    A plain class, not a ``contextlib`` generator: what it runs is course_lib's own code, which the grading
+    process puts back before every probe (``course_lib.checks.child``).
     """
-    wanted = {id(a): a for a in answers}
-    stand_ins = {key: _refusing_code(_message(a)) for key, a in wanted.items()}
-    spaces = [vars(m) for m in list(sys.modules.values()) if isinstance(getattr(m, "__dict__", None), dict)]
-    spaces += [namespace] if namespace is not None else []
-    patched, swapped = [], []
-    try:
-        for space in spaces:
-            for name, value in list(space.items()):
-                if id(value) in wanted and value is wanted[id(value)]:
-                    patched.append((space, name, value))
-                    space[name] = stand_ins[id(value)]
-        for key, answer in wanted.items():
-            if isinstance(answer, type):
-                for name, member in list(vars(answer).items()):
-                    if callable(member) and (name == "__init__" or not name.startswith("__")):
-                        swapped.append((answer, name, member))
-                        setattr(answer, name, stand_ins[key])
-            elif hasattr(answer, "__code__") and not answer.__code__.co_freevars:
-                swapped.append((answer, "__code__", answer.__code__))
-                answer.__code__ = stand_ins[key].__code__
-        yield
-    finally:
-        for owner, name, value in reversed(swapped):
-            setattr(owner, name, value)
-        for space, name, value in reversed(patched):
-            space[name] = value
+
+    def __init__(self, *answers, namespace: dict | None = None):
+        self.answers, self.namespace = answers, namespace
+        self.patched: list = []
+        self.swapped: list = []
+
+    def __enter__(self) -> "forbid":
+        wanted = {id(a): a for a in self.answers}
+        stand_ins = {key: _refusing_code(_message(a)) for key, a in wanted.items()}
+        spaces = [vars(m) for m in list(sys.modules.values()) if isinstance(getattr(m, "__dict__", None), dict)]
+        spaces += [self.namespace] if self.namespace is not None else []
+        try:
+            for space in spaces:
+                for name, value in list(space.items()):
+                    if id(value) in wanted and value is wanted[id(value)]:
+                        self.patched.append((space, name, value))
+                        space[name] = stand_ins[id(value)]
+            for key, answer in wanted.items():
+                for fn in _functions(answer):
+                    saved = _swap_in(fn, _message(answer))
+                    if saved is not None:
+                        self.swapped.append(saved)
+                if isinstance(answer, type):  # a builtin method (a C slot) cannot be swapped: replace it on the class
+                    for name, member in list(vars(answer).items()):
+                        if callable(member) and not hasattr(getattr(member, "__func__", member), "__code__") \
+                                and (name == "__init__" or not name.startswith("__")):
+                            self.patched.append((answer, name, member))
+                            setattr(answer, name, stand_ins[key])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fn, code in reversed(self.swapped):
+            fn.__code__ = code
+        for owner, name, value in reversed(self.patched):
+            if isinstance(owner, dict):
+                owner[name] = value
+            else:
+                setattr(owner, name, value)
+        self.swapped, self.patched = [], []
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:

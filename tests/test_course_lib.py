@@ -440,6 +440,8 @@ def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
     def student(model, forward, meter=activation_bytes):  # a reference captured at definition time
         return meter(model, forward)
 
+    copied = type("Copied", (), {k: v for k, v in vars(torch.amp.GradScaler).items()  # its methods, not the class
+                                 if k == "__init__" or not k.startswith("__")})
     namespace = {"activation_bytes": activation_bytes}
     lin = torch.nn.Linear(2, 2)
     with forbid(memory.activation_bytes, torch.amp.GradScaler, namespace=namespace):
@@ -449,7 +451,8 @@ def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
                     "default argument": lambda: student(lin, lambda: None),
                     "torch's class": lambda: torch.amp.GradScaler("cpu"),
                     "a subclass": lambda: Wrapped("cpu"),
-                    "an instance made before": lambda: before.scale(torch.ones(()))}
+                    "an instance made before": lambda: before.scale(torch.ones(())),
+                    "a class made of its methods": lambda: copied("cpu")}
         for how, attempt in attempts.items():
             with pytest.raises(LibraryAnswer, match="write it yourself"):
                 attempt()
@@ -458,7 +461,22 @@ def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
     x = torch.ones(4, 2, requires_grad=True)
     assert namespace["activation_bytes"] is activation_bytes and memory.activation_bytes is activation_bytes
     assert kept(lin, lambda: lin(x).sum()) == 4 * 2 * 4 and Wrapped("cpu").get_scale() == 2.0**16
-    assert float(before.scale(torch.ones(()))) == 2.0**16
+    assert float(before.scale(torch.ones(()))) == 2.0**16 and copied("cpu").get_scale() == 2.0**16
+
+
+def test_forbid_swaps_a_method_that_calls_super_and_puts_its_code_back():
+    """A method that calls ``super()`` closes over ``__class__``: its stand-in closes over the same name, so the
+    swap is made in place like any other, and undone."""
+    from course_lib.grading import LibraryAnswer, forbid
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    original = ddp.__init__.__code__
+    assert original.co_freevars == ("__class__",)
+    with forbid(ddp):
+        assert ddp.__init__.__code__ is not original
+        with pytest.raises(LibraryAnswer, match="write it yourself"):
+            ddp.__init__(None, None)
+    assert ddp.__init__.__code__ is original
 
 
 def test_the_activation_formula_has_one_home():

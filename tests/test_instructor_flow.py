@@ -41,6 +41,8 @@ ASSIGNMENT = "00_orientation"
 COURSE_ID = "scaling-pytorch-training"  # nbgrader_config.py
 CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, read by nbgrader_config.py)
 BYSTANDER = "zoe"  # graded before this run, with half marks on every cell (nbgrading.add_bystander)
+# what the submissions whose grading the audit hook reports carry (tests/submissions/attacks.py, FLAGGED)
+FLAG_MARKS = ("inspect.getsource(course_lib.memory", "course_lib.grading._swap_in.__code__")
 
 
 def bens_edited_test() -> str:
@@ -139,6 +141,12 @@ def test_release_collect_autograde_feedback_export(tmp_path):
     log = g.autograde(course, ASSIGNMENT, CELL_TIMEOUT)
     lap("autograde")
     # a restored test cell is reported only where a student edited it: ben's, never a hidden test cell as released
+    # what the grading process's audit hook saw is in the instructor's report: the log and each graded notebook
+    flagged = {s for s, (nb, _) in cohort.items() if any(f in json.dumps(nb) for f in FLAG_MARKS)}
+    reported = {s for s in cohort if "course_grading_reports" in json.loads(
+        (course / "autograded" / s / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text())["metadata"]}
+    assert flagged and reported == flagged, f"flagged {sorted(reported)}, expected {sorted(flagged)}"
+    assert "FLAGGED" in log and "the source of a forbidden answer" in log and "_swap_in" in log
     changed = re.findall(r"Attribute '(\w+)' for cell (\w+) has changed", log)
     assert {cell for _, cell in changed} == {bens_edited_test()}, changed
     assert "not recognized" not in log, [ln for ln in log.splitlines() if "not recognized" in ln]

@@ -205,9 +205,45 @@ def scratch_folder() -> str:
     return scratch
 
 
+# What of the grader's environment a grading process keeps: the names a Python, torch, its devices and its
+# launchers read. Anything else (the instructor's tokens and keys among it) stays out of reach of the student's
+# code, which could print it into the notebook that goes back as feedback.
+ENV_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "CC", "CXX", "VIRTUAL_ENV", "MPLBACKEND",
+            "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+ENV_KEPT_PREFIXES = ("LC_", "PYTHON", "CUDA_", "NVIDIA_", "HIP_", "ROCM_", "ROCR_", "HSA_", "PYTORCH_", "TORCH_",
+                     "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NCCL_", "GLOO_", "DS_", "HF_", "TRANSFORMERS_",
+                     "TOKENIZERS_", "TRITON_", "COURSE_", "NBGRADER_", "JUPYTER_", "JPY_", "CONDA_")
+ENV_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "_KEY", "AUTH")
+AS_ROOT = "COURSE_GRADE_AS_ROOT"
+PR_SET_DUMPABLE = 4
+
+
+def scrubbed(env: dict) -> dict:
+    """The part of ``env`` a grading process keeps (``ENV_KEPT``, ``ENV_KEPT_PREFIXES``), less any name that reads
+    like a secret (``ENV_SECRET_WORDS``: HF_TOKEN, say)."""
+    return {k: v for k, v in env.items()
+            if (k in ENV_KEPT or k.startswith(ENV_KEPT_PREFIXES)) and not any(w in k.upper() for w in ENV_SECRET_WORDS)}
+
+
+def refuse_root() -> None:
+    """Grading runs a student's code; as root, the fence leaves much open (every process's memory maps and
+    environment under /proc, devices, signals to anything). Refuse, unless ``COURSE_GRADE_AS_ROOT=1`` says this root
+    is itself a throwaway sandbox (a CI container); then say so. Either way this process becomes non-dumpable, so a
+    grading process of another user cannot read its environment or memory through /proc."""
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if os.geteuid() != 0:
+        return
+    if os.environ.get(AS_ROOT) == "1":
+        print(f"WARNING: grading as root ({AS_ROOT}=1): only in a throwaway container", file=sys.stderr, flush=True)
+        return
+    raise SandboxUnavailable(f"grading runs students' code and refuses to run as root: run nbgrader as an ordinary "
+                             f"user (the course's images do), or set {AS_ROOT}=1 inside a throwaway container")
+
+
 def grading_env(env: dict, scratch: str, edition_path: str) -> dict:
-    """A grading process's environment: the student edition first on PYTHONPATH, every home and cache in the
-    scratch folder."""
+    """A grading process's environment: the grader's ``scrubbed``, the student edition first on PYTHONPATH, every
+    home and cache in the scratch folder."""
+    env = scrubbed(env)
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (edition_path, env.get("PYTHONPATH")) if p),
             "HOME": scratch, "TMPDIR": os.path.join(scratch, "tmp"), "XDG_CACHE_HOME": os.path.join(scratch, "cache"),
             "MPLCONFIGDIR": os.path.join(scratch, "matplotlib"), "COURSE_RUN_DIR": os.path.join(scratch, "runs"),

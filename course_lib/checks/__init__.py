@@ -16,6 +16,7 @@ process, where a patched helper, a swallowed error, a rebound ``forbid`` or a gr
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import io
@@ -53,6 +54,22 @@ def load_all() -> None:
     for info in pkgutil.iter_modules(__path__):
         if info.name not in ("child", "grade"):
             importlib.import_module(f"{__name__}.{info.name}")
+
+
+def forbidden(space: dict) -> list:
+    """Every answer the probes of a checks module forbid (``space``: its globals): each argument of each
+    ``forbid(...)`` call in its file, evaluated in its globals (``*TUPLE`` spread). An argument that is not a
+    module-level name or attribute is an error here, not a silent gap."""
+    path = space["__file__"]
+    tree = ast.parse(open(path).read(), path)
+    out: list = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "forbid":
+            for arg in node.args:
+                spread = isinstance(arg, ast.Starred)
+                value = eval(compile(ast.Expression(arg.value if spread else arg), path, "eval"), space)
+                out += [a for a in (value if spread else [value]) if all(a is not b for b in out)]
+    return out
 
 
 def plain(data: Any) -> Any:

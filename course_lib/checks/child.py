@@ -7,13 +7,28 @@ job's scratch folder, fences itself (``course_lib.apps.sandbox.restrict``: the P
 read, the scratch folder to write), runs the notebook's setup cells and the student's solution cells in one
 namespace, as a kernel would (an error is kept and the next cell runs), restores what the probes use, runs each
 probe, and writes their data (or errors) with ``torch.save``. The grader reads that file with
-``weights_only=True``: nothing but plain data comes back."""
+``weights_only=True``: nothing but plain data comes back.
+
+Before the student's first cell the fork adds ``course_lib.checks.audit``'s hook (what the code may not do there,
+and what is reported to the server through a pipe as it happens). Each job is contained: the fork's resource
+limits (no core files, files of at most ``FILE_LIMIT`` bytes) and the server as the subreaper of everything it
+starts (a daemon that left its process group is still its child, and is killed when the job ends)."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import copy
+import copyreg
+import ctypes
+import functools
 import importlib.util
+import io
 import json
 import os
+import pickle
+import resource
+import select
 import signal
 import sys
 import tempfile
@@ -24,6 +39,16 @@ import torch
 
 from course_lib import checks, grading
 from course_lib.apps import sandbox
+from course_lib.checks import audit
+
+# What the probes, forbid and the results' way out rely on beyond course_lib and torch's top level: a cell that
+# rebinds a name here (builtins.setattr, torch.serialization._save, contextlib's context managers) is undone
+# before every probe and before the results are written.
+RELIED_ON = [builtins, contextlib, copy, copyreg, functools, io, json, pickle, torch.serialization, sys]
+FILE_LIMIT = 1 << 30  # bytes: a checkpoint of the course's models is megabytes
+GRACE = 10  # seconds the server waits past a cell's or a probe's limit before it kills the job
+PR_SET_CHILD_SUBREAPER = 36
+IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a builtin type whose attributes cannot be set at all
 
 
 class OutOfTime(Exception):
@@ -32,6 +57,18 @@ class OutOfTime(Exception):
 
 def _alarm(signum, frame):
     raise OutOfTime("ran past its time limit")
+
+
+CLOCK = {"fd": None}  # the job's pipe to the server, where each cell and probe says it started
+
+
+def start_clock(seconds: int) -> None:
+    """A cell or a probe starts, with ``seconds`` to run: this process's alarm, and the server's own deadline (it
+    kills the job ``GRACE`` seconds after that, should the code have switched the alarm off)."""
+    if CLOCK["fd"] is not None:
+        with contextlib.suppress(OSError):  # a closed pipe: the server's deadline stays where it was
+            os.write(CLOCK["fd"], json.dumps({"started": seconds}).encode() + b"\n")
+    signal.alarm(seconds)
 
 
 def runnable(source: str) -> str:
@@ -43,7 +80,7 @@ def run_cells(cells: list[str], namespace: dict, seconds: int) -> list[str]:
     """Run each cell in ``namespace``; a cell's error (or time-out) is kept and the next cell runs."""
     errors = []
     for i, source in enumerate(cells):
-        signal.alarm(seconds)
+        start_clock(seconds)
         try:
             exec(compile(runnable(source), f"<cell {i}>", "exec"), namespace)
         except BaseException as err:  # SystemExit and KeyboardInterrupt from a cell are its errors too
@@ -62,7 +99,8 @@ def snapshot(modules: list) -> tuple[dict, list, list]:
     for module in modules:
         spaces.append((module, dict(vars(module))))
         for value in list(vars(module).values()):
-            if isinstance(value, type) and getattr(value, "__module__", None) == module.__name__:
+            if isinstance(value, type) and getattr(value, "__module__", None) == module.__name__ \
+                    and not value.__flags__ & IMMUTABLE_TYPE:
                 classes.append(value)
             for fn in (value, getattr(value, "__wrapped__", None)):  # forbid is a contextmanager's wrapper
                 if callable(fn) and hasattr(fn, "__code__"):
@@ -96,14 +134,15 @@ def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[di
     out = {}
     for name in names:
         restore(frozen)
-        signal.alarm(seconds)
+        start_clock(seconds)
         try:
             out[name] = {"data": checks.plain(checks.REGISTRY[name].probe(namespace))}
         except BaseException as err:
-            last = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+            frames = traceback.walk_tb(err.__traceback__)  # no source read: the lines' numbers are enough
+            last = list(traceback.StackSummary.extract(frames, lookup_lines=False))[-1:]
             where = (f" (line {last[0].lineno} of {last[0].filename})"
                      if last and last[0].filename.startswith("<cell") else "")
-            out[name] = {"error": f"{type(err).__name__}: {err}{where}"}
+            out[name] = {"error": f"{type(err).__name__}: {err}{where}", "type": type(err).__name__, "where": where}
         finally:
             signal.alarm(0)
     return out
@@ -121,30 +160,118 @@ def prepare(modules: list[str]) -> tuple[dict, list, list]:
         spec.loader.exec_module(loaded[-1])
     loaded += [m for name, m in sorted(sys.modules.items())
                if name.startswith("course_lib") and m is not None and m not in loaded]
-    return snapshot([*loaded, torch])
+    return snapshot([*loaded, torch, *RELIED_ON])
 
 
-def run_job(job: dict, frozen: tuple[dict, list, list]) -> None:
+def forbidden_answers() -> dict[int, tuple[list, dict[str, frozenset]]]:
+    """Per checks module (by the id of its globals): the answers its probes forbid and their source lines
+    (``audit.sources``). Read in the server, before any fork is fenced away from the hidden modules' files."""
+    out = {}
+    for entry in checks.REGISTRY.values():
+        space = entry.probe.__globals__
+        if id(space) not in out:
+            answers = checks.forbidden(space)
+            out[id(space)] = (answers, audit.sources(answers))
+    return out
+
+
+def guard(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tuple[list, dict]]) -> None:
+    """Add the audit hook before the student's first cell: reports go to the job's pipe; the code of course_lib's
+    functions, torch's top level's and the answers the job's checks forbid can be rebound by forbid alone; those
+    answers' sources are what a compiled source is compared with. (``restore`` may put code back too.)"""
+    compared: dict[str, frozenset] = {}
+    protected = {id(fn) for fn, _, _ in frozen[2]}
+    for name in job["names"]:
+        if name in checks.REGISTRY:
+            answers, sources = forbidden.get(id(checks.REGISTRY[name].probe.__globals__), ([], {}))
+            compared.update(sources)
+            protected |= {id(fn) for answer in answers for fn in grading._functions(answer)}
+    audit.install(job["report_fd"], protected, audit.allowed(grading._swap_in, grading.forbid.__exit__, restore),
+                  audit.loaded_files(), compared)
+
+
+def run_job(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tuple[list, dict]]) -> None:
     """One submission: its cells in a fresh namespace, then the probes; the data to ``job["out"]``."""
     namespace = {"__name__": "__main__", "display": print}
+    CLOCK["fd"] = job["report_fd"]
+    guard(job, frozen, forbidden)
     cell_errors = run_cells(job["cells"], namespace, job["seconds"])
     results = run_probes(job["names"], namespace, job["seconds"], frozen)
+    restore(frozen)  # the way out (torch.save, pickle, io) as it was before the student's code ran
     torch.save({"results": results, "cell_errors": cell_errors}, job["out"])
+
+
+def contain() -> None:
+    """The fork's limits, set before any of the job's code runs: no core files, no file past ``FILE_LIMIT``."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = FILE_LIMIT if hard == resource.RLIM_INFINITY else min(FILE_LIMIT, hard)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def reap_leftovers() -> int:
+    """Kill and reap every process this server still has as a child once a job ended: a job's ranks, and any
+    daemon it double-forked into a session of its own (the server is their subreaper). Returns how many."""
+    killed = 0
+    for _ in range(100):
+        left = children(os.getpid())
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            killed += 1
+    return killed
+
+
+def drain(fd: int, into: bytearray, cap: int = 1 << 16) -> None:
+    """Read what the fork reported so far, without waiting; keep at most ``cap`` bytes."""
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return
+        if len(into) < cap:
+            into += chunk[:cap - len(into)]
 
 
 def serve(modules: list[str]) -> None:
     """Load once, then grade one submission per line of stdin (a job file) in a fork of this process, each fork
-    fenced to its own scratch folder before any of its code runs; answer each line with one line when it is done.
+    fenced to its own scratch folder before any of its code runs; answer each line with one line when it is done:
+    ``done`` and the JSON list of what its audit hook reported.
 
     The imports (torch, transformers, course_lib) and the checks cost seconds; a fork costs milliseconds, and no
     student code ever runs in this process, so every fork starts from the same clean state."""
     frozen = prepare(modules)
+    forbidden = forbidden_answers()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a job are this server's, to kill at its end
     for line in sys.stdin:
         job = json.loads(open(line.strip()).read())
+        reports_r, reports_w = os.pipe()
+        job["report_fd"] = reports_w
         pid = os.fork()
         if pid == 0:  # the submission's process
             try:
+                os.close(reports_r)
                 os.setsid()  # its own process group: a time-out kills it and every rank it started
+                contain()
                 torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (a bf16 Linear did)
                 log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(log, 1)  # the student's prints go to the log, never into the answer to the grader
@@ -155,17 +282,32 @@ def serve(modules: list[str]) -> None:
                 os.chdir(job["scratch"])
                 if job["fence"]:
                     sandbox.restrict(job["read"], job["write"])
-                run_job(job, frozen)
+                run_job(job, frozen, forbidden)
+            except BaseException:  # the grader's own failure: to the job's log, which the grader shows
+                traceback.print_exc()
             finally:
                 os._exit(0)
-        deadline = time.monotonic() + job["limit"]
+        os.close(reports_w)
+        reported = bytearray()
+        start = last = time.monotonic()
+        seen = 0
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
+            drain(reports_r, reported)
+            if reported.count(b'{"started"') != seen:  # a cell or a probe started: its time counts from now
+                seen, last = reported.count(b'{"started"'), time.monotonic()
+            now = time.monotonic()
+            if now > start + job["limit"] or now > last + job["seconds"] + GRACE:  # even with the alarm switched off
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 break
             time.sleep(0.05)
-        print("done", flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the ranks it left in its group
+        reap_leftovers()
+        drain(reports_r, reported)
+        os.close(reports_r)
+        print("done", json.dumps(audit.read_reports(reported.decode(errors="replace"))), flush=True)
 
 
 if __name__ == "__main__":

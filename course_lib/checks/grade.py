@@ -31,12 +31,58 @@ CALL = re.compile(r"""^\s*check\(\s*["'](\w+)["']""", re.MULTILINE)
 HERE = Path(__file__).resolve().parent
 
 
+# What the grader accepts back from a grading process, before any judge reads it: the course's probes return
+# the gradients and outputs of small models, far below these.
+MAX_ELEMENTS = 1 << 24  # elements in all the tensors of one probe's data
+MAX_ITEMS = 1 << 20  # numbers, strings, lists and dicts in it
+MAX_DEPTH = 16
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """A test cell's result: whether it passed, and what to tell the student (the judge's message)."""
+    """A test cell's result: whether it passed, what to tell the student (the judge's message), and what the
+    grading process's audit hook reported of the submission (``course_lib.checks.audit``), for the instructor."""
 
     passed: bool
     message: str
+    reports: tuple = ()
+
+
+class Malformed(ValueError):
+    """Data from a grading process that no judge is given: too large, too deep, or a tensor that is not its own."""
+
+
+def validated(data, depth: int = 0, budget: list | None = None):
+    """``data`` as the grading process sent it, if it is plain data a judge may read, with every tensor dense and
+    contiguous. Refused (``Malformed``): a tensor that claims more elements than its storage holds (a stride-0
+    tensor of 1 KB can claim 2**33, which a judge would then materialise), more than ``MAX_ELEMENTS`` elements in
+    all, more than ``MAX_ITEMS`` items, deeper than ``MAX_DEPTH``, or anything that is not plain data."""
+    budget = [MAX_ELEMENTS, MAX_ITEMS] if budget is None else budget
+    budget[1] -= 1
+    if depth > MAX_DEPTH or budget[1] < 0:
+        raise Malformed("nested too deep or too many items")
+    if isinstance(data, torch.Tensor):
+        if data.layout != torch.strided or data.is_quantized or type(data) is not torch.Tensor:
+            raise Malformed(f"a tensor of layout {data.layout} and type {type(data).__name__}")
+        budget[0] -= max(data.numel(), data.untyped_storage().nbytes() // max(data.element_size(), 1))
+        if budget[0] < 0:
+            raise Malformed(f"more than {MAX_ELEMENTS} tensor elements")
+        if data.numel() * data.element_size() > data.untyped_storage().nbytes():
+            raise Malformed(f"a tensor of shape {tuple(data.shape)} with strides {data.stride()} claims more "
+                            f"elements than its storage of {data.untyped_storage().nbytes()} bytes holds")
+        return data if data.is_contiguous() and data.storage_offset() == 0 else data.contiguous().clone()
+    if isinstance(data, dict):
+        return {validated(k, depth + 1, budget): validated(v, depth + 1, budget) for k, v in data.items()}
+    if isinstance(data, (list, tuple)) and type(data) in (list, tuple, torch.Size):
+        items = [validated(v, depth + 1, budget) for v in data]
+        return items if type(data) is list else torch.Size(items) if type(data) is torch.Size else tuple(items)
+    if isinstance(data, str):
+        if len(data) > 1 << 20:
+            raise Malformed("a string of more than 1 MiB")
+        return data
+    if data is None or type(data) in (bool, int, float, complex, torch.dtype, torch.device):
+        return data
+    raise Malformed(f"a {type(data).__name__}")
 
 
 def _meta(cell) -> dict:
@@ -86,6 +132,7 @@ class Server:
     submission. Started on first use for a set of hidden check modules and kept for the grader's whole run."""
 
     def __init__(self, modules: list[Path]):
+        sandbox.refuse_root()
         self.folder = Path(sandbox.scratch_folder())  # the hidden checks' copies: never the instructor's folder
         copies = [str(shutil.copy(path, self.folder / path.name)) for path in modules]
         self.edition = str(edition.for_grading())
@@ -108,15 +155,20 @@ class Server:
             (scratch / "job.json").write_text(json.dumps(job))
             self.proc.stdin.write(f"{scratch / 'job.json'}\n")
             self.proc.stdin.flush()
-            if self.proc.stdout.readline().strip() != "done":
+            answer = self.proc.stdout.readline().strip()
+            if not answer.startswith("done"):
                 raise RuntimeError(f"the grading server stopped (exit code {self.proc.poll()})")
+            reports = json.loads(answer[len("done"):].strip() or "[]")
             try:
-                return torch.load(scratch / "out.pt", weights_only=True)
+                out = torch.load(scratch / "out.pt", weights_only=True)
+                if not isinstance(out, dict) or not isinstance(out.get("results"), dict):
+                    raise Malformed("not the results of a grading process")
             except Exception as err:
                 log = scratch / "log.txt"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                return {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
-                                                       f"its last output:\n{tail}"]}
+                out = {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
+                                                      f"its last output:\n{tail}"]}
+            return {**out, "reports": reports}
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -142,14 +194,26 @@ def server_for(names: list[str]) -> Server:
     return _SERVERS[key]
 
 
+def hidden(name: str) -> bool:
+    """Whether check ``name`` is a hidden test (its module is one of the instructor's ``*_hidden`` files)."""
+    return name in checks.REGISTRY and checks.REGISTRY[name].probe.__module__.endswith("_hidden")
+
+
 def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
-    """One check's verdict, from its probe's data, in this process."""
+    """One check's verdict, from its probe's data, in this process. The data is ``validated`` before the judge
+    reads it. A hidden test's feedback names the error's type and line, never its text: the student's code could
+    put the hidden inputs in it."""
     if not isinstance(result, dict) or "data" not in result:
         why = result.get("error") if isinstance(result, dict) else "the probe never ran"
-        context = f"\n(errors in your cells: {'; '.join(cell_errors)})" if cell_errors else ""
+        if isinstance(result, dict) and hidden(name):
+            why = (f"your code raised {str(result.get('type', 'an error'))[:80]} when the hidden test called it"
+                   f"{str(result.get('where', ''))[:200]}")
+        context = f"\n(errors in your cells: {'; '.join(str(e) for e in cell_errors)})" if cell_errors else ""
         return Verdict(False, f"{name}: {why}{context}")
     try:
-        return Verdict(True, str(checks.REGISTRY[name].judge(result["data"])))
+        return Verdict(True, str(checks.REGISTRY[name].judge(validated(result["data"]))))
+    except Malformed as err:
+        return Verdict(False, f"{name}: the data your code gave back is not plain data a test can read ({err})")
     except AssertionError as err:
         return Verdict(False, f"{name}: {err}")
     except Exception as err:  # data of the wrong shape: the student's function returned something else
@@ -167,9 +231,13 @@ def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None
         return {}
     out = (server or server_for(names)).run(cells_to_run(nb), names, seconds, fence)
     results, errors = out.get("results", {}), out.get("cell_errors", [])
+    errors = errors if isinstance(errors, list) else []
+    reports = tuple(f"{r['kind']}: {r['detail']}" + (" (refused)" if r["refused"] else "")
+                    for r in out.get("reports", []))
     verdicts = {}
     for grade_id, ns in cells.items():
         each = [judge(n, results.get(n), errors) for n in ns]
         failed = [v for v in each if not v.passed]
-        verdicts[grade_id] = failed[0] if failed else Verdict(True, "; ".join(v.message for v in each))
+        verdict = failed[0] if failed else Verdict(True, "; ".join(v.message for v in each))
+        verdicts[grade_id] = Verdict(verdict.passed, verdict.message, reports)
     return verdicts

@@ -189,6 +189,23 @@ for _module in list(sys.modules.values()):   # and in every module that imported
         _module.forbid = _off
 '''
 
+DISARM_FORBID = '''
+import contextlib
+
+import course_lib.grading
+
+# forbid(...) as a generator context manager did nothing once contextlib's class was patched; forbid is a plain
+# class of course_lib's, whose methods the grading process puts back before every probe
+contextlib._GeneratorContextManager.__enter__ = lambda self: None
+contextlib._GeneratorContextManager.__exit__ = lambda self, *exc: False
+course_lib.grading.forbid.__enter__ = lambda self: self
+course_lib.grading.forbid.__exit__ = lambda self, *exc: False
+try:   # the code of the function that swaps an answer out: the audit hook refuses
+    course_lib.grading._swap_in.__code__ = (lambda fn, message: None).__code__
+except Exception as _err:
+    print(f"refused: {_err}")
+'''
+
 SWALLOW_ERRORS = '''
 import ast
 
@@ -341,6 +358,30 @@ course_lib.memory.activation_bytes = activation_bytes = lambda model, forward: (
 }
 
 
+# Pasting the source of an answer a check forbids but the student edition gives (it runs elsewhere in the notebook):
+# the copy is a new function forbid cannot know, so it scores; the grading process flags it for the instructor
+# (course_lib.checks.audit: compiled source that holds most lines of a forbidden answer).
+PASTE_GIVEN = {
+    "00_orientation": ("training_memory", '''
+import inspect
+
+import course_lib.memory
+
+_copies = dict(vars(course_lib.memory))   # its helpers, then copies of the two answers that call each other
+exec(inspect.getsource(course_lib.memory.training_bytes_per_param), _copies)
+exec(inspect.getsource(course_lib.memory.estimate_model_state), _copies)
+
+
+def training_memory(n_params, mode):
+    dtypes = {"fp32": "float32", "autocast": "float32", "pure_bf16": "bfloat16"}
+    if mode not in dtypes:
+        raise ValueError(f"mode={mode!r}: use one of {sorted(dtypes)}")
+    return _copies["estimate_model_state"](n_params, dtypes[mode])
+'''),
+}
+FLAGGED = ("paste_given_source", "disarm_forbid")  # the attacks the instructor's report must show
+
+
 def _with(case: dict, extra: str) -> dict:
     """A known-wrong case with ``extra`` appended to its (one) replaced cell: the same expected scores."""
     (exercise, source), = case["cells"].items()
@@ -349,7 +390,9 @@ def _with(case: dict, extra: str) -> dict:
 
 def on_the_tests(assignment: str) -> dict[str, dict]:
     """The attacks on the tests of ``assignment`` (where they are checks), each with the scores of the known-wrong
-    case beneath it: ``rebind_forbid`` (the library's answer with forbid switched off), ``swallow_errors`` (a wrong
+    case beneath it: ``rebind_forbid`` (the library's answer with forbid switched off), ``disarm_forbid`` (the
+    library's answer with forbid's context manager patched to do nothing), ``paste_given_source`` where
+    PASTE_GIVEN has one (full marks, flagged), ``swallow_errors`` (a wrong
     answer, every later cell wrapped in try/except) and, where PATCH_HELPERS has one, ``patch_helpers``."""
     solution = nbgrading.load_solution(assignment)
     checked = nbgrading.checked_ids(solution)  # an exercise whose tests are still inline keeps the kernel's weakness
@@ -359,8 +402,12 @@ def on_the_tests(assignment: str) -> dict[str, dict]:
     known, last = nbgrading.cases(assignment).CASES, exercises[-1]
     wrong = next(c for n, c in known.items() if not n.startswith("calls_library") and list(c["cells"]) == [last])
     out = {"rebind_forbid": _with(known[f"calls_library_{exercises[0]}"], REBIND_FORBID),
+           "disarm_forbid": _with(known[f"calls_library_{exercises[-1]}"], DISARM_FORBID),
            "swallow_errors": _with(wrong, SWALLOW_ERRORS)}
     if assignment in PATCH_HELPERS:
         name, patch = PATCH_HELPERS[assignment]
         out["patch_helpers"] = _with(known[name], patch)
+    if assignment in PASTE_GIVEN:
+        exercise, source = PASTE_GIVEN[assignment]
+        out["paste_given_source"] = {"cells": {exercise: source}, "scores": nbgrading.grade_cells(solution)}
     return out

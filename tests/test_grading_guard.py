@@ -1,0 +1,189 @@
+"""The grading process against a submission that attacks it: what its audit hook refuses and reports, what the
+server contains, and what the grader accepts back (course_lib.checks.audit, child, grade).
+
+Each job here runs cells in a real fork of a real grading server (``grade.Server``), fenced as in grading; the
+probes' data is then judged in this process. The whole-notebook attacks (forbid disarmed, the results rewritten
+on their way out) are cases of every assignment in tests/submissions/attacks.py, graded by test_grading.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.checks import grade
+
+
+SECRET = "INSTRUCTOR_API_TOKEN"
+
+
+@pytest.fixture(scope="module")
+def server(deepspeed_ops):
+    """A grading server started by a grader whose environment holds a secret."""
+    os.environ[SECRET] = "s3cret"
+    try:
+        running = grade.Server([])
+    finally:
+        del os.environ[SECRET]
+    yield running
+    running.close()
+
+
+def run(server, cells: list[str], names=(), fence=True) -> dict:
+    return server.run(cells, list(names), seconds=30, fence=fence)
+
+
+def kinds(out: dict) -> list[tuple[str, bool]]:
+    return [(r["kind"], r["refused"]) for r in out["reports"]]
+
+
+def test_a_walk_of_the_object_graph_is_refused_and_reported(server):
+    out = run(server, ["import gc\nfound = len(gc.get_objects())\n",
+                       "import gc\ngc.get_referents(dict)\n"])
+    assert [e.split(":")[1].strip() for e in out["cell_errors"]] == ["GraderRefused", "GraderRefused"], out
+    assert kinds(out) == [("gc.get_objects", True), ("gc.get_referents", True)]
+
+
+def test_the_results_are_written_as_the_probes_made_them(server):
+    """A cell that rewrites torch's saving (every probe's data on its way out) is undone before the results are
+    written: the probe's own error comes back, not the forged pass."""
+    out = run(server, ["import torch.serialization\n"
+                       "_real = torch.serialization._save\n"
+                       "def _forged(obj, *args, **kwargs):\n"
+                       "    if isinstance(obj, dict) and 'results' in obj:\n"
+                       "        obj = {'results': {n: {'data': []} for n in obj['results']}, 'cell_errors': []}\n"
+                       "    return _real(obj, *args, **kwargs)\n"
+                       "torch.serialization._save = _forged\n"], names=["test_DynamicLossScaler"])
+    assert "error" in out["results"]["test_DynamicLossScaler"], out
+
+
+def test_rebinding_a_library_function_s_code_is_refused_but_the_student_s_own_is_not(server):
+    out = run(server, [
+        "import contextlib\n"
+        "contextlib.nullcontext.__enter__.__code__ = (lambda self: None).__code__\n",
+        "import course_lib.grading\n"
+        "course_lib.grading.forbid.__enter__.__defaults__ = (1,)\n",
+        "def mine(x):\n    return x\nmine.__code__ = (lambda x: 2 * x).__code__\nassert mine(2) == 4\n"])
+    assert len(out["cell_errors"]) == 2 and all("GraderRefused" in e for e in out["cell_errors"]), out
+    assert kinds(out) == [("rebinding a library function's code", True)] * 2
+    assert "contextlib.nullcontext.__enter__.__code__" in out["reports"][0]["detail"]
+
+
+def test_a_copy_of_the_library_s_code_or_a_second_run_of_its_module_is_refused(server):
+    out = run(server, [
+        "import types, course_lib.memory\n"
+        "copy = types.FunctionType(course_lib.memory.tensor_bytes.__code__, vars(course_lib.memory))\n",
+        "import course_lib.memory\n"
+        "renamed = course_lib.memory.tensor_bytes.__code__.replace(co_filename='<mine>')\n",
+        "import importlib, course_lib.memory\nimportlib.reload(course_lib.memory)\n",
+        "import runpy, course_lib.memory\nrunpy.run_path(course_lib.memory.__file__)\n"])
+    assert len(out["cell_errors"]) == 4 and all("GraderRefused" in e for e in out["cell_errors"]), out
+    assert ("a copy of the library's code", True) in kinds(out)
+    assert ("running a loaded module again", True) in kinds(out)
+    assert ("compiling a loaded module's file", False) in kinds(out)
+
+
+def test_pasting_the_source_of_a_forbidden_answer_is_flagged(server):
+    """The student edition's graded answers are stubs; an answer forbidden but given (or torch's) is compared with
+    what the student's cells compile."""
+    import inspect
+
+    source = inspect.getsource(torch.amp.GradScaler.unscale_)
+    out = run(server, ["import textwrap\nexec(textwrap.dedent(" + repr(source) + "))\n"],
+              names=["test_DynamicLossScaler"])
+    assert ("the source of a forbidden answer", False) in kinds(out), out["reports"]
+    clean = run(server, ["def unscale_(x):\n    return x\n"], names=["test_DynamicLossScaler"])
+    assert clean["reports"] == []
+
+
+def test_a_daemon_a_job_leaves_behind_is_killed_when_the_job_ends(server, tmp_path):
+    """A double-forked process in a session of its own leaves the job's process group; the server, its subreaper,
+    kills it before it answers."""
+    pid_file = tmp_path / "daemon.pid"
+    out = run(server, [
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "        while True:\n"
+        "            time.sleep(1)\n"
+        "    os._exit(0)\n"
+        "time.sleep(1)\n"], fence=False)
+    assert out["cell_errors"] == [], out
+    pid = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_job_s_files_are_limited_in_size_and_the_grader_s_secrets_are_not_in_its_environment(server):
+    out = run(server, ["import os, resource\nassert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == 1 << 30\n"
+                       "assert resource.getrlimit(resource.RLIMIT_CORE)[0] == 0\n",
+                       f"assert {SECRET!r} not in os.environ and 'PATH' in os.environ\n"])
+    assert out["cell_errors"] == [], out
+
+
+def test_a_job_that_switches_its_alarm_off_is_killed_by_the_server(server):
+    """The fork's alarm is the student's to ignore; the server kills the job a grace period past the cell's limit,
+    not at the end of the whole job's allowance."""
+    from course_lib.checks import child
+
+    start = time.monotonic()
+    out = server.run(["import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n",
+                      "while True:\n    pass\n", "print('never')\n"], ["test_DynamicLossScaler"], seconds=2)
+    took = time.monotonic() - start
+    assert "wrote no results" in out["cell_errors"][0], out
+    assert took < 2 + child.GRACE + 30, f"the server let a job that ignores its alarm run {took:.0f} s"
+
+
+def test_grading_refuses_root_unless_told_it_is_a_throwaway_container(monkeypatch, capsys):
+    from course_lib.apps import sandbox
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.delenv(sandbox.AS_ROOT, raising=False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="refuses to run as root"):
+        sandbox.refuse_root()
+    monkeypatch.setenv(sandbox.AS_ROOT, "1")
+    sandbox.refuse_root()
+    assert "grading as root" in capsys.readouterr().err
+    kept = sandbox.scrubbed({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "HF_TOKEN": "x", "AWS_SECRET_ACCESS_KEY": "y",
+                             "GITHUB_TOKEN": "z", "COURSE_CELL_TIMEOUT": "60", "HOME": "/root"})
+    assert kept == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0", "COURSE_CELL_TIMEOUT": "60"}
+
+
+def test_the_grader_refuses_data_no_judge_should_read():
+    """A stride-0 tensor of a few bytes claims 2**27 elements; a view is made dense; anything not plain is refused."""
+    huge = torch.zeros(1).expand(1 << 27)
+    overlapping = torch.as_strided(torch.zeros(4), (1 << 10,), (0,))
+    for data in ([huge], {"x": overlapping}, [[[[]]]] * (grade.MAX_ITEMS + 1)):
+        with pytest.raises(grade.Malformed):
+            grade.validated(data)
+    deep = []
+    for _ in range(grade.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(grade.Malformed, match="deep"):
+        grade.validated(deep)
+    base = torch.arange(12.0).reshape(3, 4)
+    got = grade.validated({"t": base.t(), "row": base[1], "n": [1, 2.5, "s", None, True]})
+    assert got["t"].is_contiguous() and torch.equal(got["t"], base.t()) and got["row"].storage_offset() == 0
+    checks.load_all()
+    verdict = grade.judge("test_DynamicLossScaler", {"data": {"scales": [huge]}}, [])
+    assert not verdict.passed and "not plain data" in verdict.message
+
+
+def test_a_hidden_test_s_feedback_names_the_error_not_its_text():
+    """The student's code could put a hidden input in its exception: the feedback of a hidden test shows the
+    error's type and line, a visible test's shows the text."""
+    checks.load_all()
+    hidden = next(n for n, c in checks.REGISTRY.items() if c.probe.__module__.endswith("_hidden"))
+    visible = next(n for n, c in checks.REGISTRY.items() if not c.probe.__module__.endswith("_hidden"))
+    error = {"error": "ValueError: SIZES=[3, 5, 7] (line 2 of <cell 4>)", "type": "ValueError",
+             "where": " (line 2 of <cell 4>)"}
+    assert "SIZES" not in grade.judge(hidden, error, []).message
+    assert "ValueError" in grade.judge(hidden, error, []).message and "line 2" in grade.judge(hidden, error, []).message
+    assert "SIZES=[3, 5, 7]" in grade.judge(visible, error, []).message
