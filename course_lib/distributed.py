@@ -165,6 +165,7 @@ def rank_slice(t: torch.Tensor) -> torch.Tensor:
     return nn.functional.pad(t.reshape(-1), (0, n * world - t.numel()))[rank * n:(rank + 1) * n]
 
 
+# graded: 08_fsdp ShardedModule
 def gather_slices(piece: torch.Tensor, numel: int) -> torch.Tensor:
     """Every rank's ``rank_slice`` of a tensor of ``numel`` values, all-gathered: the flat tensor again."""
     n = piece.numel()

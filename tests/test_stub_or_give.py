@@ -14,6 +14,12 @@ course_lib's modules: no notebook code runs.
 Two consequences are held too: no cell a student runs outside the solution cells (a demonstration, a given cell)
 calls a graded reference, which is a stub in the student's kernel; and no visible check module (the student
 edition holds them) has an expected answer in its messages: a solution line that its exercise's text does not give.
+
+And answers are absent, not forbidden, while student code runs: every course_lib function or class that a check
+passes to ``forbid`` (course_lib/checks/*.py, found by parsing and evaluated in the check module's namespace) is a
+stub in the student edition that the grading process runs (``for_grading()``), or on ``GIVEN_FORBIDDEN`` with the
+cell, module or check that needs it working. A forbidden object that is present can be copied: ``exec`` of its
+source makes a new function that ``forbid`` does not know.
 """
 
 from __future__ import annotations
@@ -335,3 +341,246 @@ def test_the_resume_judge_says_what_is_wrong_with_a_shard_that_requires_grad_and
     assert "requires_grad_()" in said and "load_state_dict" in said and "plain fp32 tensor" in said, said
     lines = solution_lines(ROOT / "solutions" / "09_deepspeed_zero" / "09_deepspeed_zero.ipynb")["ShardedOptimizer"]
     assert lines and not [ln for ln in lines if ln in compact(said)]
+
+
+# ---------------------------------------------------------------- what a check forbids is absent
+
+# course_lib definitions that a check forbids while the student's code runs and that the student edition keeps
+# (no ``# graded:`` marker), by qualified name, and why they stay. A forbidden object that is present can be copied
+# (``exec`` of its source gives a new function that ``forbid`` does not know), so each one here is an answer a
+# student can read and copy: it stays only because a cell the student runs, a module those cells run, or a check
+# (outside ``forbid``, in the grading process, which runs the student edition) needs it working. "Cell N" is the
+# index of a cell of the notebook (solutions/ and notebooks/ number them alike).
+GIVEN_FORBIDDEN = {
+    # notebook 00 (llama_param_count, training_memory, saved_activation_bytes)
+    "course_lib.models.llama_num_parameters": "the parameter count of every notebook's model table: notebook 08's "
+                                              "cell 2, 09's cell 4, 10's cells 12 and 22, 11's cells 31 and 35; "
+                                              "recipe, parallel.fsdp's sweep, apps.benchmark and apps.size_sweep "
+                                              "count with it; checks/nb08.py (outside forbid) too",
+    "course_lib.models.count_parameters": "notebook 00's cells 2, 6 and 29 and notebook 04's cell 2 count a "
+                                          "model's parameters with it; lora counts trainable ones with it; "
+                                          "checks/nb00.py's judge (outside forbid) too",
+    "course_lib.models.build_llama": "the course's Llama: notebook 00's cells 6 and 20, 03's cell 17, 04's cell "
+                                     "2, 10's cell 20 and 13's cells 11 and 32 build it, as does every technique "
+                                     "module and the checks of notebooks 00, 03, 04, 08 and 11 (outside forbid)",
+    "course_lib.models.empty_llama": "notebook 00's cells 2 and 29 and parallel.fsdp (its meta-device build) make "
+                                     "the shapes-only Llama with it; checks/nb00_hidden.py (outside forbid) too",
+    "course_lib.memory.estimate_model_state": "notebook 04's cell 12 and notebook 08's cell 6 print its "
+                                              "estimates; recipe and parallel.fsdp's sweep (notebook 08's cells 2 "
+                                              "and 4) call it",
+    "course_lib.memory.training_bytes_per_param": "estimate_model_state (given, above) computes with it",
+    "course_lib.memory.model_state_bytes": "notebook 01's cell 29 and apps.finetune (notebooks 11 and 12) measure "
+                                           "a model's weights, gradients and optimizer states with it",
+    "course_lib.memory.measure_training_step": "notebook 00's cells 20 and 27 (the estimate against what a step "
+                                               "holds) measure with it; checks/nb00.py (outside forbid) too",
+    "course_lib.memory.activation_bytes": "notebook 03's cell 27 and notebook 04's cells 9, 14 and 25 measure "
+                                          "saved activations with it, as do checkpointing and parallel.cp_train; "
+                                          "checks/nb04.py and checks/nb00_hidden.py (outside forbid) too",
+    "course_lib.memory.SavedTensorMeter": "notebook 13's cell 32 (what each pipeline schedule saves) measures with "
+                                          "it, as do parallel.pp and parallel.cp_train (notebooks 13 and 14)",
+    "course_lib.memory.saved_bytes_by_dtype": "notebook 01's cell 6 (what autocast saves, by dtype) runs it",
+    "course_lib.memory.saved_bytes_by_part": "notebook 04's cells 4, 7 and 14 (what each part of a layer saves) run "
+                                             "it",
+    # notebook 01 (DynamicLossScaler, amp_train_step)
+    "course_lib.precision.make_scaler": "notebook 01's cell 6 (fp16 with torch's scaler, before the exercise) and "
+                                        "checks/nb01.py's reference step (outside forbid) make the scaler with it",
+    "course_lib.train.train_step": "the one step every notebook trains with: notebook 01's cells 6, 21, 29 and 31, "
+                                   "03's 21 and 27, 05's 4, 06's 25, 10's 20, and recipe, parallel.ddp, zero, "
+                                   "deepspeed_engine, apps.finetune and apps.size_sweep; checks/nb01.py (outside "
+                                   "forbid) too",
+    "course_lib.train.fit": "the course's training loop: notebook 01's cells 27 and 33 and 03's cell 11 run it, as "
+                            "does every technique module's train (ddp, fsdp, deepspeed_engine, pp, cp, tp_train, "
+                            "fp8_compute, qlora, apps.finetune)",
+    # notebook 02 (DelayedScalingFP8)
+    "course_lib.fp8.current_scaler": "notebook 02's cell 17 (current against delayed scaling on a drifting "
+                                     "stream) runs it",
+    "course_lib.fp8.quantize": "fp8_compute's scaled matmul (notebook 02's cells 8, 11 and 19) quantises with it; "
+                               "checks/nb02.py and checks/nb02_hidden.py (outside forbid) too",
+    "course_lib.fp8.dequantize": "fp8_compute's emulated matmul (notebook 02's cell 8) dequantises with it",
+    "course_lib.fp8.scale_for": "fp8_compute's scaled matmul (notebook 02's cell 8) scales its operands with it",
+    # notebook 03 (accumulate_gradients, accumulate_tokens, micro_step_context)
+    "course_lib.train.split_batch": "train_step (given, above) and parallel.deepspeed_engine's step cut a batch "
+                                    "into micro-batches with it",
+    "course_lib.train.token_weights": "train_step's token-weighted accumulation (given, above) weighs its "
+                                      "micro-batches with it",
+    "course_lib.train.grad_sync_context": "train_step (given, above) skips DDP's gradient sync on all but the last "
+                                          "micro-step with it",
+    "course_lib.loss.scored_tokens": "token_weights (given, above) and apps.finetune count a batch's scored "
+                                     "tokens with it",
+    # notebook 04 (checkpointed)
+    "course_lib.checkpointing.apply_policy": "notebook 04's cells 4, 9, 14 and 25 (memory and time of each "
+                                             "checkpointing policy) run it",
+    "course_lib.checkpointing.checkpoint_layers": "apply_policy (given, above), recipe and apps.size_sweep "
+                                                  "checkpoint a model's layers with it",
+    "course_lib.checkpointing.CheckpointedBlock": "notebook 04's cell 18 uses it, and checkpoint_layers (given, "
+                                                  "above) wraps each layer in it",
+    # notebook 06 (rank_batches, average_gradients)
+    "course_lib.distributed.sharded_loader": "notebook 06's cell 9 (DistributedSampler's shards and set_epoch, a "
+                                             "demonstration before the exercise) runs it",
+    "course_lib.distributed.step_batches": "each rank's share of a global batch in parallel.ddp's train (notebook "
+                                           "06's cells 16 and 22), parallel.zero, parallel.deepspeed_engine "
+                                           "(notebooks 09 and 10) and apps.finetune",
+    # notebook 08 (shard_state_bytes, apply_fsdp, ShardedModule)
+    "course_lib.parallel.fsdp.shard_model": "parallel.fsdp's train, which notebook 08's sweep (cells 2 and 4) runs, "
+                                            "wraps the model with it",
+    "course_lib.distributed.rank_slice": "checks/nb08.py slices fully_shard's reference gradients with it (outside "
+                                         "forbid) when it grades ShardedModule, in the grading process",
+    # notebook 09 (ShardedOptimizer, make_ds_config)
+    "course_lib.parallel.deepspeed_engine.ds_config": "notebook 09's cell 11 shows the config it writes; "
+                                                      "deepspeed_engine's train and sweep (notebook 09's cells 17 "
+                                                      "and 21, notebook 10's cells 4 and 8) and apps.size_sweep "
+                                                      "configure DeepSpeed with it",
+    # notebook 11 (response_labels, LoRALinear, lora_params)
+    "course_lib.instruct.tokenize_example": "notebook 11's cells 8 and 14 and notebook 12's cell 4 tokenize with "
+                                            "it, as do apps.finetune and apps.benchmark; checks/nb11.py (outside "
+                                            "forbid) too",
+    "course_lib.instruct.pad_batch": "notebook 11's cells 14 and 33 and notebook 12's cell 32 batch examples with "
+                                     "it, as does apps.finetune's collate; checks/nb11.py (outside forbid) too",
+    "course_lib.instruct.pack_examples": "notebook 11's cell 14 (padding against packing) and apps.benchmark pack "
+                                         "with it",
+    "course_lib.lora.apply_lora": "apps.finetune (notebook 11's cell 24, notebook 12's cell 26), qlora and "
+                                  "apps.benchmark put adapters on a model with it; checks/nb11.py (outside forbid) "
+                                  "too",
+    "course_lib.lora.lora_linear": "peft's own LoRA layer, the reference checks/nb11.py and checks/nb12.py compare "
+                                   "the student's layers with (outside forbid); a copy builds peft's layer, which "
+                                   "the checks forbid as well",
+    # notebook 12 (nf4_quantize, nf4_storage, QLoRALinear)
+    "course_lib.nf4.round_trip_model": "notebook 12's cell 24 (each format's loss on a model) runs it with the "
+                                       "student's round trip",
+    "course_lib.nf4.stored_bytes": "checks/nb12_hidden.py (outside forbid) gives the bytes a QLoRALinear stores "
+                                   "with it",
+    # notebook 13 (tensor_parallel_pair, one_f_one_b_order, run_1f1b)
+    "course_lib.parallel.tp.parallelize_mlp": "parallelize_llama_by_hand splits each MLP with it: parallel.tp_train's "
+                                              "compare (notebook 13's cell 13) runs it with the student's layers",
+    "course_lib.parallel.schedules.gpipe_order": "notebook 13's cell 32 (what GPipe keeps in flight) runs it; "
+                                                 "checks/nb13_hidden.py (outside forbid) too",
+    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 13's cell 17) reads the order torch "
+                                                 "planned with it",
+    "course_lib.parallel.pp.train": "notebook 13's pipeline sweep (cell 17, pp.sweep) runs it; checks/nb13.py "
+                                    "(outside forbid) runs torch's schedules with it",
+    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 13's cell "
+                                         "17)",
+    # notebook 14 (ring_attention, expert_parallel)
+    "course_lib.parallel.cp.ring_attention": "notebook 14's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
+                                             "run the student's ring through it",
+    "course_lib.parallel.cp.RingAttention": "ring_attention (given, above) applies it",
+    "course_lib.parallel.cp.tile_mask": "gathered_backward, the backward ring_attention runs behind the student's "
+                                        "ring (notebook 14's cells 11 to 17), masks with it",
+}
+CHECKS = ROOT / "course_lib" / "checks"
+
+
+def forbid_calls(tree: ast.AST) -> list[ast.Call]:
+    """Every ``forbid(...)`` call of a module, written ``forbid(...)`` or ``grading.forbid(...)``."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and (getattr(n.func, "id", None) == "forbid" or getattr(n.func, "attr", None) == "forbid")]
+
+
+@cache
+def forbidden() -> tuple[dict[str, list[str]], list[str]]:
+    """``{"course_lib.memory.activation_bytes": ["nb00.py:95", ...]}`` of every course_lib function or class a check
+    passes to ``forbid`` (a name, an attribute, a ``*TUPLE``), and the arguments that cannot be read: each is
+    evaluated in its check module's namespace, so what a check forbids must be reachable from its module's top
+    level (a module-level tuple, as every check writes it)."""
+    found: dict[str, list[str]] = {}
+    unreadable = []
+    for path in sorted(CHECKS.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        calls = forbid_calls(tree)
+        if not calls:
+            continue
+        space = vars(importlib.import_module(f"course_lib.checks.{path.stem}"))
+        for call in calls:
+            where = f"{path.name}:{call.lineno}"
+            for arg in call.args:
+                expr = arg.value if isinstance(arg, ast.Starred) else arg
+                try:
+                    value = eval(compile(ast.Expression(expr), where, "eval"), space)  # names only: no call runs
+                except Exception as err:  # a local name, a call: reported below
+                    unreadable.append(f"{where}: {ast.unparse(arg)} ({type(err).__name__}: {err})")
+                    continue
+                for obj in value if isinstance(arg, ast.Starred) else (value,):
+                    home = getattr(obj, "__module__", None) or ""
+                    if home.split(".")[0] != "course_lib":
+                        continue  # torch's, peft's, deepspeed's: no student edition of those
+                    name = f"{home}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+                    found.setdefault(name, []).append(where)
+    return found, unreadable
+
+
+def stub_kind(node: ast.AST) -> bool:
+    """Whether a definition of the student edition is edition.py's stub: a function whose body (its docstring
+    aside) is one ``raise NotImplementedError(...)``; a class whose only member is such an ``__init__``."""
+    def raises(body: list) -> bool:
+        body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+                and getattr(body[0].exc.func, "id", None) == "NotImplementedError")
+
+    if isinstance(node, ast.ClassDef):
+        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        return (len(body) == 1 and isinstance(body[0], ast.FunctionDef) and body[0].name == "__init__"
+                and raises(body[0].body))
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and raises(node.body)
+
+
+@pytest.fixture(scope="module")
+def grading_course_lib() -> Path:
+    """The student edition's course_lib, the one the grading process imports (edition.for_grading())."""
+    from course_lib.apps.edition import for_grading
+
+    return for_grading() / "course_lib"
+
+
+def test_every_check_s_forbidden_argument_is_readable():
+    _, unreadable = forbidden()
+    assert not unreadable, ("forbid() arguments this test cannot read (name what a check forbids in a module-level "
+                            "tuple of its check module):\n  " + "\n  ".join(unreadable))
+
+
+def test_what_a_check_forbids_is_stubbed_or_given(grading_course_lib):
+    """Answers are absent, not forbidden, while student code runs: every course_lib object a check forbids is a
+    stub in the student edition (which the grading process runs), or on GIVEN_FORBIDDEN with why it stays."""
+    found, _ = forbidden()
+    assert found, "no course_lib object found in the checks' forbid() calls: the scan is broken"
+    bad = []
+    for name, where in sorted((k, sorted(set(v))) for k, v in found.items()):
+        module, _, short = name.removeprefix("course_lib.").rpartition(".")
+        if name in graded():
+            path = grading_course_lib / (module.replace(".", "/") + ".py")
+            tree = ast.parse(path.read_text(), str(path))
+            node = next((n for n in tree.body if getattr(n, "name", None) == short), None)
+            if node is None or not stub_kind(node):
+                bad.append(f"{name} (forbidden at {', '.join(where)}) is marked '# graded:' but is not a stub in "
+                           f"the student edition's {path}")
+        elif name not in GIVEN_FORBIDDEN:
+            bad.append(f"{name} (forbidden at {', '.join(where)}) is present in the student edition, so a student "
+                       f"can copy it: mark it '# graded: <assignment> <exercise>' on the line above its def in "
+                       f"course_lib/{module.replace('.', '/')}.py (when no cell a student runs, no module those "
+                       "cells run and no check outside forbid needs it), or add it to GIVEN_FORBIDDEN with what "
+                       "needs it")
+    assert not bad, "a check forbids course_lib code the student edition keeps:\n  " + "\n  ".join(bad)
+
+
+def test_given_forbidden_lists_only_forbidden_and_unstubbed_objects():
+    """The list says why each forbidden answer stays: an entry no check forbids, or one that is now a stub, is
+    stale; every reason says what needs it."""
+    found, _ = forbidden()
+    stale = [f"{name}: no check forbids it" for name in GIVEN_FORBIDDEN if name not in found]
+    stale += [f"{name}: a stub now (# graded: {' '.join(graded()[name])})" for name in GIVEN_FORBIDDEN
+              if name in graded()]
+    stale += [f"{name}: no reason" for name, why in GIVEN_FORBIDDEN.items() if len(why.split()) < 4]
+    assert not stale, "stale GIVEN_FORBIDDEN entries (remove them):\n  " + "\n  ".join(stale)
+
+
+def test_the_scan_reads_a_starred_tuple_a_name_and_an_attribute():
+    """The parse: ``forbid(*TUPLE, name, module.attr, namespace=ns)`` yields its three positional arguments and no
+    keyword argument; ``grading.forbid`` counts too."""
+    tree = ast.parse("with forbid(*A, b, m.c, namespace=ns):\n    pass\nwith grading.forbid(d):\n    pass\n"
+                     "forbidden(e)\n")
+    calls = forbid_calls(tree)
+    assert [[ast.unparse(a) for a in c.args] for c in calls] == [["*A", "b", "m.c"], ["d"]]
+    stub = ast.parse("def f(x):\n    '''doc'''\n    raise NotImplementedError('f')\n"
+                     "class C(B):\n    '''doc'''\n    def __init__(self, *a, **k):\n"
+                     "        raise NotImplementedError('C')\n"
+                     "def g(x):\n    return x\n").body
+    assert [stub_kind(n) for n in stub] == [True, True, False]
