@@ -10,6 +10,7 @@ student's code inside ``forbid(...)``, where every reference to those answers ra
 from __future__ import annotations
 
 import copy
+import math
 import sys
 
 import torch
@@ -126,14 +127,27 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between two name → tensor dicts with the same keys."""
-    assert a.keys() == b.keys(), f"different parameters: {sorted(set(a) ^ set(b))}"
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    """The largest absolute difference between the student's name -> tensor dict ``a`` and the reference ``b``:
+    the same names and shapes are required, and a NaN anywhere makes it NaN, which no ``diff < tol`` passes (Python's
+    ``max`` over the tensors would pass over a NaN after the first)."""
+    assert isinstance(a, dict) and a.keys() == b.keys(), \
+        f"different parameters: {sorted(set(a) ^ set(b)) if isinstance(a, dict) else type(a).__name__}"
+    for k in a:
+        got = f"shape {tuple(a[k].shape)}" if isinstance(a[k], torch.Tensor) else repr(a[k])[:80]
+        assert isinstance(a[k], torch.Tensor) and a[k].shape == b[k].shape, \
+            f"{k}: {got}, expected a tensor of shape {tuple(b[k].shape)}"
+    return worst(float((a[k].float() - b[k].float()).abs().max()) if b[k].numel() else 0.0 for k in a)
+
+
+def worst(gaps) -> float:
+    """The largest of ``gaps``, NaN where any is NaN (Python's ``max`` passes over a NaN after the first item)."""
+    gaps = [float(g) for g in gaps]
+    return math.nan if any(math.isnan(g) for g in gaps) else max(gaps, default=0.0)
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest difference relative to the largest magnitude in ``b``, over all tensors."""
-    scale = max(float(v.float().abs().max()) for v in b.values()) or 1.0
+    """``max_abs_diff`` relative to the largest magnitude in the reference ``b``: NaN where any difference is NaN."""
+    scale = max((float(v.float().abs().max()) for v in b.values() if v.numel()), default=0.0) or 1.0
     return max_abs_diff(a, b) / scale
 
 

@@ -163,14 +163,18 @@ def touched(case: dict, solution: dict, points: dict[str, float]) -> set[str]:
     return (own | lost) if case["cells"] else set(points)
 
 
+def reference_case(points: dict[str, float]) -> dict:
+    """The reference solution as a case: no cell rewritten, full marks on every test cell."""
+    return {"cells": {}, "scores": dict(points)}
+
+
 def sample(known: dict[str, dict], attacks: dict[str, dict], solution: dict, points: dict[str, float]) -> dict:
     """The gate's sample of an assignment's gradings, bundled: the reference (full marks), every case that calls the
     library, the attacks, and the first bundle of the other known mistakes."""
     library = {n: c for n, c in known.items() if n.startswith("calls_library_")}
     mistakes = {n: c for n, c in known.items() if n not in library}
     first = dict(list(bundle(mistakes, solution, points).items())[:1])
-    return {"reference": {"cells": {}, "scores": dict(points)}, **bundle({**library, **attacks}, solution, points),
-            **first}
+    return {"reference": reference_case(points), **bundle({**library, **attacks}, solution, points), **first}
 
 
 def _attacks():
@@ -199,6 +203,28 @@ def checks_score(solution: dict, replace: dict[str, str], points: dict[str, floa
 
     verdicts = grade.grade(submission(solution, solution, replace=replace), server=server, only=only)
     return {k: (points[k] if v.passed else 0) for k, v in verdicts.items()}
+
+
+def solution_run(assignment: str, server, seconds: int = 60) -> dict:
+    """The reference solution graded by ``server`` once: its setup and solution cells, then every check's probe, in
+    a fenced child; the raw ``{"results": {check: {"data": ...} | {"error": ...}}, "cell_errors": [...]}`` that
+    ``grade.grade`` judges. Its data is what tests/fuzzing.py rewrites."""
+    from course_lib.checks import grade
+
+    solution = load_solution(assignment)
+    nb = submission(solution, solution)
+    names = [n for ns in grade.checked_cells(nb).values() for n in ns]
+    return server.run(grade.cells_to_run(nb), names, seconds)
+
+
+def run_scores(solution: dict, out: dict, points: dict[str, float]) -> dict[str, float]:
+    """grade_id → score of a grading's raw output (``solution_run``), judged here as ``grade.grade`` judges it: a
+    test cell scores where every check it calls passes."""
+    from course_lib.checks import grade
+
+    results, errors = out.get("results", {}), out.get("cell_errors", [])
+    return {gid: points[gid] if all(grade.judge(n, results.get(n), errors).passed for n in names) else 0
+            for gid, names in grade.checked_cells(solution).items()}
 
 
 def gradebook_rows(course: Path) -> dict[tuple[str, str, str], tuple]:

@@ -12,8 +12,11 @@ submitted file.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+import fuzzing
 import nbgrading as g
 from course_lib.apps.release import assignments
 
@@ -54,8 +57,24 @@ def server(deepspeed_ops):
     running.close()
 
 
+@pytest.fixture(scope="module")
+def reference(server):
+    """``reference(assignment)``: the raw output of the reference solution graded once on ``server``
+    (``nbgrading.solution_run``: its cells and every probe). The reference case of
+    ``test_checks_grade_known_submissions`` is judged from it, and ``test_judges_refuse_mutated_data`` rewrites its
+    data: one execution of the notebook serves both (each test of an assignment runs on the same worker)."""
+    runs: dict[str, dict] = {}
+
+    def run(assignment: str) -> dict:
+        if assignment not in runs:
+            runs[assignment] = g.solution_run(assignment, server)
+        return runs[assignment]
+
+    return run
+
+
 @pytest.mark.parametrize("assignment", assignments())
-def test_checks_grade_known_submissions(assignment, server, gate):
+def test_checks_grade_known_submissions(assignment, server, reference, gate):
     """Every known-wrong submission and every attack, graded by calling the assignment's checks (its code in a
     fenced child process, each judge in this one): the scores its case expects. The child is fenced as the kernel
     is, so a copied reference is a stub and solutions/ cannot be read there either.
@@ -64,22 +83,50 @@ def test_checks_grade_known_submissions(assignment, server, gate):
     submission (``nbgrading.bundle``: each grading runs every probe), one case per exercise: each must still lose
     exactly its own points, and the others keep full marks beside it. Only the test cells a case can move run
     (``nbgrading.touched``: the exercises it rewrites, and the tests it is expected to lose). (What this cannot see:
-    a case that spoils another exercise's test which it is not expected to lose.) The gate (``make test``), for a
-    change that reaches this notebook only through the grader's core, grades a sample (``nbgrading.sample``): the
-    reference, the library calls, the attacks and one bundle of mistakes; every case runs when the notebook's own
-    files changed."""
+    a case that spoils another exercise's test which it is not expected to lose.) The reference solution is graded
+    too, full marks on every test (the ``reference`` fixture's run, which the fuzz below reuses). The gate
+    (``make test``), for a change that reaches this notebook only through the grader's core, grades a sample
+    (``nbgrading.sample``): the reference, the library calls, the attacks and one bundle of mistakes; every case
+    runs when the notebook's own files changed."""
     solution = g.load_solution(assignment)
     points = g.grade_cells(solution)
     known, attacks = g.cases(assignment).CASES, g.attack_cases(assignment, solution, points)
     if gate is not None and not gate.notebook_changed(assignment):  # the gate, for a change outside this notebook
         cases = g.sample(known, attacks, solution, points)
     else:
-        cases = g.bundle({**known, **attacks}, solution, points)
+        cases = {"reference": g.reference_case(points), **g.bundle({**known, **attacks}, solution, points)}
     wrong = {}
     for name, case in cases.items():
         tests = g.touched(case, solution, points)  # the probes of the other exercises never start
-        got = g.checks_score(solution, case["cells"], points, server, only=tests)  # every test cell calls check()
+        if not case["cells"]:  # the reference: graded once, its data kept for the fuzz
+            got = g.run_scores(solution, reference(assignment), points)
+        else:
+            got = g.checks_score(solution, case["cells"], points, server, only=tests)  # every test cell calls check()
         want = {k: v for k, v in case["scores"].items() if k in tests}
         if got != want:
             wrong[name] = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     assert not wrong, f"{assignment}: (got, expected) where they differ: {wrong}"
+
+
+@pytest.mark.parametrize("assignment", assignments())
+def test_judges_refuse_mutated_data(assignment, reference):
+    """Issue 44, item 3: a probe's data comes from the student's process, which can rewrite it before the grader reads
+    it. Every judge, fed the reference solution's data rewritten (``fuzzing.families()``: every list emptied, every
+    list shortened by its last item, every float and float tensor NaN, place by place; where the grader validates
+    the data first, a float tensor replaced by a stride-0 view of 2**27 elements, and a tensor made non-contiguous),
+    refuses every rewrite that changes the data (a rewrite of the layout alone reaches the judge as the original's
+    data). The data is the ``reference`` fixture's, which the grading above judged already: no notebook runs here.
+    Adding one integer to every int is no family: many judges rightly take a count within a slack (bytes held, the
+    micro-batches in flight)."""
+    from course_lib.checks import grade
+
+    results, started, accepted = reference(assignment)["results"], time.perf_counter(), {}
+    assert results, f"{assignment}: the reference's grading returned no data"
+    for name, result in results.items():
+        verdict = grade.judge(name, result, [])
+        assert verdict.passed, f"{name}: the reference's own data fails its judge: {verdict.message}"
+        taken = fuzzing.accepted(name, result["data"])
+        if taken:
+            accepted[name] = taken[:5] + ([f"... {len(taken) - 5} more"] if len(taken) > 5 else [])
+    assert not accepted, f"{assignment}: judges that pass rewritten data (judge: rewrites): {accepted}"
+    print(f"{assignment}: {len(results)} judges fuzzed in {time.perf_counter() - started:.1f} s")

@@ -45,81 +45,94 @@ def _student_frame(frame) -> bool:
     return name.startswith("<") and not name.startswith("<frozen")
 
 
-def install(report_fd: int, protected: set[int], allowed_code: set, loaded_files: set[str],
-            copies: dict[str, frozenset]) -> None:
-    """Add the hook to this process for good. ``report_fd``: where each event's line goes; ``protected``: the ids of
-    the functions whose code only ``allowed_code`` (``forbid``'s) may rebind (the grader's, course_lib's, the
-    answers'; the caller keeps them alive); ``loaded_files``: the source files of the modules loaded before the
+class Hook:
+    """The audit hook of one grading fork (``install`` adds it). ``report_fd``: where each event's line goes;
+    ``protected``: the ids of the functions whose code only ``allowed_code`` (``forbid``'s, ``restore``'s) may
+    rebind (the caller keeps them alive); ``loaded_files``: the source files of the modules loaded before the
     student's code ran; ``copies``: each forbidden answer's source lines (``sources``)."""
-    counts: dict[str, int] = {}
-    busy = [False]
-    write, getframe, dumps = os.write, sys._getframe, json.dumps
 
-    def report(kind: str, detail: str, refuse: bool) -> None:
-        counts[kind] = counts.get(kind, 0) + 1
-        if counts[kind] <= MAX_REPORTS:
-            line = dumps({"kind": kind, "detail": detail[:300], "refused": refuse}) + "\n"
+    def __init__(self, report_fd: int, protected: set[int], allowed_code: set, loaded_files: set[str],
+                 copies: dict[str, frozenset]):
+        self.fd, self.protected, self.allowed, self.loaded, self.copies = (report_fd, protected, allowed_code,
+                                                                           loaded_files, copies)
+        self.counts: dict[str, int] = {}
+        self.busy = False
+        self.write, self.getframe, self.dumps = os.write, sys._getframe, json.dumps  # bound now: a cell may rebind
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if self.busy:  # an event raised by this hook's own work
+            return
+        self.busy = True
+        try:
+            self.check(event, args)
+        finally:
+            self.busy = False
+
+    def report(self, kind: str, detail: str, refuse: bool) -> None:
+        """Write the event's line (its first ``MAX_REPORTS`` of a kind); raise ``GraderRefused`` if ``refuse``, or
+        if the line cannot be written."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if self.counts[kind] <= MAX_REPORTS:
+            line = self.dumps({"kind": kind, "detail": detail[:300], "refused": refuse}) + "\n"
             try:
-                write(report_fd, line.encode())
+                self.write(self.fd, line.encode())
             except OSError:  # the report cannot be made: then the operation cannot be made either
                 raise GraderRefused(f"the grader could not record {kind}, so it is refused") from None
         if refuse:
             raise GraderRefused(f"grading does not allow {kind} ({detail[:200]}) while your code runs: "
                                 "write the exercise with torch, without reaching into the grader or the library")
 
-    def caller():
-        frame = getframe(1)  # the first frame outside this file raised the event
+    def caller(self):
+        """The frame that raised the event: the first outside this file."""
+        frame = self.getframe(1)
         while frame is not None and frame.f_code.co_filename == __file__:
             frame = frame.f_back
         return frame
 
-    def hook(event: str, args: tuple) -> None:
-        if busy[0]:
-            return
-        busy[0] = True
-        try:
-            _check(event, args)
-        finally:
-            busy[0] = False
+    def from_student(self) -> bool:
+        frame = self.caller()
+        return frame is not None and _student_frame(frame)
 
-    def _check(event: str, args: tuple) -> None:
+    def check(self, event: str, args: tuple) -> None:
         if event in REFUSED_EVENTS:
-            report(event, "a walk of the object graph", refuse=True)
-        elif event == "object.__setattr__" and args[1] in FUNCTION_STATE and id(args[0]) in protected:
-            target = args[0]
-            frame = caller()
-            if frame is None or frame.f_code not in allowed_code:
-                report("rebinding a library function's code",
-                       f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}.{args[1]}",
-                       refuse=True)
+            self.report(event, "a walk of the object graph", refuse=True)
+        elif event == "object.__setattr__" and args[1] in FUNCTION_STATE and id(args[0]) in self.protected:
+            frame = self.caller()
+            if frame is None or frame.f_code not in self.allowed:
+                self.report("rebinding a library function's code",
+                            f"{getattr(args[0], '__module__', '?')}.{getattr(args[0], '__qualname__', '?')}.{args[1]}",
+                            refuse=True)
         elif event == "function.__new__":
-            frame = caller()
-            if args[0].co_filename in loaded_files and frame is not None and _student_frame(frame):
-                report("a copy of the library's code", f"{event} from {args[0].co_filename}", refuse=True)
+            if args[0].co_filename in self.loaded and self.from_student():
+                self.report("a copy of the library's code", f"{event} from {args[0].co_filename}", refuse=True)
         elif event == "code.__new__":  # a code object made by hand (a renamed copy, say): torch.compile's are its own
-            frame = caller()
-            if frame is not None and _student_frame(frame):
-                report("a copy of the library's code", f"{event} named {args[1]}", refuse=True)
+            if self.from_student():
+                self.report("a copy of the library's code", f"{event} named {args[1]}", refuse=True)
         elif event == "exec":
             code = args[0]
-            if getattr(code, "co_filename", None) in loaded_files and code.co_name == "<module>":
-                report("running a loaded module again", code.co_filename, refuse=True)
+            if getattr(code, "co_filename", None) in self.loaded and code.co_name == "<module>":
+                self.report("running a loaded module again", code.co_filename, refuse=True)
         elif event == "compile":
-            source, filename = (args + (None, None))[:2]
-            if isinstance(filename, str) and filename in loaded_files:
-                report("compiling a loaded module's file", filename, refuse=False)
-            if isinstance(source, (str, bytes)) and len(source) > 200:
-                text = source.decode(errors="replace") if isinstance(source, bytes) else source
-                lines = {line.strip() for line in text.splitlines() if line.strip()}
-                for name, theirs in copies.items():
-                    if len(theirs & lines) >= COPIED * len(theirs):
-                        report("the source of a forbidden answer", f"{name} (compiled as {filename})", refuse=False)
-        elif event.startswith("ctypes."):
-            frame = caller()
-            if frame is not None and _student_frame(frame):
-                report("memory access through ctypes", event, refuse=False)
+            self.compiled(*(args + (None, None))[:2])
+        elif event.startswith("ctypes.") and self.from_student():
+            self.report("memory access through ctypes", event, refuse=False)
 
-    sys.addaudithook(hook)
+    def compiled(self, source, filename) -> None:
+        """Flag a loaded module's file compiled again, and a source that holds most lines of a forbidden answer."""
+        if isinstance(filename, str) and filename in self.loaded:
+            self.report("compiling a loaded module's file", filename, refuse=False)
+        if isinstance(source, (str, bytes)) and len(source) > 200:
+            text = source.decode(errors="replace") if isinstance(source, bytes) else source
+            lines = {line.strip() for line in text.splitlines() if line.strip()}
+            for name, theirs in self.copies.items():
+                if len(theirs & lines) >= COPIED * len(theirs):
+                    self.report("the source of a forbidden answer", f"{name} (compiled as {filename})", refuse=False)
+
+
+def install(report_fd: int, protected: set[int], allowed_code: set, loaded_files: set[str],
+            copies: dict[str, frozenset]) -> None:
+    """Add a ``Hook`` to this process for good (an audit hook cannot be removed)."""
+    sys.addaudithook(Hook(report_fd, protected, allowed_code, loaded_files, copies))
 
 
 def loaded_files() -> set[str]:

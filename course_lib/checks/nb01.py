@@ -56,6 +56,7 @@ def compare(mine: list, ref: list, what: str) -> None:
     assert len(mine) == len(ref), f"{what}: {len(mine)} steps, expected {len(ref)}"
     for i, ((s, w), (rs, rw)) in enumerate(zip(mine, ref)):
         assert s == rs, f"{what}, after step {i}: scale {s}, GradScaler's {rs}"
+        assert len(w) == len(rw), f"{what}, after step {i}: {len(w)} weight tensors, the model has {len(rw)}"
         for a, b in zip(w, rw):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), \
                 f"{what}, after step {i}: the weights differ from GradScaler's"

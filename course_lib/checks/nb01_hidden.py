@@ -8,9 +8,10 @@ import math
 import torch
 
 from course_lib.checks import number, register
-from course_lib.checks.nb01 import STEPS, compare, gradscaler_trajectory, students_trajectory, tensor
+from course_lib.checks.nb01 import (STEPS, compare, gradscaler_trajectory, max_abs_diff, students_trajectory,
+                                   tensor)
 from course_lib.data import synthetic_images
-from course_lib.grading import forbid, max_abs_diff, params
+from course_lib.grading import forbid, params
 from course_lib.models import SmallCNN
 
 # ---------------------------------------------------------------- DynamicLossScaler

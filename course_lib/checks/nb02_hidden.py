@@ -51,9 +51,13 @@ def judge_fp8(got: dict) -> str:
                  f"clamp x * scale to ±{torch.finfo(dt).max} before the cast")
             assert torch.equal(q, fp8.quantize(x, s, dt).float()), \
                 f"{dt}, step {i}: the values differ from torch's cast of x * scale clamped to ±max"
-            assert i == 0 or s == 4 * sm, f"{dt}, step {i}: margin=2 divides the scale by 2**2 ({s} vs {sm})"
+            if i == 0:  # an empty history: the start scale, with a margin too (or, scaled by x, a quarter of it)
+                assert sm == s or s == 4 * sm, f"{dt}, step 0: the scale {s}, with margin=2 {sm}"
+            else:
+                assert s == 4 * sm, f"{dt}, step {i}: margin=2 divides the scale by 2**2 ({s} vs {sm})"
         assert g["history"] == [x.abs().max().item() for x in xs[-3:]], \
             "amax_history holds the last history_len amaxes, oldest first"
+        assert len(g["zeros"]) == 3, f"{dt}: {len(g['zeros'])} results for the 3 calls of the all-zero case"
         for zero in g["zeros"]:
             assert math.isfinite(zero["scale"]) and zero["scale"] > 0 and torch.isfinite(zero["q"]).all(), \
                 f"{dt}: all-zero tensors gave the scale {zero['scale']}: keep the old scale when the history's max is 0"

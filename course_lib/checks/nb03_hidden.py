@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from course_lib.checks import number, register
+from course_lib.grading import max_rel_diff
 from course_lib.checks.nb03 import (STEPS, SYNC, TOKEN_STEPS, accumulate_with, big_batch, cnn_case, judge_refusal,
                                     masked_batch, one_round, refusal, setup_shape, sync_case, token_case, whole_batch,
                                     world_of_one)
-from course_lib.grading import forbid, grads, max_rel_diff, twin
+from course_lib.grading import forbid, grads, twin
 
 MICRO_BATCHES = (4, 16, 32)
 
@@ -39,11 +40,14 @@ def probe_accumulate(ns: dict) -> dict:
 
 
 def judge_accumulate(got: dict) -> str:
+    _, x, _ = cnn_case()
     ref = big_batch(*cnn_case())[0]
     for mb in MICRO_BATCHES:
         rows = got[str(mb)]["rows"]
         assert rows, f"micro_batch={mb}: no forward pass ran through the model"
         assert max(rows) <= mb, f"a forward pass saw {max(rows)} rows with micro_batch={mb}"
+        assert sum(rows) == len(x), (f"micro_batch={mb}: the forward passes saw {sum(rows)} rows in all, the batch "
+                                     f"has {len(x)}: run every row through the model once")
         assert max_rel_diff(got[str(mb)]["grads"], ref) < 1e-5, f"wrong gradient with micro_batch={mb}"
     return "stale gradients discarded, micro-batches of 4, 16 and 32, each forward within micro_batch rows"
 
@@ -118,7 +122,8 @@ def judge_sync(got: dict) -> str:
     assert got["one"] == [rounds], "accum_steps=1: the only micro-batch must synchronise"
     assert got["three"] == [0, 0, rounds], \
         f"3 micro-batches: all-reduces per micro-batch {got['three']}, expected [0, 0, {rounds}]"
-    assert all(got["contexts"]), "return a context manager"
+    assert len(got["contexts"]) == 3 and all(got["contexts"]), \
+        "return a context manager for every micro-batch, for a model without DDP too"
     return "one micro-batch, three, and a model without DDP"
 
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from course_lib import checkpointing
 from course_lib.checks import number, register, tensor_data
-from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.grading import max_rel_diff
+from course_lib.grading import forbid, grads
 from course_lib.memory import activation_bytes
 from course_lib.precision import autocast
 
@@ -53,8 +54,13 @@ def judge_block(got: dict, block: nn.Module, x: torch.Tensor, *, scale=None, see
     ref_out.float().square().sum().backward()
     assert not got["missing"], f"no gradient for {got['missing']}: every parameter of the block must get its gradient"
     assert isinstance(got["output"], torch.Tensor), f"return the block's output, a tensor, not {got['output']}"
+    assert got["output"].shape == ref_out.shape, \
+        f"the output has shape {tuple(got['output'].shape)}, the block's {tuple(ref_out.shape)}"
+    assert torch.isfinite(got["output"]).all(), "the output holds NaN or inf, where the block's is finite"
     if x.requires_grad:
         assert isinstance(got["input"], torch.Tensor), "the input requires grad and got no gradient"
+        assert got["input"].shape == rx.shape, \
+            f"the input's gradient has shape {tuple(got['input'].shape)}, the input {tuple(rx.shape)}"
     gaps = {"output": float((got["output"].float() - ref_out.detach().float()).abs().max()),
             "parameters": max_rel_diff(got["grads"], grads(block)),
             "input": float((got["input"] - rx.grad).abs().max()) if x.requires_grad else 0.0}

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from course_lib.checks import register, tensor_data
+from course_lib.grading import max_rel_diff
 from course_lib.checks.nb04 import CHECKPOINTS, judge_block, probe_block
 from course_lib.checkpointing import transformer_layers
-from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.grading import forbid, grads
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama
 
@@ -76,7 +77,7 @@ def judge_inputs(got: dict) -> str:
     assert gaps["parameters"] < 1e-6 and gaps["output"] < 1e-6, f"frozen input, keyword argument: {gaps}"
     assert saved <= 5 * 8 * 4, f"frozen input: {saved} bytes kept"
     saved, gaps = judge_block(got["keyword"], *input_with_grad(), scale=2.0)
-    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, f"keyword argument: {gaps}"
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6 and gaps["output"] < 1e-6, f"keyword argument: {gaps}"
     lm, ids = llama()
     forward_loss(lm, ids).backward()
     assert max_rel_diff(got["llama"], grads(lm)) < 1e-5, "Llama decoder layers: the gradients differ"
@@ -106,10 +107,11 @@ def probe_rng_autocast(ns: dict) -> dict:
 
 def judge_rng_autocast(got: dict) -> str:
     saved, gaps = judge_block(got["dropout"], *dropout_block(), seed=7)
-    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
+    assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6 and gaps["output"] < 1e-6, \
         f"dropout: the recomputation used other random numbers: {gaps}"
     assert saved <= 12 * 16 * 4, f"dropout block: {saved} bytes kept"
     saved, gaps = judge_block(got["bf16"], *amp_block(), amp_dtype=torch.bfloat16)
+    assert gaps["output"] < 1e-6, f"bf16 autocast: the output differs from the block's under autocast: {gaps}"
     assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6, \
         f"bf16 autocast: the recomputation ran in another dtype: {gaps}"
     return "dropout draws the forward's random numbers again, and the recomputation runs under the forward's autocast"

@@ -10,10 +10,13 @@ from course_lib.checks.nb05 import as_data, yours
 
 
 # ---------------------------------------------------------------- Prefetcher
+ITEMS = 8  # the iterable of the depth test
+
+
 def probe_depth(ns: dict) -> dict:
     Prefetcher = ns["Prefetcher"]
 
-    def how_far_ahead(depth, n=8):
+    def how_far_ahead(depth, n=ITEMS):
         produced, ahead = [], []
 
         def counting():
@@ -42,6 +45,7 @@ def probe_depth(ns: dict) -> dict:
 def judge_depth(got: dict) -> str:
     for depth in (1, 3):
         ahead = got["ahead"][depth]
+        assert len(ahead) == ITEMS, f"depth={depth}: the loop got {len(ahead)} items of the iterable's {ITEMS}"
         assert max(ahead) <= depth + 1, (f"depth={depth}: the thread read {max(ahead)} items ahead of the loop; a "
                                          f"queue of {depth} slots allows {depth + 1} "
                                          "(a full queue and the item it holds)")

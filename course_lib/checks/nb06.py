@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import course_lib.distributed as toolkit
 from course_lib.parallel import ddp
 from course_lib.checks import packed, register, student, unpacked
+from course_lib.grading import max_rel_diff
 from course_lib.checks.nb05 import as_data
 from course_lib.data import synthetic_images
-from course_lib.grading import forbid, grads, max_rel_diff
+from course_lib.grading import forbid, grads
 from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 
@@ -43,6 +44,7 @@ def batches_per_rank(ns: dict, nprocs: int, n: int, batch_size: int, epochs: tup
 
 
 def judge_shards(got: list) -> str:
+    assert len(got) == 2, f"{len(got)} ranks' batches, expected 2"
     seen = []
     for r, b in enumerate(got):
         assert isinstance(b[0], list) and len(b[0]) == 5 and all(isinstance(x, (list, tuple)) and len(x) == 4
@@ -64,6 +66,15 @@ def probe_epochs(ns: dict) -> dict:
 
 def judge_epochs(got: dict) -> str:
     a, b = got["a"], got["b"]
+    assert len(a) == len(b) == 2, f"{len(a)} and {len(b)} ranks' batches, expected 2"
+    for r in range(2):
+        for epoch in (0, 1):  # a rank's shard of 40 samples is 5 batches of 4 (which ones: test_rank_batches)
+            batches = a[r][epoch]
+            assert isinstance(batches, list) and len(batches) >= 5 and all(
+                isinstance(x, (list, tuple)) and len(x) == 4 for x in batches), \
+                f"rank {r}, epoch {epoch}: expected batches of 4, at least 5 of them, got {batches}"
+        assert len(a[r][1]) == len(a[r][0]), \
+            f"rank {r}: {len(a[r][0])} batches in epoch 0, {len(a[r][1])} in epoch 1: every epoch reads the same count"
     for r in range(2):
         assert a[r][0] == b[r][0], f"rank {r}: epoch 0 gave different batches in two calls"
         assert a[r][0] != a[r][1], f"rank {r}: epoch 1 replays epoch 0's order: call set_epoch(epoch)"

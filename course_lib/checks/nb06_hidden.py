@@ -15,17 +15,26 @@ def probe_batches(ns: dict) -> dict:
             "seeded": batches_per_rank(ns, 3, 50, 5, (0, 1, 4), 7)}
 
 
+def sampler_batches(n: int, rank: int, batch_size: int, epoch: int, seed: int) -> list:
+    """Rank ``rank`` of 3's full batches in ``epoch``, as DistributedSampler (drop_last=True) orders the samples."""
+    s = DistributedSampler(range(n), num_replicas=3, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    s.set_epoch(epoch)
+    idx = list(s)
+    return [idx[i:i + batch_size] for i in range(0, len(idx) - batch_size + 1, batch_size)]
+
+
 def judge_batches(got: dict) -> str:
+    assert len(got["padded"]) == 3 and len(got["seeded"]) == 3, \
+        f"{len(got['padded'])} and {len(got['seeded'])} ranks' batches, expected 3"
     flat = [i for b in got["padded"] for x in b[0] for i in x]
     assert len(flat) == len(set(flat)), ("22 samples on 3 ranks: a sample was read twice in one epoch; the sampler "
                                          "pads the shards unless it has drop_last=True")
     for r in range(3):
+        assert got["padded"][r][0] == sampler_batches(22, r, 4, 0, 0), \
+            f"22 samples, batches of 4, rank {r}: not the sampler's batches"
         for e in (0, 1, 4):
-            s = DistributedSampler(range(50), num_replicas=3, rank=r, shuffle=True, seed=7, drop_last=True)
-            s.set_epoch(e)
-            idx = list(s)
-            want = [idx[i:i + 5] for i in range(0, len(idx) - 4, 5)]
-            assert got["seeded"][r][e] == want, f"rank {r}, epoch {e}: not the sampler's batches"
+            assert got["seeded"][r][e] == sampler_batches(50, r, 5, e, 7), \
+                f"rank {r}, epoch {e}: not the sampler's batches"
     return "3 ranks, an uneven data set, a seed and later epochs: the sampler's batches"
 
 

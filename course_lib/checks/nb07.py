@@ -16,10 +16,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.parallel import ddp
 from course_lib.checks import outcome, packed, register, student, unpacked
+from course_lib.grading import max_rel_diff
 from course_lib.checks.nb06 import cnn
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
-from course_lib.grading import forbid, grads, max_rel_diff, params
+from course_lib.grading import forbid, grads, params
 from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 
@@ -30,7 +31,7 @@ BUCKETED_STEP = (ddp.BucketedDDP, ddp.all_reduce_gradients, DDP)
 
 # ---------------------------------------------------------------- BucketedDDP
 CAP = 0.01  # MiB: SmallCNN(width=8) fills 5 buckets
-KEEP = ("what", "t", "numel", "async_op", "waited", "launched_at")
+KEEP = ("what", "async_op", "waited")  # what the judges read of an event
 
 
 def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_by_rank: bool = False,
@@ -61,7 +62,7 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_b
                 F.cross_entropy(mine(xs), ys).backward()
                 mine.finish_gradient_synchronization()
             out["grads"].append(grads(mine.module))
-            out["events"].append([{k: e[k] for k in KEEP if k in e} for e in log.events])
+            out["events"].append([{k: e[k] for k in KEEP if k in e} for e in log.events if e["what"] != "wait"])
             opt.step()
             opt.zero_grad()
         out["weights"] = params(mine.module)
@@ -104,22 +105,45 @@ def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
     return [unpacked(run) for run in runs]
 
 
-def check_bucketed(runs: list, label: str, n: int, steps: int, frozen: bool = False) -> None:
-    refs = reference_runs(len(runs), n, steps, frozen)
+def needs_grad(frozen: bool = False) -> list[str]:
+    """The names of the parameters of ``cnn(frozen)`` that need a gradient, in the model's order."""
+    return [k for k, p in cnn(frozen).named_parameters() if p.requires_grad]
+
+
+def check_bucketed(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False) -> None:
+    refs = reference_runs(nprocs, n, steps, frozen)
+    names = needs_grad(frozen)
+    assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
     for r, (run, ref) in enumerate(zip(runs, refs)):
+        flat = [k for bucket in run["buckets"] for k in bucket]
+        assert set(flat) <= set(names), (f"{label}, rank {r}: {sorted(set(flat) - set(names))} in your buckets need "
+                                         "no gradient: a frozen parameter has no gradient to bucket")
+        assert sorted(flat) == sorted(names) and all(run["buckets"]), (
+            f"{label}, rank {r}: your buckets hold {flat}: every parameter that needs a gradient goes in one "
+            "bucket, once, and no bucket is empty")
+        assert len(run["grads"]) == len(run["events"]) == steps, \
+            f"{label}, rank {r}: {len(run['grads'])} steps' gradients, expected {steps}"
         for s, (mine, ev) in enumerate(zip(run["grads"], run["events"])):
             a, b = max_rel_diff(mine, ref["ddp"][s]), max_rel_diff(mine, ref["one"][s])
-            unwaited = [e for e in ev if e.get("what") == "all_reduce" and not e.get("waited")]
+            arrived = sum(e.get("what") == "grad" for e in ev)
+            assert arrived == len(names), (f"{label}, rank {r}, step {s}: {arrived} gradients arrived in the "
+                                           f"backward, the model has {len(names)} parameters that need one")
+            launched = [e for e in ev if e.get("what") == "all_reduce"]
+            assert len(launched) == len(run["buckets"]), (f"{label}, rank {r}, step {s}: {len(launched)} "
+                                                          f"all-reduce(s) for {len(run['buckets'])} buckets: one "
+                                                          "per bucket")
+            unwaited = [e for e in launched if not e.get("waited")]
             assert not unwaited, (f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on: "
                                   "call wait() on every handle in finish_gradient_synchronization before reading it")
             assert a < 1e-5, f"{label}, rank {r}, step {s}: your gradients differ from DDP's (max rel. diff {a:.1e})"
             assert b < 1e-5, f"{label}, rank {r}, step {s}: not one process's gradient on the whole batch ({b:.1e})"
+        assert run["weights"].keys() == ref["one"][0].keys(), f"{label}: rank {r}'s weights are not the model's"
         for k, v in run["weights"].items():
             assert (v == runs[0]["weights"][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
 
 
 def judge_bucketed(runs: list) -> str:
-    check_bucketed(runs, "2 ranks", 16, 2)
+    check_bucketed(runs, "2 ranks", 2, 16, 2)
     return "DDP's gradients on every rank, two steps running"
 
 
@@ -155,12 +179,16 @@ def check_bucket_rule(buckets: list, model: torch.nn.Module, cap_mb: float, labe
 
 
 def judge_buckets(runs: list) -> str:
+    assert len(runs) == 2, f"results from {len(runs)} ranks, expected 2"
     for r, run in enumerate(runs):
         check_bucket_rule(run["buckets"], cnn(), CAP, f"rank {r}, cap {CAP} MiB")
         n_buckets = len(run["buckets"])
+        assert len(run["events"]) == 1, f"rank {r}: {len(run['events'])} steps' collectives, expected 1"
         ev = run["events"][0]
         launches = [i for i, e in enumerate(ev) if e["what"] == "all_reduce"]
         grads_in = [i for i, e in enumerate(ev) if e["what"] == "grad"]
+        assert len(grads_in) == len(needs_grad()), (f"rank {r}: {len(grads_in)} gradients arrived in one backward, "
+                                                    f"the model has {len(needs_grad())} parameters that need one")
         assert len(launches) == n_buckets, (f"rank {r}: {len(launches)} dist.all_reduce calls in one backward for "
                                             f"{n_buckets} buckets: one per bucket")
         assert all(ev[i]["async_op"] for i in launches), "launch each bucket with dist.all_reduce(..., async_op=True)"
@@ -229,6 +257,7 @@ def probe_unused(ns: dict) -> list:
 
 def judge_unused(got: list) -> str:
     # the gradients' values are test_BucketedDDP's: here, the error, and that the next step launches every bucket
+    assert len(got) == 2, f"results from {len(got)} ranks, expected 2"
     for r, runs in enumerate(got):
         for cap, run in zip((100.0, CAP), runs, strict=True):
             label = f"rank {r}, bucket_cap_mb={cap}"

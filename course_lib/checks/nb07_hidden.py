@@ -17,7 +17,7 @@ def probe_bucketed(ns: dict) -> list:
 
 def judge_bucketed(got: list) -> str:
     for (cap, label), runs in zip(CAPS, got, strict=True):
-        check_bucketed(runs, label, 24, 3, True)
+        check_bucketed(runs, label, 3, 24, 3, True)
         for run in runs:
             assert all(sum(e["what"] == "all_reduce" for e in ev) == run["n_buckets"] for ev in run["events"]), \
                 f"{label}: not one all-reduce per bucket in every step"

@@ -21,6 +21,7 @@ import course_lib.distributed as toolkit
 from course_lib import memory
 from course_lib.parallel import fsdp
 from course_lib.checks import number, packed, register, student, unpacked
+from course_lib.grading import worst
 from course_lib.data import lm_batch
 from course_lib.grading import forbid
 from course_lib.launch import on_ranks, run_forked
@@ -134,7 +135,10 @@ def judge_wrap(facts: dict) -> str:
     ref, got = one_process_grads(), facts["grads"]
     missing = sorted(set(ref) - set(got))
     assert not missing, f"no gradient for {missing[:5]}: the wrapped model should keep the Llama's parameters"
-    gap = max(float((got[n] - ref[n]).abs().max() / (ref[n].abs().max() + 1e-12)) for n in ref)
+    for n in ref:
+        assert isinstance(got[n], torch.Tensor) and got[n].shape == ref[n].shape, \
+            f"{n}: a gradient of shape {tuple(getattr(got[n], 'shape', ()))}, the parameter's is {tuple(ref[n].shape)}"
+    gap = worst(float((got[n] - ref[n]).abs().max() / (ref[n].abs().max() + 1e-12)) for n in ref)
     assert gap < 1e-4, f"gradients differ from one process on the global batch by {gap:.1e}"
     return "every block sharded; gradients match one process"
 
@@ -249,10 +253,14 @@ def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: 
     """Each rank's shard gradients against its slice of one process's and of fully_shard's, and its losses."""
     params, ref_losses, ref_grads = one_process(n, steps, frozen)
     theirs = fsdp_reference(nprocs, n, steps, frozen)
-    assert len(runs) == nprocs
+    assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
     for r, run in enumerate(runs):
         no_grad, bad_size, gaps = False, None, {"one": [], "fsdp": [], "loss": []}
+        assert len(run["grads"]) == len(run["losses"]) == steps, \
+            f"{label}, rank {r}: {len(run['grads'])} steps' gradients and {len(run['losses'])} losses, expected {steps}"
         for s in range(steps):
+            assert len(run["grads"][s]) == len(params), (f"{label}, rank {r}, step {s}: {len(run['grads'][s])} shards, "
+                                                         f"the model has {len(params)} parameters: one shard each")
             mine_g, one_g, fsdp_g = [], [], []
             for i, (g, (name, numel, trained)) in enumerate(zip(run["grads"][s], params)):
                 if not trained:
@@ -272,12 +280,15 @@ def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: 
                 one_g.append(want)
                 fsdp_g.append(theirs[r][s][i])
             scale = max([float(t.abs().max()) for t in one_g] + [1e-12])
-            gaps["one"].append(max([float((a - b).abs().max()) for a, b in zip(mine_g, one_g)] + [0.0]) / scale)
-            gaps["fsdp"].append(max([float((a - b).abs().max()) for a, b in zip(mine_g, fsdp_g)] + [0.0]) / scale)
+            gaps["one"].append(worst(float((a - b).abs().max()) for a, b in zip(mine_g, one_g)) / scale)
+            gaps["fsdp"].append(worst(float((a - b).abs().max()) for a, b in zip(mine_g, fsdp_g)) / scale)
             gaps["loss"].append(abs(run["losses"][s] - ref_losses[s]) / ref_losses[s])
         assert not no_grad, (f"{label}, rank {r}: a shard got no gradient; gather it with "
                              "GatherParameter.apply(shard, shape) so that backward reaches the shard")
         assert not bad_size, f"{label}, rank {r}: {bad_size}"
+        sizes = [-(-numel // nprocs) for _, numel, _ in params]
+        assert run["shard_sizes"] == sizes, \
+            f"{label}, rank {r}: shard sizes {run['shard_sizes']}, expected ceil(numel / {nprocs}) each: {sizes}"
         for s in range(steps):
             assert gaps["one"][s] < 1e-5, (f"{label}, rank {r}, step {s}: your shard's gradient is not this "
                                            f"rank's slice of one process's ({gaps['one'][s]:.1e})")
@@ -303,6 +314,7 @@ def probe_held(ns: dict) -> list:
 
 def judge_held(runs: list) -> str:
     total, sizes = full_bytes(), [-(-p.numel() // 2) for p in mlp().parameters()]
+    assert len(runs) == 2, f"results from {len(runs)} ranks, expected 2"
     for r, run in enumerate(runs):
         assert run["shard_sizes"] == sizes, \
             f"rank {r}: shard sizes {run['shard_sizes']}: each is ceil(numel / world size)"

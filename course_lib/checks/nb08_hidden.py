@@ -83,8 +83,14 @@ def probe_reshard(ns: dict) -> dict:
 
 
 def judge_reshard(o: dict) -> str:
+    layers = build_llama("tiny", seed=0).model.layers
+    n_params = sum(1 for layer in layers for _ in layer.parameters())
     assert o["gathered"], "no block's forward ran"
+    assert len(o["gathered"]) == len(layers), \
+        f"{len(o['gathered'])} blocks' forwards ran in one forward of the {len(layers)}-block model"
     assert max(o["gathered"]) == 1, f"{max(o['gathered'])} blocks held full weights at once: wrap each block on its own"
+    assert len(o["True"]) == len(o["False"]) == n_params, \
+        f"the blocks hold {len(o['True'])} and {len(o['False'])} parameters, the model's blocks {n_params}"
     assert all(o["True"]), "reshard_after_forward=True: the blocks' weights should be sharded again after forward"
     assert not any(o["False"]), "reshard_after_forward=False: the blocks should keep their full weights until backward"
     assert o["2d"], "on a (replicate, shard) mesh the placements should be (Replicate(), Shard(0))"

@@ -13,6 +13,7 @@ import copy
 import functools
 import io
 import json
+import math
 import warnings
 
 import torch
@@ -23,9 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.parallel import deepspeed_engine, zero
 from course_lib.checks import number, outcome, packed, register, student, unpacked
+from course_lib.grading import max_rel_diff
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes
-from course_lib.grading import forbid, max_rel_diff, params
+from course_lib.grading import forbid, params
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
 
@@ -205,9 +207,10 @@ def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, ste
         assert run["param_grads_cleared"], "zero_grad(set_to_none=True) sets every parameter's .grad to None"
 
 
-def judge_resumed(runs: list, label: str, saved_after: int) -> None:
+def judge_resumed(runs: list, label: str, saved_after: int, nprocs: int) -> None:
     """Each rank's fresh model and optimizer, resumed from the checkpoint of step ``saved_after``, end where the run
     that never stopped ended; where the given load_state_dict failed, say why."""
+    assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
     for r, run in enumerate(runs):
         if run["load_error"] is not None:
             why = (" Your shards require grad (requires_grad_()): autograd refuses to copy into a leaf tensor that "
@@ -247,17 +250,20 @@ register("test_ShardedOptimizer", lambda ns: sharded_probe(ns, 2, 16, 3, *ADAMW)
 def probe_state_2(ns: dict) -> dict:
     """2 ranks, 2 steps: the bytes of optimizer state each rank holds, and the checkpoint of step 1 resumed."""
     runs = sharded_probe(ns, 2, 16, 2, *ADAMW, resume_at=0)
-    return {"state": [number(run["state_bytes"]) for run in runs], "runs": runs}
+    resume = ("load_error", "shards_require_grad", "resumed")  # what judge_resumed reads, and the last weights
+    return {"state": [number(run["state_bytes"]) for run in runs],
+            "runs": [{**{k: run[k] for k in resume if k in run}, "weights": run["weights"][-1:]} for run in runs]}
 
 
 def judge_state_2(got: dict) -> str:
     _, full, n_params = one_process(16, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
+    assert len(got["state"]) == 2, f"the state bytes of {len(got['state'])} ranks, expected 2"
     for r, held in enumerate(got["state"]):
         share = held / full
         slack = 2 * 4 * n_params / full  # padding: a value of m and v per parameter (one per group if flat)
         assert abs(share - 1 / 2) <= slack, (f"rank {r} holds {share:.3f} of AdamW's states on 2 ranks: "
                                              "build the optimizer over this rank's shards only")
-    judge_resumed(got["runs"], "2 ranks, AdamW in two groups", saved_after=0)
+    judge_resumed(got["runs"], "2 ranks, AdamW in two groups", saved_after=0, nprocs=2)
     return f"each rank holds {share:.3f} of the optimizer state, and its checkpoint resumes the run"
 
 
@@ -274,6 +280,18 @@ def datafied(x):
     if x is None or type(x) in (bool, int, float, str):
         return x
     return repr(x)[:200]
+
+
+def finite_numbers(config, where: str = "the config") -> None:
+    """Every number in a config is finite: DeepSpeed takes a NaN or an infinity where a number goes, and trains on."""
+    if isinstance(config, dict):
+        for k, v in config.items():
+            finite_numbers(v, f"{where}[{k!r}]")
+    elif isinstance(config, list):
+        for i, v in enumerate(config):
+            finite_numbers(v, f"{where}[{i}]")
+    elif isinstance(config, float):
+        assert math.isfinite(config), f"{where} is {config}: every number in a DeepSpeed config is finite"
 
 
 def my_config(ns: dict, *args, **kwargs):
@@ -294,6 +312,7 @@ def launched(config: str, steps: int) -> dict:
 
 def judge_config(cfg) -> str:
     assert isinstance(cfg, dict), f"return the config as a dict, not {cfg!r}"
+    finite_numbers(cfg)
     assert cfg.get("train_batch_size") == 32 and cfg.get("train_micro_batch_size_per_gpu") == 4
     assert cfg["gradient_accumulation_steps"] == 4, "32 = 4 per rank x 2 ranks x 4 accumulation steps"
     assert type(cfg["gradient_accumulation_steps"]) is int, "gradient_accumulation_steps is a count: an int (use //)"

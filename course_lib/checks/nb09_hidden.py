@@ -12,8 +12,9 @@ import torch
 
 from course_lib.parallel import deepspeed_engine
 from course_lib.checks import number, packed, register, student, unpacked
-from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, judge_resumed, judge_sharded, judge_traffic, my_config,
-                                    one_process, sharded_probe, trains)
+from course_lib.grading import worst
+from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, finite_numbers, judge_resumed, judge_sharded, judge_traffic,
+                                    my_config, one_process, sharded_probe, trains)
 from course_lib.grading import forbid
 from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
@@ -48,14 +49,18 @@ def judge_sharded_hidden(got: dict) -> str:
     label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
     judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True)
     judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
-    judge_resumed(got["sgd"], label, saved_after=0)
+    judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
     ratio = judge_traffic(got["sgd"], 3, True)
     _, full, n_params = one_process(24, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
+    assert len(got["state"]) == 3, f"the state bytes of {len(got['state'])} ranks, expected 3"
     for held in got["state"]:
         assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, \
             f"a rank holds {held / full:.3f} of the state on 3 ranks"
     ds = deepspeed_stage1()
-    assert max(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, "not DeepSpeed stage 1's losses"
+    assert len(got["zero_train"]) == len(ds["losses"]), \
+        f"zero_train ran {len(got['zero_train'])} steps with your optimizer, expected {len(ds['losses'])}"
+    assert worst(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, \
+        "not DeepSpeed stage 1's losses"
     return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "
             "the bytes on 3 ranks, and DeepSpeed stage 1's losses")
 
@@ -64,8 +69,11 @@ register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
 
 
 # ---------------------------------------------------------------- make_ds_config
+SPLITS = ((64, 8, 8), (256, 4, 8), (6, 3, 2))  # global batch, micro batch, world size
+
+
 def probe_configs(ns: dict) -> dict:
-    splits = [[g, m, w, my_config(ns, g, m, w, stage=1)] for g, m, w in ((64, 8, 8), (256, 4, 8), (6, 3, 2))]
+    splits = [my_config(ns, g, m, w, stage=1) for g, m, w in SPLITS]
     offload = my_config(ns, 16, 4, 2, stage=3, offload_optimizer=True)
     try:
         my_config(ns, 30, 4, 2, stage=2)
@@ -77,10 +85,16 @@ def probe_configs(ns: dict) -> dict:
 
 
 def judge_configs(got: dict) -> str:
-    for _g, _m, w, c in got["splits"]:
+    assert len(got["splits"]) == len(SPLITS), f"{len(got['splits'])} configs for the {len(SPLITS)} splits"
+    for (g, m, w), c in zip(SPLITS, got["splits"]):
+        finite_numbers(c, f"the config of global_batch={g}, micro_batch={m}, world_size={w}")
+        assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"]) == (g, m), \
+            (f"global_batch={g}, micro_batch={m}, world_size={w}: train_batch_size {c['train_batch_size']} and "
+             f"train_micro_batch_size_per_gpu {c['train_micro_batch_size_per_gpu']}, expected {g} and {m}")
         check_batch_arithmetic(c["train_batch_size"], c["train_micro_batch_size_per_gpu"],
                                c["gradient_accumulation_steps"], w)
     c = got["offload"]
+    finite_numbers(c, "the offload config")
     assert c["zero_optimization"]["stage"] == 3
     assert c["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert trains(c, 2)["global_steps"] == 2

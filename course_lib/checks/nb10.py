@@ -102,11 +102,27 @@ def judge_sent_down(got: dict) -> None:
                 assert gap < 1e-5, f"step {step}, master {i}: its .grad is {gap:.1e} (relative) from the gradient"
 
 
-def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False) -> list:
+def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False,
+                  unused: bool = False) -> list:
     """The masters against torch's AdamW replaying the same gradients on fp32 copies; returns the starting weights."""
     dtype = DTYPES[dtype_name]
     start = [p.detach().clone() for p in tiny_model(dtype, frozen).parameters()]
     ref = [p.detach().float().clone() for p in tiny_model(dtype, frozen).parameters() if p.requires_grad]
+    n = len(ref)
+    assert len(got["trainable"]) == n, f"{len(got['trainable'])} trainable parameters after step(), the model has {n}"
+    assert len(got["grads"]) == len(got["kept"]) == len(got["landed"]) == steps, \
+        f"{len(got['landed'])} steps' gradients in the masters, expected {steps}"
+    for step in range(steps):
+        assert len(got["grads"][step]) == len(got["kept"][step]) == len(got["landed"][step]) == n, \
+            f"step {step}: {len(got['landed'][step])} masters' gradients, the model has {n} trainable parameters"
+    model = got["model"]
+    assert len(model) == len(start) and all(
+        isinstance(p, torch.Tensor) and p.shape == s.shape for p, s in zip(model, start)), \
+        "the model's parameters changed in number or shape"
+    assert all(torch.isfinite(p.float()).all() for p in model), "the model's weights hold NaN or inf after training"
+    with_grads = n - (2 if unused else 0)  # the unused layer's weight and bias get no gradient, so no AdamW state
+    assert len(got["states"]) >= with_grads, \
+        f"AdamW holds state for {len(got['states'])} masters, but {with_grads} got a gradient in every step"
     ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.01)
     for grads in got["grads"]:
         for r, g in zip(ref, grads):

@@ -40,7 +40,11 @@ def accumulation_probe(ns: dict) -> list:
 def judge_accumulation(steps: list) -> None:
     why = ("two micro-batches of one step must add up in the master's .grad",
            "a step after step() must start from no gradient: set each master's .grad to None in step()")
+    n = sum(1 for p in tiny_model(torch.float32, False).parameters() if p.requires_grad)
+    assert len(steps) == len(why), f"{len(steps)} steps' gradients in the masters, expected {len(why)}"
     for (step, reason) in zip(steps, why):
+        assert len(step["landed"]) == len(step["want"]) == n, \
+            f"{len(step['landed'])} masters' gradients, the model has {n} parameters; {reason}"
         for i, (g, w) in enumerate(zip(step["landed"], step["want"])):
             assert isinstance(g, torch.Tensor) and g.shape == w.shape, f"master {i}: .grad is {g!r:.80}; {reason}"
             gap = ((g - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
@@ -58,7 +62,7 @@ def judge_offload_hidden(got: dict) -> str:
     moved = sum((p != s).float().mean().item() for p, s in zip(got["small_lr"]["model"], start)) / len(start)
     assert moved > 0.9, f"only {moved:.0%} of the bf16 weights moved with lr 1e-4: the small updates were lost"
     judge_offload(got["fp32"], "float32", 1e-3, 3)
-    start = judge_offload(got["frozen"], "bfloat16", 1e-3, 3, frozen=True)
+    start = judge_offload(got["frozen"], "bfloat16", 1e-3, 3, frozen=True, unused=True)
     model = got["frozen"]["model"]
     assert torch.equal(model[1], start[1]), "the frozen bias changed"
     assert all(torch.equal(p, s) for p, s in zip(model[-2:], start[-2:])), \

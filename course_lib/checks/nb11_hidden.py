@@ -109,8 +109,10 @@ def probe_count(ns: dict) -> dict:
 
 
 def judge_count(got: dict) -> str:
+    assert len(got["tiny"]) == len(TARGETS), f"{len(got['tiny'])} counts for the {len(TARGETS)} cases"
     for (targets, r), n in zip(TARGETS, got["tiny"]):
-        assert n == peft_count(r, targets), (targets, r)
+        want = peft_count(r, targets)
+        assert n == want, f"LoRA of rank {r} on {', '.join(targets)}: peft trains {want}, you counted {n}"
     assert got["8b"] == 41_943_040
     return "k_proj and v_proj under grouped-query attention, the MLP, other ranks, and Llama-3.1-8B"
 

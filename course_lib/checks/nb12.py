@@ -73,10 +73,15 @@ def judge_nf4(got: dict) -> str:
     assert absmax.numel() == 1 and torch.allclose(absmax.reshape(-1).float(), w.abs().max().reshape(1)), \
         "absmax: the block's largest |value|, one per block"
     assert codes[10] == 7 and back[10] == 0, "an exact zero is stored as the level 0.0 (index 7) and comes back as 0"
+    assert len(got["stored"]) == len(blocks), f"{len(got['stored'])} results for the {len(blocks)} blocks"
     for (w, _, hexes), mine, error in zip(blocks, got["stored"], SINGLE_BLOCK_ERRORS):
         codes, back = mine["codes"], mine["back"]
         is_tensor(codes, "codes")
         is_tensor(back, "the round trip")
+        is_tensor(mine["absmax"], "absmax")
+        assert mine["absmax"].numel() == 1 and torch.equal(mine["absmax"].reshape(1).float(),
+                                                           w.float().abs().max().reshape(1)), \
+            f"shape {tuple(w.shape)}: absmax is the block's largest |value|, one per block"
         want = torch.tensor([int(digit, 16) for digit in hexes])
         assert tuple(back.shape) == tuple(w.shape), \
             f"nf4_dequantize must return shape {tuple(w.shape)}, not {tuple(back.shape)}"
@@ -133,6 +138,8 @@ def probe_storage(ns: dict) -> dict:
 
 
 def judge_storage(got: dict) -> str:
+    assert len(got["packed"]) == len(got["unpacked"]) == len(single_blocks()), \
+        f"{len(got['packed'])} and {len(got['unpacked'])} results for the {len(single_blocks())} blocks"
     for (_, _, hexes), packed, unpacked in zip(single_blocks(), got["packed"], got["unpacked"]):
         is_tensor(packed, "pack_4bit's bytes")
         assert packed.dtype == torch.uint8 and packed.numel() == len(hexes) // 2, \
@@ -276,8 +283,11 @@ def judge_qlora_layer(got: dict, base: torch.nn.Linear, weight: torch.Tensor, r:
          f"Trainable here: {trainable}")
     is_tensor(got["B"], "lora_B.weight")
     assert (got["B"] == 0).all(), "lora_B starts at zero, so the layer starts as the (quantised) base"
+    for name, triple in got["buffers"].items():  # the probe's [dtype, numel, element size] of each buffer
+        assert isinstance(triple, list) and len(triple) == 3 and isinstance(triple[0], str) \
+            and all(isinstance(v, int) and v >= 0 for v in triple[1:]), f"the buffer {name}: {triple!r:.80}"
     packed = got["buffers"].get("packed")
-    assert packed is not None and packed[0] == "torch.uint8" and packed[1] == out_f * in_f // 2, \
+    assert packed == ["torch.uint8", out_f * in_f // 2, 1], \
         (f"a buffer named packed holds the {out_f * in_f} codes, two a byte (uint8, {out_f * in_f // 2}); "
          f"buffers: {got['buffers']}")
     assert got["stored float bytes"] < out_f * in_f, \

@@ -10,6 +10,7 @@ import torch
 
 from course_lib.checks import error_text, register
 from course_lib import nf4
+from course_lib.grading import worst
 from course_lib.checks.nb11 import is_tensor, tensor
 from course_lib.checks.nb12 import (NF4_ANSWERS, STORAGE_STAND_INS, given_tables, judge_qlora_layer, my_nf4,
                                     probe_qlora, qlora_base)
@@ -45,8 +46,9 @@ def on_meta(calls: Callable[[], tuple]) -> list[str] | str:
         return error_text(err).splitlines()[0][:300]
 
 
-def judge_on_meta(devices: list[str] | str, what: str, table: str) -> None:
-    assert isinstance(devices, list) and devices and set(devices) == {"meta"}, \
+def judge_on_meta(devices: list[str] | str, what: str, table: str, count: int) -> None:
+    """``count`` tensors came back, all on the meta device."""
+    assert isinstance(devices, list) and len(devices) == count and set(devices) == {"meta"}, \
         (f"{what} on tensors of another device (torch's meta device here, a GPU's in the notebook's fine-tune): "
          f"{devices if isinstance(devices, str) else 'returned tensors on ' + ', '.join(sorted(set(devices)))}; "
          f"compute on the input's device, with the table brought there ({table}.to(x.device))")
@@ -66,26 +68,35 @@ def probe_nf4(ns: dict) -> dict:
             "scales": my_nf4(ns, inputs["scales"]), "meta": meta}
 
 
+def judge_absmax(w: torch.Tensor, bs: int, absmax: torch.Tensor) -> None:
+    want = torch.stack([w.reshape(-1)[s:s + bs].abs().max() for s in range(0, w.numel(), bs)])
+    assert absmax.shape == want.shape and torch.allclose(absmax.float(), want), \
+        (f"one absmax per block of {bs} (the last one shorter): expected shape {tuple(want.shape)}, "
+         f"got {tuple(absmax.shape)}, or other values than each block's largest |value|")
+
+
 def judge_nf4(got: dict) -> str:
     inputs = many_blocks()
+    assert len(got["many"]) == len(inputs["many"]), f"{len(got['many'])} results for {len(inputs['many'])} tensors"
     for mine in got["many"] + [got["zero"], got["scales"]]:
         for key in ("codes", "absmax", "back"):
             is_tensor(mine[key], key)
     for (w, bs), mine in zip(inputs["many"], got["many"]):
         codes, absmax, back = mine["codes"], mine["absmax"], mine["back"]
-        want = torch.stack([w.reshape(-1)[s:s + bs].abs().max() for s in range(0, w.numel(), bs)])
-        assert absmax.shape == want.shape and torch.allclose(absmax.float(), want), \
-            (f"one absmax per block of {bs} (the last one shorter): expected shape {tuple(want.shape)}, "
-             f"got {tuple(absmax.shape)}")
-        assert codes.numel() == w.numel() and tuple(back.shape) == tuple(w.shape)
-        assert max(block_errors(w, back, bs)) < 0.2, block_errors(w, back, bs)
+        judge_absmax(w, bs, absmax)
+        assert codes.numel() == w.numel() and tuple(back.shape) == tuple(w.shape), \
+            f"{w.numel()} values of shape {tuple(w.shape)}: {codes.numel()} codes, a round trip of {tuple(back.shape)}"
+        errors = block_errors(w, back, bs)
+        assert worst(errors) < 0.2, f"blocks of {bs}: the round trip is off each block by {errors} (relative)"
     codes, absmax, back = got["zero"]["codes"], got["zero"]["absmax"], got["zero"]["back"]
     assert absmax[1] == 0 and bool((codes.reshape(3, 64)[1] == 7).all()), \
         "an all-zero block: absmax 0, and index 7 everywhere"
     assert torch.isfinite(back).all() and bool((back[1] == 0).all()), "an all-zero block comes back as zeros, not nan"
-    assert max(block_errors(inputs["scales"], got["scales"]["back"], 64)) < 0.2, \
+    assert worst(block_errors(inputs["scales"], got["scales"]["back"], 64)) < 0.2, \
         "each block has its own scale: huge values must not ruin a block of small ones"
-    judge_on_meta(got["meta"], "nf4_quantize and nf4_dequantize", "NF4")
+    judge_absmax(inputs["zero"], 64, got["zero"]["absmax"])
+    judge_absmax(inputs["scales"], 64, got["scales"]["absmax"])
+    judge_on_meta(got["meta"], "nf4_quantize and nf4_dequantize", "NF4", 3)
     return ("many blocks and a shorter last one, blocksize 128, an all-zero block, blocks of very different scales, "
             "and the input's device followed")
 
@@ -144,6 +155,9 @@ def meta_storage(ns: dict) -> tuple:
 
 
 def judge_storage(got: dict) -> str:
+    assert len(got["packed"]) == len(got["unpacked"]) == len(got["compressed"]) == len(got["back"]) == 3, \
+        (f"{len(got['packed'])}, {len(got['unpacked'])}, {len(got['compressed'])} and {len(got['back'])} results "
+         "for the 3 cases of pack_4bit, unpack_4bit, compress_absmax and decompress_absmax")
     for codes, packed in zip(storage_codes(), got["packed"]):
         is_tensor(packed, "pack_4bit's bytes")
         want = nf4.pack_4bit(codes)
@@ -176,7 +190,7 @@ def judge_storage(got: dict) -> str:
         assert tuple(back.shape) == tuple(want.shape) and torch.isfinite(back).all() \
             and torch.allclose(back.float(), want, rtol=1e-6, atol=1e-7), \
             f"{absmax.numel()} codes in blocks of {bs}: DYNAMIC[code] times its block's scale, plus the offset"
-    judge_on_meta(got["meta"], "pack_4bit, unpack_4bit, compress_absmax and decompress_absmax", "DYNAMIC")
+    judge_on_meta(got["meta"], "pack_4bit, unpack_4bit, compress_absmax and decompress_absmax", "DYNAMIC", 6)
     return ("odd counts packed and unpacked, scales of four magnitudes in blocks of 256, blocks of 128, equal scales, "
             "and the input's device followed")
 

@@ -37,8 +37,9 @@ def probe_pair(ns: dict) -> dict:
 def judge_pair(got: dict) -> str:
     judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True)
     judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False)
-    for msg in got["bad size"]:
-        assert msg, "6 features over 4 ranks must raise ValueError"
+    assert len(got["bad size"]) == 2, f"{len(got['bad size'])} results for the 2 layers of 6 features over 4 ranks"
+    for name, msg in zip(("ColumnParallelLinear", "RowParallelLinear"), got["bad size"]):
+        assert msg, f"{name}: 6 features over 4 ranks must raise ValueError"
     return "4 ranks, no bias, and a ValueError for 6 features over 4 ranks"
 
 

@@ -5,6 +5,7 @@ against the one-process mixture of experts (output, gradients, drops, bytes)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -148,6 +149,9 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
         assert run["bytes"] == {"send": want, "recv": want}, (
             f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
             f"V block N-1 times, and nothing else: {{'send': {want}, 'recv': {want}}}")
+    for r, run in enumerate(runs):
+        assert isinstance(run["work"], (int, float)) and math.isfinite(run["work"]) and run["work"] >= 0, \
+            f"{label}, rank {r}: the blocks of scores your cp.block_attention calls computed: {run['work']!r:.60}"
     if causal and seq % (2 * world if zigzag else world) == 0:  # no padding: every tile has a real key
         work = cp_train.causal_work(world, zigzag)
         for r, run in enumerate(runs):
@@ -167,6 +171,7 @@ def probe_ring(ns: dict) -> list:
 
 
 def judge_ring_visible(got: list) -> str:
+    assert len(got) == len(VISIBLE_RINGS), f"{len(got)} rings ran of the {len(VISIBLE_RINGS)} cases"
     for runs, case in zip(got, VISIBLE_RINGS):
         judge_ring(runs, *case)
     return ("2 ranks, causal and not, plain and zig-zag, and 3 ranks: full attention's output and lse, K/V sent N-1 "

@@ -21,6 +21,7 @@ def probe_ring(ns: dict) -> dict:
 def judge_ring(got: dict) -> str:
     _, _, whole = blocks(scale=60.0)
     judge_merged(got["large"], whole, "scores of hundreds (exp overflows without the max)")
+    assert len(got["rings"]) == len(RING_CASES), f"{len(got['rings'])} rings ran of the {len(RING_CASES)} cases"
     for runs, case in zip(got["rings"], RING_CASES):
         judge_ring_case(runs, *case)
     return "large scores; 3 and 4 ranks, 10, 12 and 13 tokens (padded), causal and not, plain and zig-zag"
@@ -34,6 +35,7 @@ def probe_ep(ns: dict) -> list:
 
 
 def judge_ep_hidden(got: list) -> str:
+    assert len(got) == len(EP_CASES), f"{len(got)} layers ran of the {len(EP_CASES)} cases"
     for runs, case in zip(got, EP_CASES):
         judge_ep(runs, *case)
     return "3 ranks x 2 experts and 4 ranks x 2 experts, unequal tokens, with and without dropping"
