@@ -116,7 +116,8 @@ grader = {
     "oauth_no_confirm": True,
 }
 if MODE == "local":  # the test runs as root with no system users: the grader runs as the hub's user
-    grader["environment"].update(HOME=f"{GRADER_DIR}/home", COURSE_ALLOW_ROOT="1" if os.getuid() == 0 else "0")
+    as_root = "1" if os.getuid() == 0 else "0"  # the lab and the grading (course_lib.apps.sandbox.refuse_root)
+    grader["environment"].update(HOME=f"{GRADER_DIR}/home", COURSE_ALLOW_ROOT=as_root, COURSE_GRADE_AS_ROOT=as_root)
 else:
     grader["user"] = GRADER_USER
 # the exchange service listens where the labs reach it: the docker bridge, this host for cluster nodes, loopback
