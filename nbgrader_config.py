@@ -132,7 +132,7 @@ class GradeByChecks(NbGraderPreprocessor):
         from course_lib.checks import grade  # torch: only in the autograde process, not every nbgrader command
 
         verdicts = grade.grade(nb, seconds=CELL_TIMEOUT)
-        reports = next((v.reports for v in verdicts.values() if v.reports), ())
+        reports = flags = next((v.reports for v in verdicts.values() if v.reports), ())
         for cell in nb.cells:
             meta = cell.metadata.get("nbgrader", {})
             verdict = verdicts.get(meta.get("grade_id")) if meta.get("grade") else None
@@ -144,8 +144,8 @@ class GradeByChecks(NbGraderPreprocessor):
             if reports:  # what the grading process's audit hook saw: shown on the first graded cell, to both
                 cell.outputs.insert(0, new_output("stream", name="stderr", text=flagged(reports)))
                 reports = ()
-        if any(v.reports for v in verdicts.values()):
-            nb.metadata["course_grading_reports"] = list(next(v.reports for v in verdicts.values() if v.reports))
+        if flags:
+            nb.metadata["course_grading_reports"] = list(flags)
             self.log.warning("FLAGGED %s: %s", resources.get("unique_key", "this submission"),
                              "; ".join(nb.metadata["course_grading_reports"]))
         return nb, resources

@@ -293,8 +293,9 @@ def serve(modules: list[str]) -> None:
         seen = 0
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             drain(reports_r, reported)
-            if reported.count(b'{"started"') != seen:  # a cell or a probe started: its time counts from now
-                seen, last = reported.count(b'{"started"'), time.monotonic()
+            started = reported.count(b'{"started"')
+            if started != seen:  # a cell or a probe started: its time counts from now
+                seen, last = started, time.monotonic()
             now = time.monotonic()
             if now > start + job["limit"] or now > last + job["seconds"] + GRACE:  # even with the alarm switched off
                 with contextlib.suppress(ProcessLookupError):
