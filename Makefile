@@ -27,18 +27,25 @@ export TORCH_EXTENSIONS_DIR
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
 # replaces it. The pin is the installed distribution's version, which pip compares against (NGC images'
-# torch.__version__ can differ from it, e.g. ".nv26.08" against ".nv26.8.63802676"). With no torch at all, TORCH_SPEC is installed first.
+# torch.__version__ can differ from it, e.g. ".nv26.08" against ".nv26.8.63802676"). With no torch at all, TORCH_SPEC is
+# installed first (by pip, which finds a wheel on this disk or on the index pip is configured with), then the course
+# by uv, which downloads in parallel (about 15 s where pip took two minutes on a fresh machine); where uv cannot be had
+# or cannot reach the index (it reads no pip.conf), pip installs the course. Beside an existing torch, pip only: it
+# sees the interpreter's torch behind the venv and keeps it.
 $(VENV)/.installed: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "keeping the torch already installed: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  $(PYTHON) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(VENV)/constraints.txt; \
+	  $(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	  echo "$(TORCH_SPEC)" > $(VENV)/constraints.txt; \
 	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	  $(PY) -m pip install -q uv || true; \
+	  { [ -x $(VENV)/bin/uv ] && $(VENV)/bin/uv pip install -q --python $(PY) -c $(VENV)/constraints.txt -e ".[test]"; } \
+	    || $(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"; \
 	fi
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	@touch $@
 
 # DeepSpeed JIT-compiles its shared-memory comm op (deepspeed_shm_comm) in the first CPU launch: about a
@@ -105,9 +112,11 @@ $(TORCHAO_FOR_TESTS): $(VENV)/.installed
 # time limits, measured timings) run by themselves, with no other worker taking the cores they wait on.
 # TEST_WORKERS=0 runs the first part in this process. pytest exits 5 when the gate selected nothing there.
 # Before all of it, ruff checks the code ([tool.ruff] in pyproject.toml): a finding stops the run.
+# DeepSpeed's CPU ops are built by the first selected test whose code can start DeepSpeed (tests/conftest.py), not
+# here: most changes select none (setup builds them for the course).
 TEST_WORKERS ?= 2
 TEST_SCOPE ?= --gate
-test: setup $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
+test: $(VENV)/.installed $(HUB_PROXY) $(TORCHAO_FOR_TESTS)
 	$(PY) -m ruff check
 	@[ -z "$(TEST_SCOPE)" ] || $(PY) tests/selection.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not alone" $(TEST_SCOPE); \

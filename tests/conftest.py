@@ -8,8 +8,11 @@ a running hub) are built once; test_grading's gradings, the largest part of the 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,9 @@ import selection  # noqa: E402 (tests/selection.py: the gate's choice of tests)
 
 use_extensions_dir()
 TIMES: dict[str, float] = {}
+# The items whose code can start DeepSpeed (selection.needs_deepspeed_ops): its ops are built before the first runs.
+NEEDS_OPS: set[str] = set()
+OPS_READY = False
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +46,33 @@ def course_run_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("course_run")
 
 
+def build_deepspeed_ops() -> None:
+    """DeepSpeed's CPU ops (comm, CPU Adam), compiled once into TORCH_EXTENSIONS_DIR, as `make ops` does, before a
+    timed or graded cell would pay for them; a later call finds them built. Two workers asking at once: one compiles,
+    the other waits on the lock."""
+    global OPS_READY
+    if OPS_READY:
+        return
+    lock = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / ".course-ops.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+        subprocess.run([sys.executable, "-c", "from course_lib.parallel.deepspeed_engine import build_deepspeed_ops; "
+                        "build_deepspeed_ops()"], env=env, check=True, cwd=ROOT)
+    OPS_READY = True
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops():
-    """DeepSpeed's CPU comm op, compiled once before any timed notebook cell would pay for it."""
-    from course_lib.parallel.deepspeed_engine import build_deepspeed_ops
-
+    """DeepSpeed's CPU ops built (``build_deepspeed_ops``): for a fixture that needs them before its tests start."""
     build_deepspeed_ops()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures: a module's fixture may run notebook 09
+def pytest_runtest_setup(item):
+    if item.nodeid in NEEDS_OPS:
+        build_deepspeed_ops()
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +84,7 @@ def student_edition(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def executed(course_run_dir, deepspeed_ops, student_edition):
+def executed(course_run_dir, student_edition):
     """``executed("03_gradient_accumulation")`` → the results dict that notebook recorded on the CPU tier.
 
     The notebook is the student's: the student edition's release with a correct student's answers in its solution
@@ -135,13 +162,17 @@ def gate() -> selection.Selection | None:
     return GATE
 
 
+def _where(item) -> tuple[str, str, str]:
+    """(module path, parameters, function name) of an item: what tests/selection.py reads of it."""
+    return (item.path.resolve().relative_to(ROOT).as_posix(), getattr(getattr(item, "callspec", None), "id", ""),
+            getattr(item, "originalname", ""))
+
+
 def _gate(config, items) -> None:
     """Under --gate, deselect every item the change cannot reach (tests/selection.py)."""
     global GATE
     GATE = selection.Selection(selection.base())
-    paths = [item.path.resolve().relative_to(ROOT).as_posix() for item in items]
-    kept = [item for item, path in zip(items, paths)
-            if GATE.keeps(path, getattr(getattr(item, "callspec", None), "id", ""), getattr(item, "originalname", ""))]
+    kept = [item for item in items if GATE.keeps(*_where(item))]
     if len(kept) < len(items):
         ids = {id(item) for item in kept}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
@@ -152,6 +183,7 @@ def _gate(config, items) -> None:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("gate"):
         _gate(config, items)
+    NEEDS_OPS.update(item.nodeid for item in items if selection.needs_deepspeed_ops(*_where(item)))
     first = LANES + LONGEST_FIRST  # `make test` passes --no-loadscope-reorder: the workers take units in this order
     items.sort(key=lambda item: first.index(group_of(item)) if group_of(item) in first else len(first))  # stable
     for item in items:

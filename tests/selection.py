@@ -124,12 +124,15 @@ def module_file(dotted: str) -> list[str]:
     return out
 
 
-def _reached(tree: ast.AST, here: str) -> tuple[set[str], set[str]]:
-    """(imported, read) files of a parsed module or cell. Imported: course_lib modules, the tests' helpers, launch
-    targets and dotted module names; what they import counts too. Read (a test's only): the files it names by path,
-    whose content is all it depends on."""
-    imported, read = set(), set()
+def _reached(tree: ast.AST, here: str) -> tuple[set[str], set[str], set[str]]:
+    """(imported, named, read) files of a parsed module or cell. Imported: course_lib modules, the tests' helpers,
+    launch targets (``"module:function"``, or the module after ``"-m"``); what they import counts too. Named: a
+    module written as a dotted string, which the code may import by that name, or only compare with some text. Read
+    (a test's only): the files it names by path, whose content is all it depends on."""
+    imported, named, read = set(), set(), set()
     helpers = test_helpers()
+    after_m = {id(seq.elts[i + 1]) for seq in ast.walk(tree) if isinstance(seq, (ast.List, ast.Tuple))
+               for i, e in enumerate(seq.elts[:-1]) if isinstance(e, ast.Constant) and e.value == "-m"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -144,14 +147,16 @@ def _reached(tree: ast.AST, here: str) -> tuple[set[str], set[str]]:
             text = node.value.strip()
             target = TARGET.match(text)
             if target:
-                imported.update(module_file(target.group(1)))
+                launched = ":" in text or id(node) in after_m
+                (imported if launched else named).update(module_file(target.group(1)))
             elif here.startswith("tests/") and text in tracked():
                 read.add(text)
             elif here.startswith("tests/") and "/" in text:
                 folder = text.rstrip("/") + "/"
                 read.update(p for p in tracked() if p.startswith(folder))
     imported.discard(here)
-    return imported, read
+    named.discard(here)
+    return imported, named - imported, read
 
 
 def _notebooks_named(tree: ast.AST) -> set[str]:
@@ -170,48 +175,64 @@ def _code(path: str) -> list[str]:
 
 
 @functools.cache
-def direct(path: str) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
-    """(imported, read, notebooks named) of one module or notebook."""
-    imported, read, named = set(), set(), set()
+def direct(path: str) -> tuple[frozenset[str], frozenset[str], frozenset[str], frozenset[str]]:
+    """(reached, read, notebooks named, imported) of one module or notebook: reached is what it imports, launches or
+    names as a module (``_reached``), imported what it imports or launches only."""
+    imported, mentioned, read, named = set(), set(), set(), set()
     if path.endswith((".py", ".ipynb")):
         for source in _code(path):
             try:
                 tree = ast.parse(source)
             except SyntaxError:
                 continue
-            i, r = _reached(tree, path)
+            i, m, r = _reached(tree, path)
             imported |= i
+            mentioned |= m
             read |= r
             named |= _notebooks_named(tree)
     imported |= {p for p in tracked() for pat in LOADS.get(path, ()) if fnmatch.fnmatch(p, pat)} - {path}
     read |= {p for p in tracked() for pat in READS.get(path, ()) if fnmatch.fnmatch(p, pat)}
-    return frozenset(imported), frozenset(read), frozenset(named)
+    return frozenset(imported | mentioned), frozenset(read), frozenset(named), frozenset(imported)
 
 
 @functools.cache
-def closure(path: str, loads: bool = True) -> frozenset[str]:
-    """Every file ``path`` reaches: what it imports, what those import, and the files any of them reads (notebooks
-    it names not included). ``loads=False``: not what ``path`` itself imports by a computed name (``LOADS``)."""
+def imports(path: str, loads: bool = True, strict: bool = False) -> frozenset[str]:
+    """``path`` and every module importing it runs: what it imports, what those import. ``loads=False``: not what
+    ``path`` itself imports by a computed name (``LOADS``). ``strict``: not what a module only names as a string."""
     seen, todo = {path}, [path]
     skipped = set() if loads else {p for p in tracked() for pat in LOADS.get(path, ()) if fnmatch.fnmatch(p, pat)}
     while todo:
         here = todo.pop()
-        for nxt in direct(here)[0] - (skipped if here == path else set()):
+        for nxt in direct(here)[3 if strict else 0] - (skipped if here == path else set()):
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
+    return frozenset(seen)
+
+
+@functools.cache
+def closure(path: str, loads: bool = True) -> frozenset[str]:
+    """Every file ``path`` reaches: what it imports (``imports``) and the files any of them reads (notebooks it names
+    not included)."""
+    seen = imports(path, loads)
     # a test module imported for a helper reads what its own tests read, not what the importer does
-    return frozenset(seen).union(*(direct(p)[1] for p in seen if p == path or not Path(p).name.startswith("test_")))
+    return seen.union(*(direct(p)[1] for p in seen if p == path or not Path(p).name.startswith("test_")))
+
+
+def _own_files(name: str, graded: bool) -> list[str]:
+    """A notebook's own files: its two editions and visible checks; ``graded``, its hidden checks, its known
+    submissions and the attacks too."""
+    own = [f"solutions/{name}/{name}.ipynb", f"notebooks/{name}.ipynb", f"course_lib/checks/nb{name[:2]}.py"]
+    own += [f"course_lib/checks/nb{name[:2]}_hidden.py", f"tests/submissions/{name}.py",
+            "tests/submissions/attacks.py"] if graded else []
+    return [p for p in own if p in tracked()]
 
 
 @functools.cache
 def notebook_files(name: str, graded: bool = True) -> frozenset[str]:
     """Every file notebook ``name`` reaches when it runs (its two editions, its visible checks, what they import)
     and, ``graded``, when it is graded too (its hidden checks, its known submissions, the attacks)."""
-    own = [f"solutions/{name}/{name}.ipynb", f"notebooks/{name}.ipynb", f"course_lib/checks/nb{name[:2]}.py"]
-    own += [f"course_lib/checks/nb{name[:2]}_hidden.py", f"tests/submissions/{name}.py",
-            "tests/submissions/attacks.py"] if graded else []
-    return frozenset().union(*(closure(p) for p in own if p in tracked()))
+    return frozenset().union(*(closure(p) for p in _own_files(name, graded)))
 
 
 @functools.cache
@@ -238,6 +259,31 @@ def reaches(test_file: str, params: str = "", name: str = "") -> frozenset[str]:
     if own:
         files = closure(test_file, loads=False)
     return files.union(*(notebook_files(n, test_file in GRADING) for n in (own or named)))
+
+
+# The modules that start DeepSpeed's engine or load its CPU ops (comm, CPU Adam): code that runs one of them needs
+# the ops compiled first, or it compiles them inside a timed cell or a graded one (about two minutes on 2 cores).
+DEEPSPEED = frozenset({"course_lib/parallel/deepspeed_engine.py", "course_lib/parallel/offload.py",
+                       "course_lib/apps/size_sweep.py", "course_lib/apps/preflight.py"})
+
+
+# Modules that name notebooks only to check their text or files, never running one of them.
+TEXT_ONLY = ("tests/test_edition.py", "tests/test_stub_or_give.py", "tests/test_selection.py", "tests/test_docker.py",
+             "tests/test_numbering.py", "tests/test_release.py")
+
+
+def runs(test_file: str, params: str = "", name: str = "") -> frozenset[str]:
+    """The modules a test's code can run (not the files it only reads): what its module imports and what the
+    notebooks it is about import, as ``reaches`` chooses them (none for a module of ``TEXT_ONLY``)."""
+    own = own_notebooks(params, name)
+    notebooks = () if test_file in TEXT_ONLY else own or direct(test_file)[2]
+    return imports(test_file, loads=not own, strict=True).union(
+        *(imports(p, strict=True) for n in notebooks for p in _own_files(n, test_file in GRADING)))
+
+
+def needs_deepspeed_ops(test_file: str, params: str = "", name: str = "") -> bool:
+    """Whether a test's code can start DeepSpeed (``DEEPSPEED``): then its ops must be built before it runs."""
+    return bool(runs(test_file, params, name) & DEEPSPEED)
 
 
 # ---------------------------------------------------------------- the selection

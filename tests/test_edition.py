@@ -468,7 +468,7 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert 'pip install -q -c .venv/constraints.txt -e ".[test]"' in dry.stdout
     assert "jupyter lab notebooks/" in dry.stdout
-    assert "course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
+    assert "-m course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
     assert "parallel.deepspeed_engine.build_deepspeed_ops" not in stubbed
     assert not [r for r in stubbed if r.startswith("preflight.")]

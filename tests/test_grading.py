@@ -45,7 +45,7 @@ def test_every_exercise_has_known_wrong_submissions_that_score_every_cell(assign
 
 
 @pytest.fixture(scope="module")
-def server(deepspeed_ops):
+def server():
     """One grading server for every assignment this worker grades, with every notebook's hidden checks loaded: it
     imports torch, course_lib and the checks once (10-20 s), where grading one assignment starts one of its own."""
     from course_lib import checks

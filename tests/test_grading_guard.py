@@ -22,7 +22,7 @@ SECRET = "INSTRUCTOR_API_TOKEN"
 
 
 @pytest.fixture(scope="module")
-def server(deepspeed_ops):
+def server():
     """A grading server started by a grader whose environment holds a secret."""
     os.environ[SECRET] = "s3cret"
     try:

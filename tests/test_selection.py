@@ -48,6 +48,29 @@ def test_a_global_file_selects_everything_and_no_base_too():
     assert sel.Selection("HEAD", set()).keeps("tests/test_pp.py") is False
 
 
+def test_deepspeed_s_ops_are_built_for_the_tests_whose_code_can_start_it_only():
+    # notebooks 09 and 10 start DeepSpeed's engine; 04 does not, and a test that reads notebooks as text runs none
+    assert sel.needs_deepspeed_ops("tests/test_grading.py", "09_deepspeed_zero")
+    assert sel.needs_deepspeed_ops("tests/test_student_path.py", "10_zero_offload")
+    assert sel.needs_deepspeed_ops("tests/test_notebook_09.py")
+    assert not sel.needs_deepspeed_ops("tests/test_grading.py", "04_activation_checkpointing")
+    assert not sel.needs_deepspeed_ops("tests/test_notebook_04.py")
+    assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_14_runs_its_ring_and_experts_on_8_ranks")
+    assert not sel.needs_deepspeed_ops("tests/test_edition.py")  # it names 09 and the preflight, runs neither
+    assert sel.needs_deepspeed_ops("tests/test_launch.py")  # it launches "course_lib.parallel.deepspeed_engine:train"
+
+
+def test_a_module_named_as_text_is_reached_but_not_run():
+    import ast
+
+    tree = ast.parse('launch("course_lib.parallel.ddp:train")\n'
+                     'run([sys.executable, "-m", "course_lib.apps.preflight"])\n'
+                     'assert "course_lib.parallel.zero" in printed\n')
+    imported, named, _ = sel._reached(tree, "tests/test_x.py")
+    assert "course_lib/parallel/ddp.py" in imported and "course_lib/apps/preflight.py" in imported
+    assert "course_lib/parallel/zero.py" in named and "course_lib/parallel/zero.py" not in imported
+
+
 def test_the_base_is_the_recorded_commit_when_this_clone_has_it(monkeypatch):
     monkeypatch.setenv("COURSE_GATE_BASE", "HEAD~1")
     assert sel.base() == subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=ROOT, capture_output=True,
