@@ -55,7 +55,7 @@ def test_deepspeed_s_ops_are_built_for_the_tests_whose_code_can_start_it_only():
     assert sel.needs_deepspeed_ops("tests/test_notebook_09.py")
     assert not sel.needs_deepspeed_ops("tests/test_grading.py", "04_activation_checkpointing")
     assert not sel.needs_deepspeed_ops("tests/test_notebook_04.py")
-    assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_14_runs_its_ring_and_experts_on_8_ranks")
+    assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_14_runs_its_ring_and_experts")
     assert not sel.needs_deepspeed_ops("tests/test_edition.py")  # it names 09 and the preflight, runs neither
     assert sel.needs_deepspeed_ops("tests/test_launch.py")  # it launches "course_lib.parallel.deepspeed_engine:train"
 
