@@ -86,10 +86,13 @@ class SandboxedKernelManager(AsyncKernelManager):
     """A kernel started through course_lib.apps.sandbox, with its own scratch folder (removed when the kernel is)."""
 
     scratch = None
+    shm_before = None  # /dev/shm's names before the kernel started, where the kernel cannot have one of its own
 
     async def _async_pre_start_kernel(self, **kw):
         sandbox = load_module("sandbox")
         sandbox.refuse_root()
+        if self.shm_before is None and not sandbox.shm_can_be_private():
+            self.shm_before = set(os.listdir("/dev/shm"))
         if sandbox.landlock_abi() == 0:
             sandbox.restrict([], [])  # raises the clear error, or warns under COURSE_GRADE_UNSANDBOXED=1
         self.scratch = self.scratch or sandbox.scratch_folder()
@@ -108,6 +111,9 @@ class SandboxedKernelManager(AsyncKernelManager):
         if not restart and self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+        if not restart and self.shm_before is not None:  # what the kernel left in the machine's shared memory
+            load_module("sandbox").clear_shm(self.shm_before)
+            self.shm_before = None
 
 
 class SandboxedExecute(Execute):

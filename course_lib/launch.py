@@ -435,6 +435,10 @@ def _with_rank(fn: Callable, kwargs: dict) -> dict:
 
 
 STARTUP_TIMEOUT = 120.0  # seconds for the ranks of run_forked to start and join their group
+# "module:function" that a rank receiving its work by value calls before unpickling it (unpickling runs code the
+# sender chose): it returns what to call once the work is unpickled. Set by a grading process (course_lib.checks.child);
+# None everywhere else.
+RANK_GUARD: str | None = None
 
 
 class _SetupFailed(RuntimeError):
@@ -453,7 +457,7 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
     port, queue = free_port(), ctx.SimpleQueue()
     # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
     procs = [ctx.Process(target=_forked_rank, daemon=True,
-                         args=(shipped, rank, nprocs, port, backend, queue, os.getpid(), spawned))
+                         args=(shipped, rank, nprocs, port, backend, queue, os.getpid(), spawned, RANK_GUARD))
              for rank in range(nprocs)]
     with _environment(CPU_ONLY_ENV):  # a spawned rank's Python starts with this process's environment
         for p in procs:
@@ -550,7 +554,7 @@ def by_value(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _forked_rank(work, rank, world, port, backend, queue, parent, spawned):
+def _forked_rank(work, rank, world, port, backend, queue, parent, spawned, guard=None):
     # a daemon child is only stopped by its parent's normal exit: a killed kernel would leave it running
     if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent:  # the parent went before we asked
         os._exit(1)
@@ -558,7 +562,11 @@ def _forked_rank(work, rank, world, port, backend, queue, parent, spawned):
     if isinstance(work, bytes):  # the function and its kwargs came by value
         import cloudpickle
 
+        module, _, name = (guard or ":").partition(":")
+        after = getattr(importlib.import_module(module), name)(spawned) if guard else None
         work = cloudpickle.loads(work)
+        if after:
+            after()
     fn, kwargs = work
     torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (libgomp)
     # what torchrun tells each rank: DeepSpeed's engine refuses to start without LOCAL_RANK

@@ -177,7 +177,8 @@ def sample(known: dict[str, dict], attacks: dict[str, dict], solution: dict, poi
     return {"reference": reference_case(points), **bundle({**library, **attacks}, solution, points), **first}
 
 
-def _attacks():
+def attacks():
+    """tests/submissions/attacks.py, loaded (it imports this module: no package holds them)."""
     spec = importlib.util.spec_from_file_location("submissions_attacks", ROOT / "tests" / "submissions" / "attacks.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -187,10 +188,10 @@ def _attacks():
 def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> dict[str, dict]:
     """The attacks of tests/submissions/attacks.py on an assignment, as known-wrong cases (0 on the tests they lose):
     those the sandbox stops, and where the tests are checks, those on the tests themselves."""
-    mod = _attacks()
-    attacks = mod.cases(assignment, {ex: tests_of(solution, ex) for ex in solution_cells(solution)})
+    mod = attacks()
+    found = mod.cases(assignment, {ex: tests_of(solution, ex) for ex in solution_cells(solution)})
     out = {name: {"cells": a["cells"], "scores": {**points, **{t: 0 for t in a["loses"]}}}
-           for name, a in attacks.items()}
+           for name, a in found.items()}
     return {**out, **mod.on_the_tests(assignment)}
 
 

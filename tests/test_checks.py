@@ -108,7 +108,13 @@ def test_multi_rank_checks_pass_and_fail_on_the_gpu_machines_spawned_ranks(assig
     try:
         right = grade.grade(g.submission(only, only), seconds=120, server=server)[test_id]
         failed = grade.grade(g.submission(only, only, replace=wrong["cells"]), seconds=120, server=server)[test_id]
+        # unpickling in the rank runs what the submission chose: forbid switched off there is put back before use
+        disarmed = (grade.grade(g.submission(only, only, replace={exercise: g.attacks().DISARM_IN_RANK}), seconds=120,
+                                server=server)[test_id] if assignment == REALLY_SPAWNED else None)
     finally:
         server.close()
     assert right.passed, right.message
     assert not failed.passed and "WorkerError" not in failed.message, failed.message
+    # torch's DDP refused in the rank (forbid on), not merely failing the judge (forbid off: it ran)
+    assert disarmed is None or (not disarmed.passed and "DistributedDataParallel is what this exercise asks you to "
+                                "build" in disarmed.message), disarmed.message

@@ -128,6 +128,27 @@ def test_the_job_s_files_are_limited_in_size_and_the_grader_s_secrets_are_not_in
     assert out["cell_errors"] == [], out
 
 
+def test_a_job_that_allocates_without_end_fails_in_its_own_process(server):
+    from course_lib.checks import child
+
+    out = run(server, ["import resource\n"
+                       f"assert resource.getrlimit(resource.RLIMIT_DATA)[0] == {child.MEMORY_LIMIT}\n",
+                       f"hoard = bytearray({child.MEMORY_LIMIT})\n",
+                       "print('still graded')\n"])
+    assert len(out["cell_errors"]) == 1 and "MemoryError" in out["cell_errors"][0], out
+
+
+def test_what_a_job_leaves_in_shared_memory_is_not_there_for_the_next(server):
+    """A file in /dev/shm outlives its process on a shared tmpfs: a student could leave answers, or a trap, for the
+    next student graded. Each job has its own (or the server removes what the job left)."""
+    name = f"/dev/shm/course-left-behind-{os.getpid()}"
+    first = run(server, [f"open({name!r}, 'w').write('answers')\nassert open({name!r}).read() == 'answers'\n"])
+    assert first["cell_errors"] == [], first
+    assert not os.path.exists(name)
+    second = run(server, [f"import os\nassert not os.path.exists({name!r}), 'the last job left it'\n"])
+    assert second["cell_errors"] == [], second
+
+
 def test_a_job_that_switches_its_alarm_off_is_killed_by_the_server(server):
     """The fork's alarm is the student's to ignore; the server kills the job a grace period past the cell's limit,
     not at the end of the whole job's allowance."""

@@ -140,6 +140,29 @@ def test_the_command_line_restricts_then_execs(tree):
     assert usage.returncode != 0 and "usage:" in usage.stderr
 
 
+def test_a_fenced_command_s_shared_memory_is_its_own_and_goes_with_it(tree):
+    """What a grading kernel leaves in /dev/shm is gone with it: it had a tmpfs of its own there (a mount namespace;
+    an ordinary user's inside a user namespace), so the next student's kernel cannot read it."""
+    name = f"course-left-behind-{os.getpid()}"
+    assert sandbox.shm_can_be_private(), "this kernel refuses the namespaces: grading clears /dev/shm instead"
+    out = run_child(f"""
+        write("/dev/shm/{name}", "answers")
+        print(json.dumps({{"wrote": os.path.exists("/dev/shm/{name}"), "shm": os.listdir("/dev/shm")}}))
+        """, read=[], write=["/dev/shm"])
+    assert out == {"wrote": True, "shm": [name]}, "the command sees an empty /dev/shm of its own, then its file"
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_where_shared_memory_cannot_be_private_what_a_grading_left_is_removed(tmp_path):
+    (tmp_path / "before").write_text("someone's")
+    before = set(os.listdir(tmp_path))
+    (tmp_path / "left").write_text("answers")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "inside").write_text("answers")
+    assert sandbox.clear_shm(before, str(tmp_path)) == ["folder", "left"]
+    assert os.listdir(tmp_path) == ["before"]
+
+
 def test_handled_rights_follow_the_kernels_abi():
     assert sandbox.handled_rights(1) == (1 << 13) - 1
     assert sandbox.handled_rights(2) & sandbox.REFER and not sandbox.handled_rights(2) & sandbox.TRUNCATE

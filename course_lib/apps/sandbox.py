@@ -19,6 +19,9 @@ Not fenced (say so when grading for credit): the network (TCP and UDP; gloo and 
 localhost) and connecting to named unix sockets; reading what the allowed folders hold (the Python installation,
 /etc, /sys, and /proc, where the environment of the user's other processes can be read, though not their memory);
 CPU time, memory and disk use; anything the user running the grader may do that is not a file (as root: much).
+``/dev/shm`` is writable (DeepSpeed's shm comm and multiprocessing need it) but private where the kernel allows
+(``private_shm``): the fenced process gets an empty one of its own, so nothing one grading leaves there is read by
+the next.
 
 Where Landlock is missing, ``restrict`` refuses, unless ``COURSE_GRADE_UNSANDBOXED=1``: then it warns and runs
 the command unfenced, and the scores it produces are not class-safe (a submission can read the answers and
@@ -150,6 +153,73 @@ def restrict(read: list[str], write: list[str]) -> None:
         os.close(ruleset)
 
 
+# ---------------------------------------------------------------- a /dev/shm of its own
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
+SHM_SIZE = 1 << 30  # bytes: DeepSpeed's shm comm and torch's shared tensors need megabytes at the course's sizes
+
+
+def _write_proc(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def private_shm(size: int = SHM_SIZE) -> bool:
+    """Give this process, and every process it starts from now on, a ``/dev/shm`` of its own: an empty tmpfs of
+    ``size`` bytes in a mount namespace of its own (for an ordinary user, inside a user namespace that maps the user
+    to itself). What a grading leaves in shared memory then goes with its last process, and no grading reads another's.
+    Call it single-threaded (a fork's child, or before any thread starts) and before ``restrict`` (a fenced process
+    cannot mount). False where the kernel or a container's seccomp profile refuses the namespaces (Docker's default
+    profile does): ``/dev/shm`` then stays the machine's, and the caller must clear what a grading leaves there."""
+    uid, gid = os.geteuid(), os.getegid()
+    if _libc.unshare(CLONE_NEWNS | (0 if uid == 0 else CLONE_NEWUSER)) != 0:
+        return False
+    if uid != 0:
+        dumpable = _libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+        _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a non-dumpable process's /proc/self is root's: it could not map
+        try:
+            _write_proc("/proc/self/setgroups", "deny")
+            _write_proc("/proc/self/uid_map", f"{uid} {uid} 1")
+            _write_proc("/proc/self/gid_map", f"{gid} {gid} 1")
+        except OSError:
+            return False
+        finally:
+            _libc.prctl(PR_SET_DUMPABLE, dumpable, 0, 0, 0)
+    # mounts from here on stay in this namespace; then the fresh tmpfs over the machine's /dev/shm
+    if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    options = f"size={size},mode=1777".encode()
+    return _libc.mount(b"shm", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0
+
+
+def shm_can_be_private() -> bool:
+    """Whether ``private_shm`` works on this machine: tried in a child process that exits at once."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if private_shm() else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def clear_shm(before: set[str], root: str = "/dev/shm") -> list[str]:
+    """Where ``private_shm`` could not be had: remove what this user created in ``root`` since ``before`` (its names
+    then), so that the next grading does not read it. Returns the names removed."""
+    removed = []
+    for name in sorted(set(os.listdir(root)) - before):
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
 # ---------------------------------------------------------------- what a grading process may reach
 # The grading kernel (nbgrader_config.py) and the process that runs a submission's code for the checks
 # (course_lib.checks.grade) are fenced alike: they read the Python installation, the system folders and the
@@ -215,7 +285,6 @@ ENV_KEPT_PREFIXES = ("LC_", "PYTHON", "CUDA_", "NVIDIA_", "HIP_", "ROCM_", "ROCR
                      "TOKENIZERS_", "TRITON_", "COURSE_", "NBGRADER_", "JUPYTER_", "JPY_", "CONDA_")
 ENV_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "_KEY", "AUTH")
 AS_ROOT = "COURSE_GRADE_AS_ROOT"
-PR_SET_DUMPABLE = 4
 
 
 def scrubbed(env: dict) -> dict:
@@ -267,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
     try:
+        private_shm()  # before the fence: a fenced process cannot mount
         restrict(args.read, args.write)
     except SandboxUnavailable as e:
         sys.exit(f"course_lib.apps.sandbox: {e}")

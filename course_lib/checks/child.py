@@ -11,8 +11,10 @@ probe, and writes their data (or errors) with ``torch.save``. The grader reads t
 
 Before the student's first cell the fork adds ``course_lib.checks.audit``'s hook (what the code may not do there,
 and what is reported to the server through a pipe as it happens). Each job is contained: the fork's resource
-limits (no core files, files of at most ``FILE_LIMIT`` bytes) and the server as the subreaper of everything it
-starts (a daemon that left its process group is still its child, and is killed when the job ends)."""
+limits (no core files, files of at most ``FILE_LIMIT`` bytes, at most ``MEMORY_LIMIT`` of memory per process), a
+``/dev/shm`` of its own (``sandbox.private_shm``; where the machine refuses one, the server removes what the job left
+in the machine's), and the server as the subreaper of everything it starts (a daemon that left its process group is
+still its child, and is killed when the job ends)."""
 
 from __future__ import annotations
 
@@ -34,18 +36,23 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Callable
 
 import torch
 
-from course_lib import checks, grading
+from course_lib import checks, grading, launch
 from course_lib.apps import sandbox
 from course_lib.checks import audit
 
 # What the probes, forbid and the results' way out rely on beyond course_lib and torch's top level: a cell that
 # rebinds a name here (builtins.setattr, torch.serialization._save, contextlib's context managers) is undone
 # before every probe and before the results are written.
-RELIED_ON = [builtins, contextlib, copy, copyreg, functools, io, json, pickle, torch.serialization, sys]
+RELIED_ON = [builtins, contextlib, copy, copyreg, functools, io, json, pickle, torch.serialization, sys, os]
 FILE_LIMIT = 1 << 30  # bytes: a checkpoint of the course's models is megabytes
+# bytes of data per process (RLIMIT_DATA): the server's own (torch, transformers, the checks: about 1 GiB, which the
+# fork inherits) and the course's models at grading sizes fit many times over; a submission that allocates without
+# end fails with MemoryError in its own process instead of taking the machine's memory from every other grading
+MEMORY_LIMIT = min(8 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
 GRACE = 10  # seconds the server waits past a cell's or a probe's limit before it kills the job
 PR_SET_CHILD_SUBREAPER = 36
 IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a builtin type whose attributes cannot be set at all
@@ -185,9 +192,23 @@ def guard(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tuple
         if name in checks.REGISTRY:
             answers, sources = forbidden.get(id(checks.REGISTRY[name].probe.__globals__), ([], {}))
             compared.update(sources)
-            protected |= {id(fn) for answer in answers for fn in grading._functions(answer)}
-    audit.install(job["report_fd"], protected, audit.allowed(grading._swap_in, grading.forbid.__exit__, restore),
+            protected |= {id(fn) for answer in answers for fn in grading.answer_functions(answer)}
+    audit.install(job["report_fd"], protected, audit.allowed(*grading.code_rebinders(), restore),
                   audit.loaded_files(), compared)
+
+
+def rank_guard(spawned: bool) -> Callable[[], None]:
+    """``launch.RANK_GUARD`` in a grading job's ranks that receive the student's definitions by value (cloudpickle,
+    as a GPU machine's spawned ranks do): unpickling runs code the submission chose, so what the probes rely on is
+    snapshotted before and restored after. A spawned rank (a fresh Python, without the job's audit hook) adds the
+    hook first; it refuses what the job's refuses, and reports nowhere (a spawned rank keeps none of the job's pipes).
+    """
+    loaded = [m for name, m in sorted(sys.modules.items()) if name.startswith("course_lib") and m is not None]
+    frozen = snapshot([*loaded, torch, *RELIED_ON])
+    if spawned:
+        audit.install(os.open(os.devnull, os.O_WRONLY), {id(fn) for fn, _, _ in frozen[2]},
+                      audit.allowed(*grading.code_rebinders(), restore), audit.loaded_files(), {})
+    return lambda: restore(frozen)
 
 
 def run_job(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tuple[list, dict]]) -> None:
@@ -202,11 +223,13 @@ def run_job(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tup
 
 
 def contain() -> None:
-    """The fork's limits, set before any of the job's code runs: no core files, no file past ``FILE_LIMIT``."""
+    """The fork's limits, set before any of the job's code runs and inherited by every process it starts: no core
+    files, no file past ``FILE_LIMIT``, no process's data (its heap and private memory) past ``MEMORY_LIMIT``."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    limit = FILE_LIMIT if hard == resource.RLIM_INFINITY else min(FILE_LIMIT, hard)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    for which, cap in ((resource.RLIMIT_FSIZE, FILE_LIMIT), (resource.RLIMIT_DATA, MEMORY_LIMIT)):
+        soft, hard = resource.getrlimit(which)
+        limit = cap if hard == resource.RLIM_INFINITY else min(cap, hard)
+        resource.setrlimit(which, (limit, limit))
 
 
 def children(pid: int) -> list[int]:
@@ -258,12 +281,15 @@ def serve(modules: list[str]) -> None:
 
     The imports (torch, transformers, course_lib) and the checks cost seconds; a fork costs milliseconds, and no
     student code ever runs in this process, so every fork starts from the same clean state."""
-    frozen = prepare(modules)
+    launch.RANK_GUARD = "course_lib.checks.child:rank_guard"
+    frozen = prepare(modules)  # snapshots RANK_GUARD too: restored before every probe
     forbidden = forbidden_answers()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a job are this server's, to kill at its end
+    private_shm = sandbox.shm_can_be_private()  # else each job's leftovers in /dev/shm are removed after it
     for line in sys.stdin:
         job = json.loads(open(line.strip()).read())
+        shm_before = None if private_shm else set(os.listdir("/dev/shm"))
         reports_r, reports_w = os.pipe()
         job["report_fd"] = reports_w
         pid = os.fork()
@@ -271,6 +297,8 @@ def serve(modules: list[str]) -> None:
             try:
                 os.close(reports_r)
                 os.setsid()  # its own process group: a time-out kills it and every rank it started
+                if private_shm and not sandbox.private_shm():
+                    raise RuntimeError("this machine gave the grading server a private /dev/shm, and this job none")
                 contain()
                 torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (a bf16 Linear did)
                 log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -306,6 +334,8 @@ def serve(modules: list[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)  # the ranks it left in its group
         reap_leftovers()
+        if shm_before is not None:
+            sandbox.clear_shm(shm_before)
         drain(reports_r, reported)
         os.close(reports_r)
         print("done", json.dumps(audit.read_reports(reported.decode(errors="replace"))), flush=True)
@@ -314,4 +344,5 @@ def serve(modules: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--serve"]:
         sys.exit("usage: python -m course_lib.checks.child --serve [HIDDEN_CHECKS.py ...]  (then job files on stdin)")
+    sys.modules["course_lib.checks.child"] = sys.modules[__name__]  # a forked rank's RANK_GUARD is this module's
     serve(sys.argv[2:])

@@ -13,6 +13,7 @@ from which nbgrader scores them; tests/test_grading.py calls ``grade`` directly 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import re
@@ -239,5 +240,5 @@ def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None
         each = [judge(n, results.get(n), errors) for n in ns]
         failed = [v for v in each if not v.passed]
         verdict = failed[0] if failed else Verdict(True, "; ".join(v.message for v in each))
-        verdicts[grade_id] = Verdict(verdict.passed, verdict.message, reports)
+        verdicts[grade_id] = dataclasses.replace(verdict, reports=reports)
     return verdicts
