@@ -12,10 +12,9 @@ import torch
 
 from course_lib.parallel import deepspeed_engine
 from course_lib.checks import number, packed, register, student, unpacked
-from course_lib.grading import worst
-from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, finite_numbers, judge_resumed, judge_sharded, judge_traffic,
-                                    my_config, one_process, sharded_probe, trains)
-from course_lib.grading import forbid
+from course_lib.checks.nb09 import (ADAMW, SGD, SHARDED, cnn, finite_numbers, judge_resumed, judge_sharded,
+                                    judge_traffic, my_config, one_process, sharded_probe, trains)
+from course_lib.grading import forbid, max_abs_diff, worst
 from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
 
@@ -36,7 +35,7 @@ def probe_sharded(ns: dict) -> dict:
         return packed([number(v) for v in run["losses"]])
 
     return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
-            "state": [number(run["state_bytes"]) for run in sharded_probe(ns, 3, 24, 1, *ADAMW)],
+            "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True),
             "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0])}
 
 
@@ -51,18 +50,28 @@ def judge_sharded_hidden(got: dict) -> str:
     judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
     judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
     ratio = judge_traffic(got["sgd"], 3, True)
-    _, full, n_params = one_process(24, 1, ADAMW[0], tuple(sorted(ADAMW[1].items())), False)
-    assert len(got["state"]) == 3, f"the state bytes of {len(got['state'])} ranks, expected 3"
-    for held in got["state"]:
+    # AdamW decays every weight it steps: a frozen one sharded and stepped (with a zero gradient) moves. (Adam's
+    # update of a near-zero gradient is its sign, so the other weights are compared under SGD, above.)
+    start = cnn(True).head.bias.detach()
+    _, full, n_params = one_process(24, 3, ADAMW[0], tuple(sorted(ADAMW[1].items())), True)
+    assert len(got["adamw"]) == 3, f"{len(got['adamw'])} ranks' runs with AdamW, expected 3"
+    for r, run in enumerate(got["adamw"]):
+        assert len(run["weights"]) == 3, f"rank {r}'s weights after {len(run['weights'])} AdamW steps, expected 3"
+        for s, weights in enumerate(run["weights"]):
+            assert all(torch.isfinite(w).all() for w in weights.values()), f"rank {r}, step {s}: weights not finite"
+            moved = max_abs_diff({"head.bias": weights["head.bias"]}, {"head.bias": start})
+            assert moved == 0, (f"3 ranks, AdamW with weight decay, rank {r}, step {s}: the frozen bias moved by "
+                                f"{moved:.1e}: a parameter that does not require grad takes no part in the shards")
+        held = run["state_bytes"]
         assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, \
-            f"a rank holds {held / full:.3f} of the state on 3 ranks"
+            f"a rank holds {held / full:.3f} of the state on 3 ranks, of a model with a frozen bias"
     ds = deepspeed_stage1()
     assert len(got["zero_train"]) == len(ds["losses"]), \
         f"zero_train ran {len(got['zero_train'])} steps with your optimizer, expected {len(ds['losses'])}"
     assert worst(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, \
         "not DeepSpeed stage 1's losses"
     return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "
-            "the bytes on 3 ranks, and DeepSpeed stage 1's losses")
+            "AdamW with a frozen bias and its state's bytes on 3 ranks, and DeepSpeed stage 1's losses")
 
 
 register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)

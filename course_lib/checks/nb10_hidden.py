@@ -1,5 +1,6 @@
 """Notebook 10's hidden tests (instructor edition only): OffloadedAdamW with a small learning rate, an fp32 model, a
-frozen and an unused layer, and two micro-batches that add up in the masters (then a step that starts afresh)."""
+frozen and an unused layer, and two micro-batches that add up in the masters (then a step that starts afresh, and
+one after a backward that ``zero_grad`` discards)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from course_lib.grading import forbid
 
 @one_thread
 def accumulation_probe(ns: dict) -> list:
-    """A step of two micro-batches, then a step of one (``step`` alone in between, no ``zero_grad``): per step, what
-    landed in the masters and the gradients a twin without hooks summed over the same micro-batches."""
+    """A step of two micro-batches, then a step of one (``step`` alone in between, no ``zero_grad``), then a backward
+    that ``zero_grad`` discards and a step of one: per step, what landed in the masters and the gradients a twin
+    without hooks summed over the same micro-batches."""
     model = tiny_model(torch.float32, False, ns["device"])
     twin = copy.deepcopy(model)
     with forbid(*OFFLOADED, namespace=ns):
         opt = ns["OffloadedAdamW"](model.parameters(), lr=1e-3, weight_decay=0.01, offload_device="cpu")
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2)).to(ns["device"])
     steps = []
-    for micro in (2, 1):
+    for micro, discarded in ((2, False), (1, False), (1, True)):
         twin.load_state_dict(model.state_dict())
         want = None
         with forbid(*OFFLOADED, namespace=ns):
+            if discarded:  # a backward whose gradients are thrown away (a skipped step): none may reach the next
+                model(-x).pow(3).mean().backward()
+                opt.zero_grad(set_to_none=True)
             for part in x.chunk(micro):
                 loss = lambda m, part=part: m(part).pow(2).mean()  # noqa: E731
                 got = twin_grads(twin, loss)
@@ -39,7 +44,8 @@ def accumulation_probe(ns: dict) -> list:
 
 def judge_accumulation(steps: list) -> None:
     why = ("two micro-batches of one step must add up in the master's .grad",
-           "a step after step() must start from no gradient: set each master's .grad to None in step()")
+           "a step after step() must start from no gradient: set each master's .grad to None in step()",
+           "a step after zero_grad() must start from no gradient: zero_grad() sets the masters' .grad to None too")
     n = sum(1 for p in tiny_model(torch.float32, False).parameters() if p.requires_grad)
     assert len(steps) == len(why), f"{len(steps)} steps' gradients in the masters, expected {len(why)}"
     for (step, reason) in zip(steps, why):
@@ -68,7 +74,8 @@ def judge_offload_hidden(got: dict) -> str:
     assert all(torch.equal(p, s) for p, s in zip(model[-2:], start[-2:])), \
         "a layer that got no gradient changed: give its master .grad = None"
     judge_accumulation(got["accumulation"])
-    return "a small learning rate, an fp32 model, a frozen bias, a layer without a gradient, two micro-batches"
+    return ("a small learning rate, an fp32 model, a frozen bias, a layer without a gradient, two micro-batches, "
+            "a discarded backward")
 
 
 register("test_OffloadedAdamW_hidden", probe_offload, judge_offload_hidden)

@@ -106,6 +106,9 @@ class ShardedOptimizer(torch.optim.Optimizer):   # every rank steps the whole mo
         self.optimizer.zero_grad(set_to_none=True)
 '''
 
+SHARDED_STEPS_FROZEN = _edit(  # a frozen parameter sharded too, with a zero gradient: SGD leaves it, AdamW decays it
+    "        group[\"params\"] = [p for p in group[\"params\"] if p.requires_grad]  # a frozen parameter takes no part\n",
+    "")
 SHARDED_SUMMED = _edit(  # the reduce-scatter sums: each step uses N times the gradient
     "            shard.grad = (mine / self.world_size).float()  # the average\n",
     "            shard.grad = mine.float()\n")
@@ -203,6 +206,8 @@ CASES = {
     "sharded_keeps_all_states": {"cells": {"ShardedOptimizer": SHARDED_KEEPS_ALL_STATES},
                                  "scores": {**FULL, "test_ShardedOptimizer_state": 0,
                                             "test_ShardedOptimizer_hidden": 0}},
+    "sharded_steps_frozen": {"cells": {"ShardedOptimizer": SHARDED_STEPS_FROZEN},
+                             "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "sharded_summed_not_averaged": {"cells": {"ShardedOptimizer": SHARDED_SUMMED},
                                     "scores": {**FULL, "test_ShardedOptimizer": 0, "test_ShardedOptimizer_hidden": 0}},
     "sharded_no_all_gather": {"cells": {"ShardedOptimizer": SHARDED_NO_ALL_GATHER},

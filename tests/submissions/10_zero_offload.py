@@ -75,6 +75,8 @@ OFFLOAD_OVERWRITES_MICRO_BATCHES = mistake(  # each micro-batch replaces the las
     "        m.grad = p.grad.detach().to(m.device, torch.float32)\n")
 OFFLOAD_KEEPS_MASTER_GRAD = mistake(  # step() leaves the masters' gradients: the next step adds to the last one's
     "                    p.copy_(m)\n                    m.grad = None\n", "                    p.copy_(m)\n")
+OFFLOAD_ZERO_GRAD_KEEPS_MASTERS = mistake(  # zero_grad clears the model only: a discarded backward reaches the next step
+    "            p.grad = None\n            m.grad = None\n", "            p.grad = None\n")
 OFFLOAD_GRAD_LEFT_ON_MODEL = mistake(  # copied down, but never freed: the device still holds every gradient
     "            m.grad += p.grad.detach().to(m.device, torch.float32)\n        p.grad = None\n",
     "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
@@ -101,6 +103,8 @@ CASES = {
                                          "scores": scores(test_OffloadedAdamW_hidden=0)},
     "offload_keeps_master_grad": {"cells": {"OffloadedAdamW": OFFLOAD_KEEPS_MASTER_GRAD},  # zero_grad hides it
                                   "scores": scores(test_OffloadedAdamW_hidden=0)},              # in the visible test
+    "offload_zero_grad_keeps_masters": {"cells": {"OffloadedAdamW": OFFLOAD_ZERO_GRAD_KEEPS_MASTERS},
+                                        "scores": scores(test_OffloadedAdamW_hidden=0)},
     "offload_grad_left_on_model": {"cells": {"OffloadedAdamW": OFFLOAD_GRAD_LEFT_ON_MODEL},
                                    "scores": scores(test_OffloadedAdamW=0, test_OffloadedAdamW_hidden=0)},
     "calls_library_OffloadedAdamW": {"cells": {"OffloadedAdamW": CALLS_LIBRARY_OFFLOADED},
