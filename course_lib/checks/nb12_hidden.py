@@ -252,11 +252,14 @@ STORAGE_STAND_INS.update(nf4_quantize=_nf4_quantize, nf4_dequantize=_nf4_dequant
 
 QLORA_CASES = {"float32": dict(r=4, alpha=16, shape=(2, 3), seed=11),          # a 3-D input, scaling 4
                "bf16": dict(r=8, alpha=8, shape=(6,), seed=12, dtype=torch.bfloat16),  # bf16 autocast
-               "no bias": dict(r=2, alpha=4, shape=(4,), seed=13)}
+               "no bias": dict(r=2, alpha=4, shape=(4,), seed=13),
+               "more outputs": dict(r=4, alpha=8, shape=(3,), seed=14)}  # a Llama's gate_proj and up_proj widen
+WIDER = {"more outputs": (96, 40)}  # (out, in) where a case's weight is not (40, 96)
 
 
 def hidden_base(case: str) -> torch.nn.Linear:
-    return qlora_base(40, 96, QLORA_CASES[case]["seed"], exact=False, bias=case != "no bias")
+    out_features, in_features = WIDER.get(case, (40, 96))
+    return qlora_base(out_features, in_features, QLORA_CASES[case]["seed"], exact=False, bias=case != "no bias")
 
 
 def probe_qlora_hidden(ns: dict) -> dict:
@@ -277,7 +280,7 @@ def judge_qlora_hidden(got: dict) -> str:
             (f"{case}: the buffers hold {stored} bytes; QLoRA stores {nf4.stored_bytes(base.weight)} "
              f"(codes two a byte, 8-bit scales, a scale per 256 of them and the offset)")
     return ("normal weights with double quantisation: outputs and gradients, stored bytes, a 3-D input, "
-            "bf16 autocast, no bias")
+            "bf16 autocast, no bias, more outputs than inputs")
 
 
 register("test_QLoRALinear_hidden", probe_qlora_hidden, judge_qlora_hidden)

@@ -1,13 +1,16 @@
 """Notebook 13's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
-divide; the 1F1B order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle
-rank receives from both sides), with fewer micro-batches than stages, and following GPipe's order."""
+divide, and ``CopyToTP`` where its input's gradient also flows around it; the 1F1B order on other shapes and against
+torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle rank receives from both sides), with fewer
+micro-batches than stages, and following GPipe's order."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 import course_lib.parallel.schedules as schedules
-from course_lib.checks import in_ranks, packed, register
+from course_lib.checks import in_ranks, packed, register, tensor_data
 from course_lib.checks.nb13 import (PAIR, TP_ANSWERS, as_order, first_difference, judge_activations, judge_gradients,
                                     judge_orders, judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
 from course_lib.grading import forbid
@@ -27,11 +30,25 @@ def bad_size_rank(ns: dict) -> bytes:
     return packed(out)
 
 
+def branch_gradient(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def branch_rank(ns: dict) -> bytes:
+    """``CopyToTP(x) + x`` backward: autograd hands the one gradient of the sum to both branches, so a backward that
+    sums it over the ranks in place changes the other branch's too. The input's gradient on this rank."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    with forbid(*TP_ANSWERS, namespace=ns):
+        (ns["CopyToTP"].apply(x) + x).backward(branch_gradient(dist.get_rank()))
+    return packed(tensor_data(x.grad))
+
+
 def probe_pair(ns: dict) -> dict:
     def strip(runs):
         return [{k: run[k] for k in ("output", "grads")} for run in runs]
     return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
-            "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0]}
+            "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0],
+            "branch": in_ranks(ns, ("CopyToTP",), branch_rank, 2)}
 
 
 def judge_pair(got: dict) -> str:
@@ -40,7 +57,16 @@ def judge_pair(got: dict) -> str:
     assert len(got["bad size"]) == 2, f"{len(got['bad size'])} results for the 2 layers of 6 features over 4 ranks"
     for name, msg in zip(("ColumnParallelLinear", "RowParallelLinear"), got["bad size"]):
         assert msg, f"{name}: 6 features over 4 ranks must raise ValueError"
-    return "4 ranks, no bias, and a ValueError for 6 features over 4 ranks"
+    total = branch_gradient(0) + branch_gradient(1)
+    assert len(got["branch"]) == 2, f"{len(got['branch'])} ranks answered CopyToTP(x) + x, expected 2"
+    for r, grad in enumerate(got["branch"]):
+        assert isinstance(grad, torch.Tensor) and grad.shape == total.shape, \
+            f"CopyToTP(x) + x, rank {r}: the input's gradient is {grad!r:.80}"
+        gap = float((grad - (total + branch_gradient(r))).abs().max())
+        assert gap < 1e-5, (f"CopyToTP(x) + x, rank {r}: the input's gradient is off by {gap:.1e}: it must be the sum "
+                            "over the ranks (through CopyToTP) plus this rank's own (around it); sum a copy of the "
+                            "incoming gradient, not the gradient itself, which autograd also hands to the other branch")
+    return "4 ranks, no bias, a ValueError for 6 features over 4 ranks, and CopyToTP beside a branch around it"
 
 
 register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)

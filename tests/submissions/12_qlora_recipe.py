@@ -182,6 +182,10 @@ QLORA_NO_DOUBLE_QUANT = _qlora_edit(  # the scales kept in float32: 4.5 bits per
         self.register_buffer("absmax_offset", absmax_offset)
 ''', '        self.register_buffer("absmax", absmax.float())\n'),
     ("absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)", "absmax = self.absmax"))
+QLORA_UNPACKS_SQUARE = _qlora_edit(  # in x in codes: enough, and the first out x in right, while out <= in
+    ("unpack_4bit(self.packed, self.shape[0] * self.shape[1])", "unpack_4bit(self.packed, self.shape[1] ** 2)"),
+    ("weight = nf4_dequantize(codes, absmax, self.shape)",
+     "weight = nf4_dequantize(codes[:self.shape[0] * self.shape[1]], absmax, self.shape)"))
 QLORA_BIAS_TRAINS = _qlora_edit(("torch.nn.Parameter(base.bias.detach().clone(), requires_grad=False)",
                                  "torch.nn.Parameter(base.bias.detach().clone())"))
 
@@ -225,6 +229,7 @@ CASES = {
            ("qlora_keeps_the_weight", QLORA_KEEPS_THE_WEIGHT, ["", "_hidden"]),
            ("qlora_no_double_quant", QLORA_NO_DOUBLE_QUANT, ["_hidden"]),  # exact weight: visible outputs agree
            ("qlora_bias_trains", QLORA_BIAS_TRAINS, ["", "_hidden"]),
+           ("qlora_unpacks_square", QLORA_UNPACKS_SQUARE, ["_hidden"]),  # both of the visible layer's fit
            ("calls_library_QLoRALinear", CALLS_LIBRARY_QLORA, ["", "_hidden"]),
        ]},
 }

@@ -81,6 +81,10 @@ NO_F_BACKWARD = changed(('''        grad = grad.contiguous().clone()
         dist.all_reduce(grad)
         return grad''', '''        return grad  # wrong: each rank keeps only its part of the input's gradient'''))
 
+F_BACKWARD_IN_PLACE = changed(('''        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)''', '''        grad = grad.contiguous()
+        dist.all_reduce(grad)  # wrong: the gradient itself, which autograd may hand to another branch too'''))
+
 ALL_REDUCE_BOTH = changed(('''    def forward(ctx, x):
         return x.view_as(x)''', '''    def forward(ctx, x):
         out = x.contiguous().clone()
@@ -276,6 +280,8 @@ CASES = {
     "bias_every_rank": {"cells": {"tensor_parallel_pair": BIAS_EVERY_RANK},  # the collectives are right
                         "scores": scores("test_tensor_parallel_pair", "test_tensor_parallel_pair_hidden")},
     "no_f_backward": {"cells": {"tensor_parallel_pair": NO_F_BACKWARD}, "scores": scores(*PAIR)},
+    "f_backward_in_place": {"cells": {"tensor_parallel_pair": F_BACKWARD_IN_PLACE},  # no branch in the pair
+                            "scores": scores("test_tensor_parallel_pair_hidden")},
     "all_reduce_both": {"cells": {"tensor_parallel_pair": ALL_REDUCE_BOTH}, "scores": scores(*PAIR)},
     "no_size_check": {"cells": {"tensor_parallel_pair": NO_SIZE_CHECK},
                       "scores": scores("test_tensor_parallel_pair_hidden")},
