@@ -317,6 +317,10 @@ def judge_config(cfg) -> str:
     assert cfg["gradient_accumulation_steps"] == 4, "32 = 4 per rank x 2 ranks x 4 accumulation steps"
     assert type(cfg["gradient_accumulation_steps"]) is int, "gradient_accumulation_steps is a count: an int (use //)"
     assert cfg.get("gradient_clipping") == 1.0, "write the clipping out: \"gradient_clipping\": 1.0"
+    optimizer = cfg.get("optimizer")
+    assert isinstance(optimizer, dict) and optimizer.get("type") == "AdamW" and \
+        isinstance(optimizer.get("params"), dict) and optimizer["params"].get("lr") == 1e-3, \
+        f"the optimizer is {optimizer!r:.200}: AdamW at lr 1e-3, as the exercise gives it (torch_adam: True)"
     run = trains(cfg, 3)
     assert run["micro_batch"] == 4 and run["global_steps"] == 3, run
     assert run["losses"][-1] < run["losses"][0] + 0.5, "training with this config went wrong"

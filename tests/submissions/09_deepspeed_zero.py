@@ -177,6 +177,7 @@ ACCUMULATION_IGNORES_WORLD = _ds_edit("global_batch // (micro_batch * world_size
 ACCUMULATION_FLOAT = _ds_edit("global_batch // (micro_batch * world_size),",
                               "global_batch / (micro_batch * world_size),   # 4.0: a float count")
 NO_CLIPPING = _ds_edit('        "gradient_clipping": 1.0,\n', "")
+LEARNING_RATE_OF_ITS_OWN = _ds_edit('"lr": 1e-3', '"lr": 1e-2')  # trains, but not the run the notebook compares
 OFFLOAD_AT_TOP_LEVEL = _ds_edit('''    zero = {"stage": stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -231,6 +232,8 @@ CASES = {
         "cells": {"make_ds_config": ACCUMULATION_FLOAT},
         "scores": {**FULL, "test_make_ds_config": 0, "test_make_ds_config_hidden": 0}},
     "no_clipping": {"cells": {"make_ds_config": NO_CLIPPING}, "scores": {**FULL, "test_make_ds_config": 0}},
+    "learning_rate_of_its_own": {"cells": {"make_ds_config": LEARNING_RATE_OF_ITS_OWN},
+                                 "scores": {**FULL, "test_make_ds_config": 0}},
     "offload_at_top_level": {"cells": {"make_ds_config": OFFLOAD_AT_TOP_LEVEL},
                              "scores": {**FULL, "test_make_ds_config_hidden": 0}},
     "calls_library_make_ds_config": {"cells": {"make_ds_config": CALLS_LIBRARY_DS_CONFIG},
