@@ -49,23 +49,28 @@ ABSMAX_BLOCKSIZE = 256    # scales per second-level scale, under double quantisa
 ZERO_INDEX = 7            # the index of NF4's level 0.0
 
 
-@functools.cache
-def _nf4_levels() -> tuple[float, ...]:
-    # 8 positive quantiles from NF4_OFFSET towards the median, 7 negative ones (the median itself is the 0)
+# NF4's 16 levels as QLoRA published them (the paper's appendix) and bitsandbytes stores them (functional.get_4bit_type
+# "nf4"): the one table the course quantises with, the notebook's exercise included.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023,
+              1.0)
+
+
+def derived_nf4_levels() -> torch.Tensor:
+    """NF4's levels derived from the normal distribution's quantile function (``torch.special.ndtri``), in float64:
+    8 quantiles from ``NF4_OFFSET`` down to 0.5 for the positive half, 7 for the negative half, and an exact zero, all
+    divided by the largest. They are ``NF4_LEVELS`` to within 2e-7 (bitsandbytes computed its table in float32)."""
     positive = torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 9, dtype=torch.float64)[:-1])
     negative = -torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 8, dtype=torch.float64)[:-1])
     levels = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).sort().values
-    return tuple((levels / levels.max()).tolist())
+    return levels / levels.max()
 
 
 def nf4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """NF4's 16 levels, ascending, from -1 to 1 with 0 at index 7: quantiles of N(0, 1), normalised.
-
-    Derived here from the normal distribution's quantile function (``torch.special.ndtri``), in float64:
-    8 quantiles from ``NF4_OFFSET`` down to 0.5 for the positive half, 7 for the negative half, and an
-    exact zero, all divided by the largest.
-    """
-    return torch.tensor(_nf4_levels(), dtype=dtype, device=device)
+    """NF4's 16 levels, ascending, from -1 to 1 with 0 at index 7: ``NF4_LEVELS``, the published table (quantiles of
+    N(0, 1), normalised: ``derived_nf4_levels``)."""
+    return torch.tensor(NF4_LEVELS, dtype=dtype, device=device)
 
 
 def check_blocksize(blocksize: int) -> int:

@@ -48,12 +48,22 @@ def reference_round_trip(w: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
     return out.reshape(w.shape)
 
 
-def test_the_code_book_derived_from_normal_quantiles_is_the_published_one():
+def test_the_code_book_is_the_published_one_and_normal_quantiles_derive_it():
     code = nf4.nf4_code()
-    assert torch.allclose(code, torch.tensor(PUBLISHED_NF4), atol=3e-7, rtol=0)
+    assert torch.equal(code, torch.tensor(PUBLISHED_NF4)), "one table: the published values, exactly"
+    assert torch.equal(nb12.NF4, code), "the checks quantise with the library's table"
+    derived = nf4.derived_nf4_levels()
+    assert derived.dtype == torch.float64 and float((derived - code.double()).abs().max()) < 3e-7
     assert code[7] == 0 and code[0] == -1 and code[15] == 1 and bool((code.diff() > 0).all())
     # 8 levels above zero and 7 below: the asymmetric split that makes room for an exact zero
     assert int((code > 0).sum()) == 8 and int((code < 0).sum()) == 7
+
+
+def test_the_code_book_is_bitsandbytes_own():
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is optional; the published values are compared above")
+    import bitsandbytes.functional as bnb
+
+    assert torch.equal(nf4.nf4_code(), bnb.get_4bit_type("nf4", device="cpu").float())
 
 
 def test_dynamic_code_is_bitsandbytes_double_quantisation_code():

@@ -24,11 +24,8 @@ _bnb = None if qlora.bitsandbytes_error() else importlib.import_module("bitsandb
 if _bnb is not None:
     NF4_ANSWERS += (_bnb.quantize_4bit, _bnb.dequantize_4bit)
 
-# The notebook's given table (its cell "nf4_table"): QLoRA's 16 NF4 levels as published.
-NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                    0.7229568362236023, 1.0])
+# The notebook's given table (its cell "nf4_table"): QLoRA's 16 NF4 levels as published, course_lib's one table.
+NF4 = nf4.nf4_code()
 
 
 # ---------------------------------------------------------------- nf4_quantize
