@@ -274,6 +274,53 @@ def drain(fd: int, into: bytearray, cap: int = 1 << 16) -> None:
             into += chunk[:cap - len(into)]
 
 
+def run_fork(job: dict, frozen: tuple[dict, list, list], forbidden: dict, private_shm: bool) -> None:
+    """The submission's process, a fork of the server: contained and fenced before any of the job's code runs, its
+    output to the job's log; it never returns (``os._exit``)."""
+    try:
+        os.setsid()  # its own process group: a time-out kills it and every rank it started
+        if private_shm and not sandbox.private_shm():
+            raise RuntimeError("this machine gave the grading server a private /dev/shm, and this job none")
+        contain()
+        torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (a bf16 Linear did)
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)  # the student's prints go to the log, never into the answer to the grader
+        os.dup2(log, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nor read the server's next jobs
+        os.environ.update(job["env"])
+        tempfile.tempdir = None  # the server's cached folder is not this job's: take TMPDIR (its scratch)
+        os.chdir(job["scratch"])
+        if job["fence"]:
+            sandbox.restrict(job["read"], job["write"])
+        run_job(job, frozen, forbidden)
+    except BaseException:  # the grader's own failure: to the job's log, which the grader shows
+        traceback.print_exc()
+    finally:
+        os._exit(0)
+
+
+def watch(pid: int, job: dict, reports_r: int) -> bytearray:
+    """Wait for the fork ``pid`` to end, reading what it reports; kill its group once it runs ``GRACE`` seconds past
+    a cell's or a probe's limit (each ``started`` report restarts that clock) or past the job's, even with its alarm
+    switched off. Returns what it reported."""
+    reported = bytearray()
+    start = last = time.monotonic()
+    seen = 0
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        drain(reports_r, reported)
+        started = reported.count(b'{"started"')
+        if started != seen:  # a cell or a probe started: its time counts from now
+            seen, last = started, time.monotonic()
+        now = time.monotonic()
+        if now > start + job["limit"] or now > last + job["seconds"] + GRACE:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    return reported
+
+
 def serve(modules: list[str]) -> None:
     """Load once, then grade one submission per line of stdin (a job file) in a fork of this process, each fork
     fenced to its own scratch folder before any of its code runs; answer each line with one line when it is done:
@@ -293,44 +340,11 @@ def serve(modules: list[str]) -> None:
         reports_r, reports_w = os.pipe()
         job["report_fd"] = reports_w
         pid = os.fork()
-        if pid == 0:  # the submission's process
-            try:
-                os.close(reports_r)
-                os.setsid()  # its own process group: a time-out kills it and every rank it started
-                if private_shm and not sandbox.private_shm():
-                    raise RuntimeError("this machine gave the grading server a private /dev/shm, and this job none")
-                contain()
-                torch.set_num_threads(1)  # more than one OpenMP thread after fork can hang (a bf16 Linear did)
-                log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(log, 1)  # the student's prints go to the log, never into the answer to the grader
-                os.dup2(log, 2)
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nor read the server's next jobs
-                os.environ.update(job["env"])
-                tempfile.tempdir = None  # the server's cached folder is not this job's: take TMPDIR (its scratch)
-                os.chdir(job["scratch"])
-                if job["fence"]:
-                    sandbox.restrict(job["read"], job["write"])
-                run_job(job, frozen, forbidden)
-            except BaseException:  # the grader's own failure: to the job's log, which the grader shows
-                traceback.print_exc()
-            finally:
-                os._exit(0)
+        if pid == 0:
+            os.close(reports_r)
+            run_fork(job, frozen, forbidden, private_shm)
         os.close(reports_w)
-        reported = bytearray()
-        start = last = time.monotonic()
-        seen = 0
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            drain(reports_r, reported)
-            started = reported.count(b'{"started"')
-            if started != seen:  # a cell or a probe started: its time counts from now
-                seen, last = started, time.monotonic()
-            now = time.monotonic()
-            if now > start + job["limit"] or now > last + job["seconds"] + GRACE:  # even with the alarm switched off
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.05)
+        reported = watch(pid, job, reports_r)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)  # the ranks it left in its group
         reap_leftovers()
@@ -339,7 +353,6 @@ def serve(modules: list[str]) -> None:
         drain(reports_r, reported)
         os.close(reports_r)
         print("done", json.dumps(audit.read_reports(reported.decode(errors="replace"))), flush=True)
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--serve"]:
