@@ -210,28 +210,16 @@ except Exception as _err:
 # __reduce__ names: here, forbid switched off in the rank before the check's worker enters it, so torch's DDP (which
 # 07 forbids and the student edition cannot stub) would do the work. Notebook 07's BucketedDDP, the one multi-rank
 # exercise whose spawned ranks tests/test_checks.py starts for real.
+_TORCH_DDP = nbgrading.cases("07_ddp_reducer").CALLS_TORCH_DDP  # 07's known submission: torch's DDP does the work
+_TORCH_DDP_CLASS = "class BucketedDDP(torch.nn.Module):   # torch's DDP does the work; nothing to finish\n"
+assert _TORCH_DDP.count(_TORCH_DDP_CLASS) == 1
 DISARM_IN_RANK = '''
 class _Disarm:   # unpickled in each rank that receives BucketedDDP by value
     def __reduce__(self):
         return exec, ("import course_lib.grading as g\\n"
                       "g.forbid.__enter__ = lambda self: self\\n"
                       "g.forbid.__exit__ = lambda self, *exc: False\\n",)
-
-class BucketedDDP(torch.nn.Module):   # torch's DDP does the work, where forbid is off
-    _switch = _Disarm()
-
-    def __init__(self, module, bucket_cap_mb=25.0):
-        super().__init__()
-        self.ddp = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        self.module = module
-        self.buckets = [[p] for p in reversed(list(module.parameters())) if p.requires_grad]
-
-    def forward(self, *args, **kwargs):
-        return self.ddp(*args, **kwargs)
-
-    def finish_gradient_synchronization(self):
-        pass
-'''
+''' + _TORCH_DDP.replace(_TORCH_DDP_CLASS, _TORCH_DDP_CLASS + "    _switch = _Disarm()\n\n")
 
 SWALLOW_ERRORS = '''
 import ast
