@@ -1,74 +1,30 @@
 """Known submissions of 01_mixed_precision and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cell (tests/solved.py), never copies of it.
 """
+
+from solved import edit, solution
 
 # --- the dynamic loss scaler: the reference solution with one mistake each
 
-SCALER = '''
-class DynamicLossScaler:
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        self.scale_value = float(init_scale)
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.clean_steps, self.found_inf = 0, None
+SCALER = solution("01_mixed_precision", "DynamicLossScaler")
 
-    def scale(self, loss):
-        return loss * self.scale_value
-
-    def unscale_(self, optimizer):
-        if self.found_inf is not None:
-            return
-        found = False
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.div_(self.scale_value)
-                    found = found or not bool(torch.isfinite(p.grad).all())
-        self.found_inf = found
-
-    def step(self, optimizer):
-        self.unscale_(optimizer)
-        if not self.found_inf:
-            optimizer.step()
-
-    def update(self):
-        if self.found_inf:
-            self.scale_value *= self.backoff_factor
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
+SCALER_NEVER_GROWS = edit(SCALER, ("""            if self.clean_steps == self.growth_interval:
                 self.scale_value *= self.growth_factor
-                self.clean_steps = 0
-        self.found_inf = None
+                self.clean_steps = 0""", """            pass   # forgot to grow: the scale only ever falls, and fp16's small gradients underflow again"""))
 
-    def get_scale(self):
-        return self.scale_value
+SCALER_UNSCALES_TWICE = edit(SCALER, ("""        if self.found_inf is not None:
+            return  # once per step: the gradients are in true units already
+""", ""))   # train_step calls unscale_ before step: the gradients are divided twice
 
-    def is_enabled(self):
-        return True
-'''
+SCALER_MISSES_NAN = edit(SCALER, (
+    "found = found or not bool(torch.isfinite(p.grad).all())",
+    "found = found or bool(torch.isinf(p.grad).any())   # nan is not inf: a nan step is applied"))
 
-
-def mistake(base: str, old: str, new: str) -> str:
-    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
-    assert old in base, old
-    return base.replace(old, new)
-
-SCALER_NEVER_GROWS = mistake(SCALER, """            if self.clean_steps == self.growth_interval:
-                self.scale_value *= self.growth_factor
-                self.clean_steps = 0""", """            pass   # forgot to grow: the scale only ever falls, and fp16's small gradients underflow again""")
-
-SCALER_UNSCALES_TWICE = mistake(SCALER, """        if self.found_inf is not None:
-            return
-""", "")   # train_step calls unscale_ before step: the gradients are divided twice
-
-SCALER_MISSES_NAN = mistake(SCALER, "found = found or not bool(torch.isfinite(p.grad).all())",
-                            "found = found or bool(torch.isinf(p.grad).any())   # nan is not inf: a nan step is applied")
-
-SCALER_KEEPS_COUNTING_AFTER_OVERFLOW = mistake(SCALER, """            self.scale_value *= self.backoff_factor
-            self.clean_steps = 0""", """            self.scale_value *= self.backoff_factor   # the count of clean steps goes on across the overflow""")
+SCALER_KEEPS_COUNTING_AFTER_OVERFLOW = edit(SCALER, ("""            self.scale_value *= self.backoff_factor
+            self.clean_steps = 0""", """            self.scale_value *= self.backoff_factor   # the count of clean steps goes on across the overflow"""))
 
 CALLS_LIBRARY_SCALER = '''
 class DynamicLossScaler:   # the course's scaler (course_lib.precision.make_scaler), not the student's
@@ -92,37 +48,25 @@ class DynamicLossScaler(torch.amp.GradScaler):   # torch's scaler, not the stude
 
 # --- the AMP training step
 
-AMP_FP16_WITHOUT_SCALER = '''
-def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
-    device_type = next(model.parameters()).device.type
-    with torch.autocast(device_type, dtype=amp_dtype):
-        loss = F.cross_entropy(model(x), y)
-    loss.backward()        # no scaler: small fp16 gradients underflow, overflowing steps are applied
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-'''
+AMP_STEP = solution("01_mixed_precision", "amp_train_step")
 
-AMP_NO_AUTOCAST = '''
-def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
-    loss = F.cross_entropy(model(x), y)   # forgot autocast: everything runs in float32
-    scaler.scale(loss).backward()
+AMP_FP16_WITHOUT_SCALER = edit(AMP_STEP, ("""    scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-'''
+""", """    loss.backward()        # no scaler: small fp16 gradients underflow, overflowing steps are applied
+    optimizer.step()
+"""))
 
-AMP_NO_UPDATE = '''
-def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):
-    device_type = next(model.parameters()).device.type
+AMP_NO_AUTOCAST = edit(AMP_STEP, ("""    device_type = next(model.parameters()).device.type
     with torch.autocast(device_type, dtype=amp_dtype):
         loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)   # forgot scaler.update(): the scale never backs off after an overflow
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-'''
+""", """    loss = F.cross_entropy(model(x), y)   # forgot autocast: everything runs in float32
+"""))
+
+AMP_NO_UPDATE = edit(AMP_STEP, ("""    scaler.step(optimizer)
+    scaler.update()
+""", """    scaler.step(optimizer)   # forgot scaler.update(): the scale never backs off after an overflow
+"""))
 
 CALLS_LIBRARY_AMP_STEP = '''
 def amp_train_step(model, optimizer, scaler, x, y, amp_dtype):

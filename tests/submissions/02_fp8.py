@@ -1,37 +1,15 @@
 """Known submissions of 02_fp8 and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cell (tests/solved.py), never copies of it.
 """
+
+from solved import edit, solution
 
 # --- delayed-scaling FP8 quantisation: the reference solution with one mistake each
 
-FP8_SCALER = '''
-class DelayedScalingFP8:
-    def __init__(self, dtype=torch.float8_e4m3fn, history_len=16, margin=0):
-        self.dtype, self.history_len, self.margin = dtype, history_len, margin
-        self.fp8_max = torch.finfo(dtype).max
-        self.amax_history = []
-        self.scale = 1.0
-
-    def __call__(self, x):
-        used = self.scale
-        q = (x.float() * used).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)
-        self.amax_history = (self.amax_history + [x.abs().max().item()])[-self.history_len:]
-        amax = max(self.amax_history)
-        if 0 < amax < math.inf:
-            self.scale = self.fp8_max / amax / 2**self.margin
-        return q, used
-
-    def dequantize(self, q, scale):
-        return q.float() / scale
-'''
-
-
-def mistake(base: str, old: str, new: str) -> str:
-    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
-    assert old in base, old
-    return base.replace(old, new)
+FP8_SCALER = solution("02_fp8", "DelayedScalingFP8")
 
 
 FULL = {"test_DelayedScalingFP8": 3, "test_DelayedScalingFP8_hidden": 3}
@@ -41,15 +19,17 @@ def scores(**changed):
     return {**FULL, **changed}
 
 
-FP8_CURRENT_SCALING = mistake(FP8_SCALER, """        used = self.scale
-        q =""", """        amax = x.abs().max().item()   # just-in-time: the step's own amax sets its own scale
+FP8_CURRENT_SCALING = edit(FP8_SCALER, (
+    "        used = self.scale  # from earlier calls only: no pass over x before it is quantised\n",
+    """        amax = x.abs().max().item()   # just-in-time: the step's own amax sets its own scale
         if 0 < amax < math.inf:
             self.scale = self.fp8_max / amax / 2**self.margin
         used = self.scale
-        q =""")
+"""))
 
-FP8_NO_CLAMP = mistake(FP8_SCALER, "q = (x.float() * used).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)",
-                       "q = (x.float() * used).to(self.dtype)   # no clamp: past max e5m2 gives inf (e4m3fn nan on older torch)")
+FP8_NO_CLAMP = edit(FP8_SCALER, (
+    "q = (x.float() * used).clamp(-self.fp8_max, self.fp8_max).to(self.dtype)  # saturate: never inf or nan",
+    "q = (x.float() * used).to(self.dtype)   # no clamp: past max e5m2 gives inf (e4m3fn nan on older torch)"))
 
 CALLS_LIBRARY_FP8 = '''
 from course_lib.fp8 import DelayedScaler

@@ -1,36 +1,22 @@
 """Known submissions of 03_gradient_accumulation and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cell (tests/solved.py), never copies of it.
 """
 
-ACCUMULATE_NOT_DIVIDED = '''
-def accumulate_gradients(model, x, y, micro_batch):
-    n = x.shape[0]
-    if n % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} does not divide {n}")
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
-        loss = F.cross_entropy(model(xm), ym)   # forgot: / number of micro-batches
-        loss.backward()
-        total += loss.item()
-    return total / (n // micro_batch)
-'''
+from solved import edit, solution
 
-ACCUMULATE_KEEPS_STALE_GRADS = '''
-def accumulate_gradients(model, x, y, micro_batch):
-    n = x.shape[0]
-    if n % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} does not divide {n}")
-    k = n // micro_batch
-    total = 0.0   # forgot: model.zero_grad() -- old gradients get added in
-    for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
-        loss = F.cross_entropy(model(xm), ym) / k
-        loss.backward()
-        total += loss.item()
-    return total
-'''
+ACCUMULATE = solution("03_gradient_accumulation", "accumulate_gradients")
+
+ACCUMULATE_NOT_DIVIDED = edit(ACCUMULATE, (
+    "        loss = F.cross_entropy(model(xm), ym) / k\n",
+    "        loss = F.cross_entropy(model(xm), ym)   # forgot: / number of micro-batches\n"), (
+    "    return total", "    return total / k"))
+
+ACCUMULATE_KEEPS_STALE_GRADS = edit(ACCUMULATE, (
+    "    model.zero_grad(set_to_none=True)\n    total = 0.0\n",
+    "    total = 0.0   # forgot: model.zero_grad() -- old gradients get added in\n"))
 
 NO_SYNC_ALWAYS = '''
 def micro_step_context(model, micro_index, accum_steps):
@@ -57,55 +43,30 @@ def accumulate_gradients(model, x, y, micro_batch):
     return total
 '''
 
-TOKENS = '''
-def accumulate_tokens(model, batch, micro_batch):
-    ids, labels = batch["input_ids"], batch["labels"]
-    rows = ids.shape[0]
-    if micro_batch < 1 or rows % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} does not divide {rows}")
-    n_scored = int((labels[:, 1:] != -100).sum())
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for start in range(0, rows, micro_batch):
-        part_ids, part_labels = ids[start:start + micro_batch], labels[start:start + micro_batch]
-        if not (part_labels[:, 1:] != -100).any():
-            continue
-        logits = model(input_ids=part_ids).logits
-        summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(),
-                                 ignore_index=-100, reduction="sum")
-        (summed / n_scored).backward()
-        total += summed.item() / n_scored
-    return total
-'''
+TOKENS = solution("03_gradient_accumulation", "accumulate_tokens")
 
-
-def mistake(base: str, old: str, new: str) -> str:
-    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
-    assert old in base, old
-    return base.replace(old, new)
-
-
-TOKENS_MEAN_OF_MEANS = mistake(TOKENS, """        summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(),
+TOKENS_MEAN_OF_MEANS = edit(TOKENS, ("""        summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(),
                                  ignore_index=-100, reduction="sum")
         (summed / n_scored).backward()
         total += summed.item() / n_scored""", """        mean = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(), ignore_index=-100)
         (mean / (rows // micro_batch)).backward()   # each micro-batch's mean, weighted 1/k whatever it scores
-        total += mean.item() / (rows // micro_batch)""")
+        total += mean.item() / (rows // micro_batch)"""))
 
-TOKENS_COUNTS_THE_FIRST_LABEL = mistake(TOKENS, "n_scored = int((labels[:, 1:] != -100).sum())",
-                                        "n_scored = int((labels != -100).sum())   # the first label of a row is never a target")
+TOKENS_COUNTS_THE_FIRST_LABEL = edit(TOKENS, (
+    "n_scored = int((labels[:, 1:] != -100).sum())  # N, counted before the first backward",
+    "n_scored = int((labels != -100).sum())   # the first label of a row is never a target"))
 
-TOKENS_NAN_ON_AN_EMPTY_MICRO_BATCH = mistake(TOKENS, """        if not (part_labels[:, 1:] != -100).any():
-            continue
+TOKENS_NAN_ON_AN_EMPTY_MICRO_BATCH = edit(TOKENS, ("""        if not (part_labels[:, 1:] != -100).any():
+            continue  # nothing to score: no forward, no nan
         logits = model(input_ids=part_ids).logits
         summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(),
                                  ignore_index=-100, reduction="sum")""", """        logits = model(input_ids=part_ids).logits
         n_part = int((part_labels[:, 1:] != -100).sum())
         mean = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part_labels[:, 1:].flatten(), ignore_index=-100)
-        summed = mean * n_part   # a micro-batch that scores nothing: 0/0 = nan, and nan * 0 is still nan""")
+        summed = mean * n_part   # a micro-batch that scores nothing: 0/0 = nan, and nan * 0 is still nan"""))
 
-TOKENS_KEEP_STALE_GRADIENTS = mistake(TOKENS, "    model.zero_grad(set_to_none=True)\n",
-                                      "    # forgot: model.zero_grad(), so old gradients are added in\n")
+TOKENS_KEEP_STALE_GRADIENTS = edit(TOKENS, ("    model.zero_grad(set_to_none=True)\n",
+                                           "    # forgot: model.zero_grad(), so old gradients are added in\n"))
 
 CALLS_LIBRARY_TOKENS = '''
 def accumulate_tokens(model, batch, micro_batch):
@@ -115,12 +76,9 @@ def accumulate_tokens(model, batch, micro_batch):
                       token_weighted=True)["loss"]   # the course's step (which then clears the gradients)
 '''
 
-SYNC_ON_THE_FIRST = '''
-def micro_step_context(model, micro_index, accum_steps):
-    if micro_index == 0 or not hasattr(model, "no_sync"):   # syncs the first micro-batch's partial sum
-        return contextlib.nullcontext()
-    return model.no_sync()
-'''
+SYNC_ON_THE_FIRST = edit(solution("03_gradient_accumulation", "micro_step_context"), (
+    "    last = micro_index == accum_steps - 1\n    if last or not hasattr(model, \"no_sync\"):",
+    "    if micro_index == 0 or not hasattr(model, \"no_sync\"):   # syncs the first micro-batch's partial sum"))
 
 CALLS_LIBRARY_SYNC = '''
 def micro_step_context(model, micro_index, accum_steps):
