@@ -17,17 +17,28 @@ from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 
 
-def test_buckets_fill_from_the_last_parameter_up_to_the_cap():
+def test_buckets_fill_from_the_last_parameter_and_close_once_they_reach_the_cap():
     net = nn.Sequential(nn.Linear(4, 256), nn.Linear(256, 4))  # 4 KiB, 1 KiB, 4 KiB, 16 B of float32
     w0, b0, w1, b1 = net.parameters()
     names = lambda buckets: [[id(p) for p in b] for b in buckets]  # noqa: E731
-    assert names(ddp.bucket_parameters(net.parameters(), 4.5 / 1024)) == names([[b1, w1], [b0], [w0]])
-    # 5 KiB: fits exactly
-    assert names(ddp.bucket_parameters(net.parameters(), 5 / 1024)) == names([[b1, w1], [b0, w0]])
+    # 4.5 KiB: b1 and w1 (4112 B) are under it, b0 takes the bucket past it and closes it
+    assert names(ddp.bucket_parameters(net.parameters(), 4.5 / 1024)) == names([[b1, w1, b0], [w0]])
     assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, b0, w0]])
-    assert names(ddp.bucket_parameters(net.parameters(), 1 / 1024)) == names([[b1], [w1], [b0], [w0]])  # w: alone
+    # 1 KiB: w1 closes the first bucket, b0 reaches the cap exactly and closes its own
+    assert names(ddp.bucket_parameters(net.parameters(), 1 / 1024)) == names([[b1, w1], [b0], [w0]])
+    assert names(ddp.bucket_parameters(net.parameters(), 0.0)) == names([[b1], [w1], [b0], [w0]])
     b0.requires_grad_(False)
     assert names(ddp.bucket_parameters(net.parameters(), 1.0)) == names([[b1, w1, w0]])  # frozen: left out
+
+
+@pytest.mark.parametrize("cap_bytes", [0, 400, 1000, 1024, 4096, 5000, 10**6])
+def test_buckets_are_torch_reducers_over_the_order_gradients_arrive(cap_bytes):
+    """torch's own assignment (what DDP's reducer computes, here over the parameters in reverse) is ours."""
+    net = nn.Sequential(nn.Linear(4, 256), nn.Linear(256, 4), nn.Linear(4, 25), nn.Linear(25, 100))
+    params = list(reversed(list(net.parameters())))
+    theirs, _ = dist._compute_bucket_assignment_by_size(params, [cap_bytes])
+    ours = ddp.bucket_parameters(net.parameters(), cap_bytes / 2**20)
+    assert [[id(p) for p in b] for b in ours] == [[id(params[i]) for i in b] for b in theirs]
 
 
 def _bucketed_against_ddp(steps, cap):
@@ -58,15 +69,17 @@ def _bucketed_against_ddp(steps, cap):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bucketed_ddp_gives_ddp_gradients_with_one_overlapped_all_reduce_per_bucket(world):
-    runs = run_forked(_bucketed_against_ddp, world, dict(steps=3, cap=0.01), timeout=120)
+    runs = run_forked(_bucketed_against_ddp, world, dict(steps=3, cap=0.004), timeout=120)
     for run in runs:
-        assert run["buckets"] == 5  # SmallCNN(width=8) at 0.01 MiB: see bucket_parameters
+        assert run["buckets"] == 4  # SmallCNN(width=8) at 0.004 MiB: one bucket per layer (bucket_parameters)
         for gap, events in run["steps"]:
             assert gap < 1e-5
             launches = [i for i, e in enumerate(events) if e["what"] == "all_reduce"]
             grads_in = [i for i, e in enumerate(events) if e["what"] == "grad"]
             assert len(launches) == run["buckets"]
             assert all(events[i]["async_op"] and events[i]["waited"] for i in launches)
+            waits = [i for i, e in enumerate(events) if e["what"] == "wait"]
+            assert min(waits) > launches[-1], "no bucket is waited on before the last one has left"
             assert launches[0] < grads_in[-1], "the first bucket must leave while backward still runs"
 
 
@@ -204,7 +217,7 @@ def _skip_a_layer_then_use_it(cap):
 def test_bucketed_ddp_names_a_parameter_the_forward_skipped_and_recovers(cap):
     """torch's DDP raises where a parameter gets no gradient; silence would leave its bucket unreduced."""
     for run in run_forked(_skip_a_layer_then_use_it, 2, dict(cap=cap), timeout=120):
-        assert run["buckets"] == (1 if cap > 1 else 7)  # one bucket, or several that did leave before the error
+        assert run["buckets"] == (1 if cap > 1 else 4)  # one, or several: those without spare left before the error
         assert run["error"] is not None, "a bucket that never filled must raise, not diverge silently"
         assert "spare.weight" in run["error"] and "spare.bias" in run["error"], run["error"]
         assert "body." not in run["error"], "only the parameters without a gradient are named"

@@ -4,7 +4,7 @@ start from different weights, and caps that make one bucket or many."""
 from __future__ import annotations
 
 from course_lib.checks import register
-from course_lib.checks.nb07 import bucketed_probe, check_bucketed
+from course_lib.checks.nb07 import bucketed_probe, check_bucket_rule, check_bucketed, seeded
 
 
 # ---------------------------------------------------------------- BucketedDDP
@@ -22,8 +22,9 @@ def judge_bucketed(got: list) -> str:
             assert all(sum(e["what"] == "all_reduce" for e in ev) == run["n_buckets"] for ev in run["events"]), \
                 f"{label}: not one all-reduce per bucket in every step"
             assert "head.bias" not in sum(run["buckets"], []), f"{label}: a frozen parameter has no gradient to bucket"
+            check_bucket_rule(run["buckets"], seeded(0, True), cap, label)
             assert cap < 1 or run["n_buckets"] == 1, f"{label}: a cap above the model's size makes one bucket"
-    return "3 ranks from different weights, a frozen parameter, one bucket and many"
+    return "3 ranks from different weights, a frozen parameter, one bucket and many, each torch's"
 
 
 register("test_BucketedDDP_hidden", probe_bucketed, judge_bucketed)

@@ -45,22 +45,23 @@ def all_reduce_gradients(model: nn.Module) -> None:
 
 # graded: 07_ddp_reducer BucketedDDP
 def bucket_parameters(parameters, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
-    """Group parameters into buckets of at most ``bucket_cap_mb`` MiB of gradient, in reverse order.
+    """Group parameters into buckets of about ``bucket_cap_mb`` MiB of gradient, in reverse order.
 
     Backward produces the last layer's gradients first, so buckets are filled from the end of
-    ``parameters``; a parameter that would overflow a bucket starts the next one (a parameter larger
-    than the cap sits alone). Parameters that need no gradient are left out.
+    ``parameters``. A bucket closes once its bytes reach the cap, so the parameter that reaches it stays
+    inside and a bucket may pass the cap by its last parameter: the rule of torch's reducer
+    (``torch.distributed._compute_bucket_assignment_by_size``), which also keeps a smaller first bucket,
+    left out here. Parameters that need no gradient are left out.
     """
     cap = bucket_cap_mb * 2**20
     buckets: list[list[nn.Parameter]] = []
-    size = cap + 1  # the first parameter opens a bucket
+    size = cap  # a full bucket: the first parameter opens one
     for p in reversed([p for p in parameters if p.requires_grad]):
-        nbytes = p.numel() * p.element_size()
-        if size + nbytes > cap:
+        if size >= cap:
             buckets.append([])
             size = 0
         buckets[-1].append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
     return buckets
 
 
