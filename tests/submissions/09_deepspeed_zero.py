@@ -1,87 +1,15 @@
-"""Known submissions of 09_deepspeed_zero and the scores nbgrader's autograde must give them."""
+"""Known submissions of 09_deepspeed_zero and the scores nbgrader's autograde must give them. The mistakes are edits
+of today's solution cells (tests/solved.py), never copies of them."""
+
+from solved import edit, solution
 
 # --- Exercise 1, ShardedOptimizer (ZeRO-1 by hand): the reference, and the mistakes students make
 
-SHARDED = '''
-import math
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-# torch 2.13 renamed the flat collectives (reduce_scatter_tensor and all_gather_into_tensor warn, deprecated)
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, optimizer_cls, **defaults):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.optimizer_cls, self.optimizer, self.shards = optimizer_cls, None, []
-        super().__init__(params, defaults)  # torch builds self.param_groups, calling add_param_group for each group
-
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)  # torch fills in the defaults
-        group = self.param_groups[-1]
-        group["params"] = [p for p in group["params"] if p.requires_grad]  # a frozen parameter takes no part
-        flat = torch.cat([p.detach().reshape(-1) for p in group["params"]])
-        n = math.ceil(flat.numel() / self.world_size)  # one slice per rank
-        flat = F.pad(flat, (0, n * self.world_size - flat.numel()))  # zeros at the end
-        shard = flat[self.rank * n:(self.rank + 1) * n].float().clone()  # this rank's fp32 slice
-        self.shards.append(shard)
-        inner = {**{k: v for k, v in group.items() if k != "params"}, "params": [shard]}
-        if self.optimizer is None:
-            self.optimizer = self.optimizer_cls([inner], **self.defaults)
-        else:
-            self.optimizer.add_param_group(inner)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, inner, shard in zip(self.param_groups, self.optimizer.param_groups, self.shards):
-            inner.update({k: v for k, v in group.items() if k != "params"})  # a scheduler changed group["lr"]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group["params"]]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = F.pad(flat, (0, shard.numel() * self.world_size - flat.numel()))
-            mine = flat.new_empty(shard.numel())
-            reduce_scatter(mine, flat)  # the sum over the ranks of slice `rank`
-            shard.grad = (mine / self.world_size).float()  # the average
-        self.optimizer.step()
-        for group, shard in zip(self.param_groups, self.shards):
-            params = group["params"]
-            full = params[0].new_empty(shard.numel() * self.world_size)
-            all_gather(full, shard.to(full.dtype))  # rank r's slice lands at r * n
-            offset = 0
-            for p in params:
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        return loss
-
-    def zero_grad(self, set_to_none=True):
-        for group, shard in zip(self.param_groups, self.shards):
-            for p in group["params"]:
-                p.grad = None
-            shard.grad = None
-
-    def state_dict(self):  # this rank's checkpoint (DeepSpeed saves a file per rank): its slices, its optimizer's state
-        return {"rank": self.rank, "shards": [s.clone() for s in self.shards], "optimizer": self.optimizer.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict):
-        assert state_dict["rank"] == self.rank, "load each rank's own state"
-        for shard, saved in zip(self.shards, state_dict["shards"]):
-            shard.copy_(saved)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(saved)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-'''
+SHARDED = solution("09_deepspeed_zero", "ShardedOptimizer")  # today's solution cell: each mistake an edit of it
 
 
 def _edit(old: str, new: str) -> str:
-    assert SHARDED.count(old) == 1, old
-    return SHARDED.replace(old, new)
+    return edit(SHARDED, (old, new))
 
 
 SHARDED_KEEPS_ALL_STATES = '''
@@ -133,6 +61,44 @@ SHARDED_ALL_REDUCE_THEN_SLICE = _edit(  # right weights, but an all-reduce and a
     "            dist.all_reduce(flat)\n"
     "            mine = flat[self.rank * shard.numel():(self.rank + 1) * shard.numel()]\n")
 
+# the shard kept in the parameters' dtype: right for a float32 model; a bf16 model is stepped in bf16, with no fp32
+# master, and updates smaller than bf16's step between two weights are lost
+SHARDED_NO_FP32_MASTER = edit(SHARDED, (".float().clone()  # this rank's fp32 slice", ".clone()  # this rank's slice"),
+                              ("shard.grad = (mine / self.world_size).float()  # the average",
+                               "shard.grad = (mine / self.world_size).to(shard.dtype)  # the average"))
+# each tensor sharded apart, a shard and an inner group per tensor: right weights, 1/N of the state, and a
+# reduce-scatter and an all-gather per tensor where one flat buffer per group needs one each
+SHARDED_PER_TENSOR = edit(SHARDED, (SHARDED[SHARDED.index("        flat = torch.cat([p.detach()"):
+                                            SHARDED.index("    @torch.no_grad()")], """        for p in group["params"]:
+            n = math.ceil(p.numel() / self.world_size)
+            flat = F.pad(p.detach().reshape(-1), (0, n * self.world_size - p.numel()))
+            shard = flat[self.rank * n:(self.rank + 1) * n].float().clone()
+            self.shards.append(shard)
+            inner = {**{k: v for k, v in group.items() if k != "params"}, "params": [shard]}
+            if self.optimizer is None:
+                self.optimizer = self.optimizer_cls([inner], **self.defaults)
+            else:
+                self.optimizer.add_param_group(inner)
+
+"""), (SHARDED[SHARDED.index("        for group, inner, shard in zip("):SHARDED.index("        return loss")], """        mine_of = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                i = len(mine_of)
+                inner, shard = self.optimizer.param_groups[i], self.shards[i]
+                inner.update({k: v for k, v in group.items() if k != "params"})
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                flat = F.pad(g.reshape(-1), (0, shard.numel() * self.world_size - g.numel()))
+                mine = flat.new_empty(shard.numel())
+                reduce_scatter(mine, flat)
+                shard.grad = (mine / self.world_size).float()
+                mine_of[i] = p
+        self.optimizer.step()
+        for i, p in mine_of.items():
+            full = p.new_empty(self.shards[i].numel() * self.world_size)
+            all_gather(full, self.shards[i].to(full.dtype))
+            p.copy_(full[:p.numel()].view_as(p))
+"""))
+
 CALLS_LIBRARY_SHARDED = '''
 from course_lib.parallel.zero import ShardedOptimizer   # course_lib's ZeRO-1
 '''
@@ -148,28 +114,11 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):   # torch's ZeRO-1
 
 # --- Exercise 2, make_ds_config
 
-DS_CONFIG = '''
-def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
-    if global_batch % (micro_batch * world_size):
-        raise ValueError(f"global_batch={global_batch} does not divide")
-    zero = {"stage": stage}
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    return {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": global_batch // (micro_batch * world_size),
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": zero,
-        "zero_force_ds_cpu_optimizer": False,
-        "gradient_clipping": 1.0,
-    }
-'''
+DS_CONFIG = solution("09_deepspeed_zero", "make_ds_config")
 
 
 def _ds_edit(old: str, new: str) -> str:
-    assert DS_CONFIG.count(old) == 1, old
-    return DS_CONFIG.replace(old, new)
+    return edit(DS_CONFIG, (old, new))
 
 
 ACCUMULATION_IGNORES_WORLD = _ds_edit("global_batch // (micro_batch * world_size),",
@@ -178,18 +127,16 @@ ACCUMULATION_FLOAT = _ds_edit("global_batch // (micro_batch * world_size),",
                               "global_batch / (micro_batch * world_size),   # 4.0: a float count")
 NO_CLIPPING = _ds_edit('        "gradient_clipping": 1.0,\n', "")
 LEARNING_RATE_OF_ITS_OWN = _ds_edit('"lr": 1e-3', '"lr": 1e-2')  # trains, but not the run the notebook compares
-OFFLOAD_AT_TOP_LEVEL = _ds_edit('''    zero = {"stage": stage}
+OFFLOAD_AT_TOP_LEVEL = edit(DS_CONFIG, ('''    zero = {"stage": stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {''', '''    zero = {"stage": stage}
-    config = {''').replace('''        "gradient_clipping": 1.0,
-    }
-''', '''        "gradient_clipping": 1.0,
+    config = {'''), ('''        "gradient_clipping": 1.0,
+    }''', '''        "gradient_clipping": 1.0,
     }
     if offload_optimizer:
         config["offload_optimizer"] = {"device": "cpu"}   # outside zero_optimization: DeepSpeed ignores it
-    return config
-''')
+    return config'''))
 
 CALLS_LIBRARY_DS_CONFIG = '''
 def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
@@ -222,6 +169,10 @@ CASES = {
         "scores": {**FULL, "test_ShardedOptimizer_state": 0, "test_ShardedOptimizer_hidden": 0}},
     "sharded_all_reduce_then_slice": {"cells": {"ShardedOptimizer": SHARDED_ALL_REDUCE_THEN_SLICE},
                                       "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_no_fp32_master": {"cells": {"ShardedOptimizer": SHARDED_NO_FP32_MASTER},  # a bf16 model tells
+                               "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_per_tensor": {"cells": {"ShardedOptimizer": SHARDED_PER_TENSOR},  # a step's collectives tell
+                           "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "calls_library_ShardedOptimizer": {"cells": {"ShardedOptimizer": CALLS_LIBRARY_SHARDED},
                                        "scores": {**FULL, **NO_SHARDED}},
     "calls_torch_zero_redundancy_optimizer": {"cells": {"ShardedOptimizer": CALLS_TORCH_ZERO},
