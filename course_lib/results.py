@@ -105,6 +105,13 @@ class Results:
         self._save()
         return entry["held"] if kind == "measured" else entry["agrees"]
 
+    def conclusions(self) -> str:
+        """This run's claims as a markdown list, each with its verdict (``verdict``) and what was found: a notebook's
+        closing section shows this, so a claim that was predicted, simulated, not measured or failed here never
+        reads as held."""
+        return "\n".join(f"- **{verdict(c)}**: {c['claim']} ({c['measured']})" for c in self.data["claims"]) \
+            or "No claim was recorded in this run."
+
     def figure(self, fig, name: str) -> Path:
         """Save a matplotlib figure as a PNG beside the results."""
         path = run_dir() / "figures" / f"{self.notebook}_{name}.png"

@@ -398,6 +398,24 @@ def test_results_round_trip(tmp_path, monkeypatch):
     assert loaded["claims"][0]["held"] is True and loaded["claims"][0]["kind"] == "measured"
 
 
+def test_conclusions_give_each_claim_the_verdict_of_its_kind(tmp_path, monkeypatch):
+    """A notebook's closing list: a predicted, simulated or unmeasured claim never reads as held, a failed one fails."""
+    monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
+    r = results.Results("99_test")
+    assert r.conclusions() == "No claim was recorded in this run."
+    r.claim("fits in 48 GB", "46 GB by arithmetic", True, kind="predicted")
+    r.claim("8 workers keep up", "with a calibrated loader", True, kind="simulated")
+    r.claim("offload frees the GPU", "no GPU here", kind="not measured here")
+    r.claim("loss matches", "1e-7", True)
+    r.claim("bf16 is 2x faster", "1.1x", False)
+    lines = r.conclusions().splitlines()
+    assert lines == ["- **predicted: agrees**: fits in 48 GB (46 GB by arithmetic)",
+                     "- **simulated: agrees**: 8 workers keep up (with a calibrated loader)",
+                     "- **not measured here**: offload frees the GPU (no GPU here)",
+                     "- **held**: loss matches (1e-7)",
+                     "- **did not hold**: bf16 is 2x faster (1.1x)"]
+
+
 def test_only_a_measured_claim_holds_or_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_RUN_DIR", str(tmp_path))
     r = results.Results("99_test")
