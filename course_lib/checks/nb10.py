@@ -2,8 +2,8 @@
 AdamW stepping fp32 copies with the same gradients.
 
 The probe runs the student's class on the notebook's device and sends back plain data (the gradients a twin without
-hooks computed each step, what landed in the masters, the masters, the parameters and AdamW's states); the judge
-replays the gradients through torch's AdamW.
+hooks computed each step, how many gradients the model held as each one was complete, what landed in the masters,
+the masters, the parameters and AdamW's states); the judge replays the gradients through torch's AdamW.
 """
 
 from __future__ import annotations
@@ -46,6 +46,24 @@ def one_thread(fn):
     return run
 
 
+def count_held(params: list) -> list:
+    """Hooks on ``params``, registered after the student's (torch runs them in that order): each time a gradient is
+    complete, the list returned gets how many of ``params`` hold a gradient once the student's hook has run. Offload
+    frees each gradient as it is sent down, so the count stays at most 1; it reaches every parameter where they are
+    freed only after backward. It means the same on a CPU, where the model and the masters share one memory."""
+    held = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: held.append(sum(q.grad is not None for q in params)))
+    return held
+
+
+def landed_grads(opt, device: torch.device) -> list:
+    """The masters' gradients as data, once every copy down has landed (from a GPU they are non-blocking)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return [tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master]
+
+
 def twin_grads(twin: torch.nn.Module, loss) -> list:
     """The gradients a plain backward leaves on ``twin`` (a copy without the student's hooks), then cleared."""
     loss(twin).backward()
@@ -57,8 +75,9 @@ def twin_grads(twin: torch.nn.Module, loss) -> list:
 @one_thread
 def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False, unused: bool = False) -> dict:
     """The student's OffloadedAdamW on the small model in ``dtype`` on the notebook's device, ``steps`` steps: per
-    step the gradients a twin without hooks computed (what the reference AdamW replays), which gradients the model
-    still held after backward, and what landed in the masters; then the masters, the parameters and AdamW's states."""
+    step the gradients a twin without hooks computed (what the reference AdamW replays), how many gradients the model
+    held as each one was complete in backward, which it still held after backward, and what landed in the masters;
+    then the masters, the parameters and AdamW's states."""
     device, dtype = ns["device"], DTYPES[dtype_name]
     model = tiny_model(dtype, frozen, device)
     twin = copy.deepcopy(model)
@@ -66,15 +85,18 @@ def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool
     with forbid(*OFFLOADED, namespace=ns):
         opt = ns["OffloadedAdamW"](model.parameters(), lr=lr, weight_decay=0.01, offload_device="cpu")
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    grads, kept, landed = [], [], []
+    grads, held, kept, landed = [], [], [], []
+    during = count_held(trainable)  # after the student's hooks
     for s in range(steps):
         loss = lambda m, s=s: ((m[:3](x) if unused else m(x)).float() - 0.1 * s).pow(2).mean()  # noqa: E731
         twin.load_state_dict(model.state_dict())  # the same weights: the gradients this step must send down
         grads.append(twin_grads(twin, loss))
         with forbid(*OFFLOADED, namespace=ns):
             loss(model).backward()
+            held.append(during.copy())
+            during.clear()
             kept.append([p.grad is not None for p in trainable])
-            landed.append([tensor_data(getattr(m, "grad", None), torch.float32) for m in opt.master])
+            landed.append(landed_grads(opt, device))
             opt.step()
             opt.zero_grad(set_to_none=True)
     masters = [{"dtype": str(m.dtype), "device": m.device.type, "value": m.detach().cpu().clone()} for m in opt.master]
@@ -82,16 +104,23 @@ def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool
                 "value": p.detach().cpu().clone()} for p in trainable]
     states = [{k: [str(st[k].dtype), st[k].device.type] if k in st else None for k in ("exp_avg", "exp_avg_sq")}
               for st in opt.optimizer.state.values()]
-    return {"device": device.type, "grads": grads, "kept": kept, "landed": landed, "masters": masters,
+    return {"device": device.type, "grads": grads, "held": held, "kept": kept, "landed": landed, "masters": masters,
             "trainable": trained, "states": states, "model": [p.detach().cpu().clone() for p in model.parameters()]}
 
 
 def judge_sent_down(got: dict) -> None:
-    """After each backward no parameter holds a gradient, and each master holds its parameter's, in fp32."""
-    for step, (kept, landed, want) in enumerate(zip(got["kept"], got["landed"], got["grads"])):
+    """After each backward no parameter holds a gradient, and each master holds its parameter's, in fp32; during it
+    the model held at most one gradient at a time (the one being sent down)."""
+    for step, (held, kept, landed, want) in enumerate(zip(got["held"], got["kept"], got["landed"], got["grads"])):
         still = [i for i, k in enumerate(kept) if k]
         assert not still, (f"step {step}: parameters {still} still hold their gradient after backward: send each one "
                            "down in a post-accumulate-grad hook and free it there (p.grad = None)")
+        complete = sum(w is not None for w in want)
+        assert len(held) == complete, \
+            f"step {step}: {len(held)} gradients were complete in backward, the model's parameters got {complete}"
+        assert max(held, default=0) <= 1, (
+            f"step {step}: during backward the model held {max(held)} of its gradients at once: free each one in its "
+            "hook, right after sending it down (p.grad = None), so the model never holds more than that one")
         for i, (g, w) in enumerate(zip(landed, want)):
             assert (g is None) == (w is None), \
                 f"step {step}, master {i}: .grad is {g!r:.60} where the gradient is {w!r:.60}"
@@ -110,7 +139,7 @@ def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: boo
     ref = [p.detach().float().clone() for p in tiny_model(dtype, frozen).parameters() if p.requires_grad]
     n = len(ref)
     assert len(got["trainable"]) == n, f"{len(got['trainable'])} trainable parameters after step(), the model has {n}"
-    assert len(got["grads"]) == len(got["kept"]) == len(got["landed"]) == steps, \
+    assert len(got["grads"]) == len(got["held"]) == len(got["kept"]) == len(got["landed"]) == steps, \
         f"{len(got['landed'])} steps' gradients in the masters, expected {steps}"
     for step in range(steps):
         assert len(got["grads"][step]) == len(got["kept"][step]) == len(got["landed"][step]) == n, \

@@ -110,12 +110,13 @@ class OffloadedAdamW:
     weights, their gradients and AdamW's m and v live there.
 
     A post-accumulate-grad hook on each parameter sends its gradient down in fp32 (added to what earlier
-    micro-batches sent, so accumulation works) and frees it (``p.grad = None``): the device never holds more
-    gradients than backward is still producing, as DeepSpeed's offload moves them bucket by bucket. From a GPU the
-    copies are non-blocking into pinned host memory, and ``step`` waits for them before it steps the masters with
-    torch's AdamW and copies them back up in the model's dtype. Updates too small for bf16 accumulate in the fp32
-    masters, so bf16 weights keep learning (notebook 01). ``master`` and ``optimizer`` are public: they are what
-    offload moved.
+    micro-batches sent, so accumulation works) and frees it (``p.grad = None``): the model holds at most the one
+    gradient being sent, never a whole set, as DeepSpeed's offload moves them bucket by bucket. From a GPU the
+    copies are non-blocking into pinned host memory and the hook never waits: a later micro-batch's gradient is
+    added to the master's on the GPU and the sum sent down over it, in the stream's order. ``step`` waits once for
+    every copy before it steps the masters with torch's AdamW and copies them back up in the model's dtype. Updates
+    too small for bf16 accumulate in the fp32 masters, so bf16 weights keep learning (notebook 01). ``master`` and
+    ``optimizer`` are public: they are what offload moved.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.01, offload_device: str = "cpu", **adamw):
@@ -128,16 +129,18 @@ class OffloadedAdamW:
             p.register_post_accumulate_grad_hook(functools.partial(self._send_down, m))
 
     def _send_down(self, master: torch.Tensor, p: torch.Tensor) -> None:
-        accumulate = master.grad is not None  # a later micro-batch: add to what is there
-        if accumulate and self.async_copies:
-            torch.cuda.current_stream(p.device).synchronize()  # the earlier copy into it has landed
-        down = p.grad.detach().to(master.device, torch.float32, non_blocking=self.async_copies and not accumulate)
-        master.grad = master.grad.add_(down) if accumulate else down
+        # No wait here: it would stall backward behind each copy. The copies and the add below are queued on the
+        # stream in order, and step() waits for them all at once.
+        grad, async_copies = p.grad.detach(), self.async_copies
+        if master.grad is None:  # the step's first micro-batch
+            master.grad = grad.to(master.device, torch.float32, non_blocking=async_copies)
+        else:  # a later one: the sum is made on p's device, after the earlier copy down, and sent down over it
+            master.grad.copy_(master.grad.to(p.device, non_blocking=async_copies) + grad, non_blocking=async_copies)
         p.grad = None  # the gradient has left the device
 
     def step(self) -> None:
         if self.async_copies:
-            torch.cuda.synchronize()  # every gradient has landed on the host
+            torch.cuda.synchronize()  # the copies down were queued without waiting: AdamW reads them once landed
         self.optimizer.step()  # a master without a gradient (its parameter took no part) is left as it is
         with torch.no_grad():
             for p, m in zip(self.params, self.master):

@@ -80,6 +80,10 @@ OFFLOAD_ZERO_GRAD_KEEPS_MASTERS = mistake(  # zero_grad clears the model only: a
 OFFLOAD_GRAD_LEFT_ON_MODEL = mistake(  # copied down, but never freed: the device still holds every gradient
     "            m.grad += p.grad.detach().to(m.device, torch.float32)\n        p.grad = None\n",
     "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
+OFFLOAD_FREES_WHEN_BACKWARD_ENDS = mistake(  # freed once backward ends: none left after it, all held during it
+    "        p.grad = None\n\n    def step",
+    "        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(p, 'grad', None))\n\n"
+    "    def step")
 
 CALLS_LIBRARY_OFFLOADED = '''
 from course_lib.parallel.offload import OffloadedAdamW   # course_lib's
@@ -107,6 +111,8 @@ CASES = {
                                         "scores": scores(test_OffloadedAdamW_hidden=0)},
     "offload_grad_left_on_model": {"cells": {"OffloadedAdamW": OFFLOAD_GRAD_LEFT_ON_MODEL},
                                    "scores": scores(test_OffloadedAdamW=0, test_OffloadedAdamW_hidden=0)},
+    "offload_frees_when_backward_ends": {"cells": {"OffloadedAdamW": OFFLOAD_FREES_WHEN_BACKWARD_ENDS},
+                                         "scores": scores(test_OffloadedAdamW=0, test_OffloadedAdamW_hidden=0)},
     "calls_library_OffloadedAdamW": {"cells": {"OffloadedAdamW": CALLS_LIBRARY_OFFLOADED},
                                      "scores": scores(test_OffloadedAdamW=0, test_OffloadedAdamW_hidden=0)},
 }
