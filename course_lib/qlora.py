@@ -29,7 +29,7 @@ from torch import nn
 from course_lib.data import lm_batch
 from course_lib.device import free_memory
 from course_lib.lora import ALL_LINEAR, apply_lora
-from course_lib.memory import PeakMemory
+from course_lib.memory import PeakMemory, SavedTensorMeter
 from course_lib.models import build_llama, llama_num_parameters
 from course_lib.nf4 import (BLOCKSIZE, CompressedAbsmax, bits_per_parameter, compress_absmax, decompress_absmax,
                             dequantize_nf4, nf4_code, quantize_nf4, quantized_linears, relative_rms_error)
@@ -45,6 +45,25 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 # graded: 12_qlora_recipe QLoRALinear
+class DequantizedLinear(torch.autograd.Function):
+    """``x @ W.T`` for the NF4 weight ``W`` of a ``QLoRALinear``, which autograd never keeps.
+
+    A plain ``F.linear(x, W)`` saves ``W`` for the input's gradient: one dequantised weight per layer, alive from
+    forward to backward, which is the memory QLoRA exists to save. Here forward dequantises ``W``, uses it and lets
+    it go; backward dequantises it again from the layer's buffers (bitsandbytes' ``MatMul4Bit`` does the same).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "QLoRALinear") -> torch.Tensor:
+        ctx.layer = layer  # its buffers, which it holds anyway: no tensor is saved for backward
+        return nn.functional.linear(x, layer.dequantized_weight(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        return grad_y @ ctx.layer.dequantized_weight(grad_y.dtype), None  # the layer takes no gradient
+
+
+# graded: 12_qlora_recipe QLoRALinear
 class QLoRALinear(nn.Module):
     """QLoRA's layer: ``base``'s weight stored in NF4, dequantised on the fly in every forward, beside LoRA adapters
     of rank ``r`` (``lora_A``, ``lora_B``: the only parameters that train; ``B`` starts at zero).
@@ -52,7 +71,8 @@ class QLoRALinear(nn.Module):
     It keeps no float copy of the weight. Its buffers are what QLoRA stores: ``packed`` (uint8, two codes a byte),
     ``absmax_codes`` (uint8), ``absmax_scales`` and ``absmax_offset`` (float32), ``stored_bytes`` in all; the bias,
     if any, stays as it was, frozen. Each forward dequantises the weight to the input's dtype (bf16 under autocast,
-    QLoRA's compute dtype): the gradient flows through it to the input and the adapters, the base never changes.
+    QLoRA's compute dtype) through ``DequantizedLinear``, and backward again: autograd saves no weight, the
+    gradient flows to the input and the adapters, the base never changes.
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, blocksize: int = BLOCKSIZE):
@@ -76,9 +96,21 @@ class QLoRALinear(nn.Module):
         return dequantize_nf4(self.packed, absmax, self.shape, self.blocksize, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        y = nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+        y = DequantizedLinear.apply(x, self)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward of ``layer(x)`` under bf16 autocast, beyond the layer's own
+    parameters and buffers (held anyway): what the layer adds to the activation memory until backward."""
+    meter = SavedTensorMeter(exclude=layer)
+    meter.exclude |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+    with meter, torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y = layer(x)
+    del y
+    return meter.bytes
 
 
 def _quantized_shapes(config) -> dict[str, tuple[int, int]]:

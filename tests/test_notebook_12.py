@@ -48,7 +48,17 @@ def test_qlora_memory_table_and_nothing_fake_on_a_cpu(executed):
     assert value(res, "qlora_70b_total_gb") < 48 < 140 < value(res, "bf16_lora_70b_total_gb")
     # the GPU comparison records only where it ran
     assert not any(k.startswith("qlora_tokens") or k.startswith("bf16_lora_tokens") for k in res["values"])
-    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 3
+    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 4
+
+
+def test_the_students_qlora_layer_saves_no_weight_for_backward(executed):
+    """Measured in the notebook on the base's largest linear layer: autograd keeps what it keeps for LoRA over the
+    bf16 weight, not a dequantised copy of the weight (which alone would be its bf16 bytes)."""
+    res = executed("12_qlora_recipe")
+    mine, lora = (value(res, f"saved_for_backward_bytes_{k}") for k in ("your_QLoRALinear", "LoRA_over_bf16"))
+    weight = value(res, "qlora_largest_weight_bf16_bytes")
+    assert 0 < lora and mine <= lora + weight / 4, (mine, lora, weight)
+    assert claim(res, "QLoRA's layer keeps no dequantised weight for backward")["held"]
 
 
 def test_the_students_qlora_layer_stores_4_bits_and_fine_tunes(executed):

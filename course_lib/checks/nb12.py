@@ -19,7 +19,7 @@ from course_lib.lora import lora_linear
 # What each exercise builds, out of reach while the student's code runs (and peft's LoRA layer: PEFT).
 NF4_ANSWERS = (nf4.quantize_nf4, nf4.dequantize_nf4, nf4.nf4_round_trip, nf4.nearest_level, nf4.blockwise_absmax,
                nf4.pack_4bit, nf4.unpack_4bit, nf4.compress_absmax, nf4.decompress_absmax, qlora.QLoRALinear,
-               nf4.absmax_round_trip, nf4.round_trip_model, nf4.stored_bytes)
+               qlora.DequantizedLinear,               nf4.absmax_round_trip, nf4.round_trip_model, nf4.stored_bytes)
 _bnb = None if qlora.bitsandbytes_error() else importlib.import_module("bitsandbytes.functional")
 if _bnb is not None:
     NF4_ANSWERS += (_bnb.quantize_4bit, _bnb.dequantize_4bit)
@@ -308,10 +308,44 @@ def judge_qlora_layer(got: dict, base: torch.nn.Linear, weight: torch.Tensor, r:
 
 
 QLORA_VISIBLE = dict(r=4, alpha=8, shape=(5,), seed=3)
+SAVED = dict(out_features=512, in_features=256, r=8, alpha=16, tokens=4, seed=5)  # the weight dwarfs the input
+
+
+def saved_case() -> tuple[torch.nn.Linear, torch.Tensor]:
+    base = qlora_base(SAVED["out_features"], SAVED["in_features"], SAVED["seed"], exact=False)
+    g = torch.Generator().manual_seed(SAVED["seed"] + 1)
+    return base, torch.randn(SAVED["tokens"], SAVED["in_features"], generator=g).to(torch.bfloat16).requires_grad_()
 
 
 def probe_qlora_visible(ns: dict) -> dict:
-    return probe_qlora(ns, qlora_base(12, 64, QLORA_VISIBLE["seed"]), **QLORA_VISIBLE)
+    out = probe_qlora(ns, qlora_base(12, 64, QLORA_VISIBLE["seed"]), **QLORA_VISIBLE)
+    base, x = saved_case()
+    given_tables(ns)
+    with standing_in(ns, STORAGE_STAND_INS), forbid(*NF4_ANSWERS, *PEFT, namespace=ns):
+        layer = ns["QLoRALinear"](base, SAVED["r"], SAVED["alpha"])
+        out["saved bytes"] = qlora.saved_bytes(layer, x)
+    return out
+
+
+def lora_saved_bytes() -> int:
+    """What LoRA over the same weight in bf16 (peft's layer) saves for backward: the bytes QLoRA may save too."""
+    base, x = saved_case()
+    layer = lora_linear(base.to(torch.bfloat16), SAVED["r"], SAVED["alpha"])
+    layer.lora_A.float(), layer.lora_B.float()  # fp32 adapters, as QLoRA trains them
+    return qlora.saved_bytes(layer, x)
+
+
+def judge_saved(got: dict) -> str:
+    saved, lora = got.get("saved bytes"), lora_saved_bytes()
+    assert isinstance(saved, int) and saved >= 0, f"the saved bytes: {saved!r:.80}"
+    weight = SAVED["out_features"] * SAVED["in_features"] * 2  # the weight in bf16
+    assert saved <= lora + weight // 4, (
+        f"one forward of your layer ({SAVED['out_features']} x {SAVED['in_features']}, bf16 autocast) saved {saved} "
+        f"bytes for backward beyond its buffers and parameters; LoRA over the same weight in bf16 saves {lora}. The "
+        f"{saved - lora} bytes more are {(saved - lora) / weight:.2f} of the weight in bf16: autograd kept your "
+        "dequantised (or unpacked) weight. Multiply in DequantizedLinear, which saves no tensor and dequantises "
+        "again in backward")
+    return f"{saved} bytes saved for backward, LoRA over bf16 saves {lora}"
 
 
 def judge_qlora_visible(got: dict) -> str:
@@ -319,7 +353,7 @@ def judge_qlora_visible(got: dict) -> str:
     # NF4 stores this weight exactly; its scales, double-quantised, to 8 bits of their spread (within 2x): ~0.3%
     judge_qlora_layer(got, base, base.weight.detach(), **QLORA_VISIBLE, tolerance=5e-3)
     return ("one layer, a weight NF4 stores exactly: only the adapters train, packed codes, "
-            "peft's LoRA outputs and gradients")
+            f"peft's LoRA outputs and gradients; {judge_saved(got)}")
 
 
 register("test_QLoRALinear", probe_qlora_visible, judge_qlora_visible)

@@ -4,6 +4,8 @@ Each case replaces the named solution cells of the solution notebook; every othe
 keeps the reference solution. ``scores`` gives the expected points of every graded cell.
 """
 
+from solved import edit, solution
+
 # --- Exercise 1, NF4: the reference's structure with the two mistakes students make, and the library's answer
 
 NF4_ONE_ABSMAX = '''
@@ -19,38 +21,15 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return (NF4[codes.long()] * absmax).reshape(shape)
 '''
 
-def _edit(reference: str, *pairs: tuple[str, str]) -> str:
-    """``reference`` with each (old, new) pair replaced; each old text must occur exactly once."""
-    for old, new in pairs:
-        assert reference.count(old) == 1, old
-        reference = reference.replace(old, new)
-    return reference
+NF4_REFERENCE = solution("12_qlora_recipe", "nf4_quantize")
 
-
-NF4_REFERENCE = '''
-def nf4_quantize(w, blocksize=64):
-    flat = w.reshape(-1).float()
-    n = flat.numel()
-    blocks = torch.nn.functional.pad(flat, (0, -n % blocksize)).view(-1, blocksize)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    codes = (scaled[..., None] - NF4.to(w.device)).abs().argmin(dim=-1).reshape(-1)[:n]
-    return codes, absmax
-
-
-def nf4_dequantize(codes, absmax, shape, blocksize=64):
-    n = codes.numel()
-    values = torch.nn.functional.pad(NF4.to(codes.device)[codes.long()], (0, -n % blocksize)).view(-1, blocksize)
-    return (values * absmax.float()[:, None]).reshape(-1)[:n].reshape(shape)
-'''
-
-NF4_UNIFORM_GRID = _edit(  # blocks right, levels evenly spaced k/7: int4, not NF4
+NF4_UNIFORM_GRID = edit(  # blocks right, levels evenly spaced k/7: int4, not NF4
     NF4_REFERENCE,
     ("(scaled[..., None] - NF4.to(w.device)).abs().argmin(dim=-1)", "(torch.round(scaled * 7) + 7).long()"),
     ("NF4.to(codes.device)[codes.long()]", "(codes.float() - 7) / 7"))
 
 # the reference with the table left on the CPU: right on every CPU tensor, and it stops on a GPU's weights
-NF4_IGNORES_THE_DEVICE = _edit(NF4_REFERENCE, ("NF4.to(w.device)", "NF4"), ("NF4.to(codes.device)", "NF4"))
+NF4_IGNORES_THE_DEVICE = edit(NF4_REFERENCE, ("NF4.to(w.device)", "NF4"), ("NF4.to(codes.device)", "NF4"))
 
 CALLS_LIBRARY_NF4 = '''
 def nf4_quantize(w, blocksize=64):
@@ -66,39 +45,11 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
 
 # --- Exercise 2, NF4 storage: the reference, and the mistakes students make, each a small edit of it
 
-NF4_STORAGE = '''
-def pack_4bit(codes):
-    flat = codes.reshape(-1).to(torch.uint8)
-    if flat.numel() % 2:  # the last low nibble: 7, the level 0.0, as bitsandbytes pads
-        flat = torch.cat([flat, torch.full((1,), 7, dtype=torch.uint8, device=flat.device)])
-    return flat[0::2] * 16 + flat[1::2]
-
-
-def unpack_4bit(packed, n):
-    high_low = torch.stack([packed // 16, packed % 16], dim=1)
-    return high_low.reshape(-1)[:n].long()
-
-
-def compress_absmax(absmax, blocksize=256):
-    offset = absmax.float().mean()
-    centred = absmax.float() - offset
-    n = centred.numel()
-    blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)
-    scales = blocks.abs().amax(dim=1)
-    scaled = blocks / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
-    codes = (scaled[..., None] - DYNAMIC.to(scaled.device)).abs().argmin(dim=-1).reshape(-1)[:n].to(torch.uint8)
-    return codes, scales, offset
-
-
-def decompress_absmax(codes, scales, offset, blocksize=256):
-    n = codes.numel()
-    levels = torch.nn.functional.pad(DYNAMIC.to(codes.device)[codes.long()], (0, -n % blocksize))
-    return (levels.view(-1, blocksize) * scales[:, None]).reshape(-1)[:n] + offset
-'''
+NF4_STORAGE = solution("12_qlora_recipe", "nf4_storage")
 
 
 def _storage_edit(*pairs: tuple[str, str]) -> str:
-    return _edit(NF4_STORAGE, *pairs)
+    return edit(NF4_STORAGE, *pairs)
 
 
 # low nibble first, consistently: unpacking gives the codes back, the bytes are not bitsandbytes'
@@ -137,44 +88,17 @@ def decompress_absmax(codes, scales, offset, blocksize=256):
 
 # --- Exercise 3, QLoRALinear: the reference, and the mistakes students make
 
-QLORA_LINEAR = '''
-import math
-
-class QLoRALinear(torch.nn.Module):
-    def __init__(self, base, r, alpha, dropout=0.0):
-        super().__init__()
-        codes, absmax = nf4_quantize(base.weight.detach())
-        self.shape = tuple(base.weight.shape)
-        self.register_buffer("packed", pack_4bit(codes))
-        absmax_codes, absmax_scales, absmax_offset = compress_absmax(absmax)
-        self.register_buffer("absmax_codes", absmax_codes)
-        self.register_buffer("absmax_scales", absmax_scales)
-        self.register_buffer("absmax_offset", absmax_offset)
-        self.bias = None if base.bias is None else torch.nn.Parameter(base.bias.detach().clone(), requires_grad=False)
-        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
-        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
-        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        torch.nn.init.zeros_(self.lora_B.weight)
-        self.scaling = alpha / r
-        self.dropout = torch.nn.Dropout(dropout)
-
-    def forward(self, x):
-        absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)
-        codes = unpack_4bit(self.packed, self.shape[0] * self.shape[1])
-        weight = nf4_dequantize(codes, absmax, self.shape).to(x.dtype)  # made anew at every forward
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, weight, bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
-'''
+QLORA_LINEAR = solution("12_qlora_recipe", "QLoRALinear")  # today's solution cell: each mistake an edit of it
 
 
 def _qlora_edit(*pairs: tuple[str, str]) -> str:
-    return _edit(QLORA_LINEAR, *pairs)
+    return edit(QLORA_LINEAR, *pairs)
 
 
 QLORA_KEEPS_THE_WEIGHT = _qlora_edit(  # the float weight kept beside the codes, and computed with
     ('        self.register_buffer("packed", pack_4bit(codes))\n',
      '        self.register_buffer("packed", pack_4bit(codes))\n        self.register_buffer("weight", base.weight.detach().clone())\n'),
-    ("torch.nn.functional.linear(x, weight, bias)", "torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)"))
+    ("return nf4_dequantize(codes, absmax, self.shape).to(dtype)", "return self.weight.to(dtype)"))
 QLORA_NO_DOUBLE_QUANT = _qlora_edit(  # the scales kept in float32: 4.5 bits per weight
     ('''        absmax_codes, absmax_scales, absmax_offset = compress_absmax(absmax)
         self.register_buffer("absmax_codes", absmax_codes)
@@ -182,12 +106,17 @@ QLORA_NO_DOUBLE_QUANT = _qlora_edit(  # the scales kept in float32: 4.5 bits per
         self.register_buffer("absmax_offset", absmax_offset)
 ''', '        self.register_buffer("absmax", absmax.float())\n'),
     ("absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)", "absmax = self.absmax"))
-QLORA_UNPACKS_SQUARE = _qlora_edit(  # in x in codes: enough, and the first out x in right, while out <= in
+# in x in codes: enough while out <= in, as in the visible layer whose outputs are compared; the visible test's
+# 512 x 256 layer (the saved bytes) has more outputs than inputs
+QLORA_UNPACKS_SQUARE = _qlora_edit(
     ("unpack_4bit(self.packed, self.shape[0] * self.shape[1])", "unpack_4bit(self.packed, self.shape[1] ** 2)"),
-    ("weight = nf4_dequantize(codes, absmax, self.shape)",
-     "weight = nf4_dequantize(codes[:self.shape[0] * self.shape[1]], absmax, self.shape)"))
+    ("nf4_dequantize(codes, absmax, self.shape)", "nf4_dequantize(codes[:self.shape[0] * self.shape[1]], absmax, self.shape)"))
 QLORA_BIAS_TRAINS = _qlora_edit(("torch.nn.Parameter(base.bias.detach().clone(), requires_grad=False)",
                                  "torch.nn.Parameter(base.bias.detach().clone())"))
+# right outputs and gradients, but F.linear saves the dequantised weight for backward: a bf16 weight per layer alive
+# until backward, QLoRA's memory saving gone at the peak
+QLORA_SAVES_ITS_WEIGHT = _qlora_edit(("        y = DequantizedLinear.apply(x, self)\n",
+                                      "        y = torch.nn.functional.linear(x, self.dequantized_weight(x.dtype))\n"))
 
 CALLS_LIBRARY_QLORA = '''
 class QLoRALinear(torch.nn.Module):   # course_lib's layer inside
@@ -229,7 +158,8 @@ CASES = {
            ("qlora_keeps_the_weight", QLORA_KEEPS_THE_WEIGHT, ["", "_hidden"]),
            ("qlora_no_double_quant", QLORA_NO_DOUBLE_QUANT, ["_hidden"]),  # exact weight: visible outputs agree
            ("qlora_bias_trains", QLORA_BIAS_TRAINS, ["", "_hidden"]),
-           ("qlora_unpacks_square", QLORA_UNPACKS_SQUARE, ["_hidden"]),  # both of the visible layer's fit
+           ("qlora_unpacks_square", QLORA_UNPACKS_SQUARE, ["", "_hidden"]),
+           ("qlora_saves_its_weight", QLORA_SAVES_ITS_WEIGHT, [""]),  # the hidden tests read no bytes
            ("calls_library_QLoRALinear", CALLS_LIBRARY_QLORA, ["", "_hidden"]),
        ]},
 }
