@@ -4,7 +4,8 @@ One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the r
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
 and one that does not), and again with the ring given as ``forward`` (notebook 14's way, whose backward is
 ``gathered_backward``), the tiles each rank computes against ``causal_work``, the bytes it sends against
-the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the activation bytes against the prediction,
+the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the order it ran (``RingLog``: each pass posted before
+its block's attention, waited on after it), the activation bytes against the prediction,
 and two known mistakes (a merge that does not rescale, a causal mask on the wrong side) that the
 comparison must catch. The course's Llama trains with the ring loss for loss with one process.
 torch's own context parallelism (``cp_torch``) needs GPUs: here its path runs up to the kernel, and torch's split
@@ -87,6 +88,14 @@ def _every_check():
     for zigzag in (False, True):  # the tiles the ring computed, counted by the ring itself
         q, k, v, _ = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
         results["work", zigzag] = cp.ring_forward(q, k, v, causal=True, zigzag=zigzag)[2]
+    q, k, v, _ = (cp.split_sequence(t, world)[rank] for t in _qkvw(seq))
+    swapped = [vars(dist.ProcessGroup)["send"], vars(dist.ProcessGroup)["recv"], vars(dist.Work)["wait"],
+               cp.block_attention]
+    with cp.RingLog() as log:
+        cp.ring_forward(q, k, v, causal=False)
+    results["order"] = " ".join(event["what"] for event in log.events)
+    results["restored"] = swapped == [vars(dist.ProcessGroup)["send"], vars(dist.ProcessGroup)["recv"],
+                                      vars(dist.Work)["wait"], cp.block_attention]
     results["memory"] = cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
     cp.tile_mask = _wrong_mask  # this forked rank's module only
     results["wrong mask"] = _ring(rank, world, seq, True, False)[0]
@@ -119,6 +128,9 @@ def test_ring_attention_equals_full_attention(world):
     # the tiles each rank computed: the plain causal ring's imbalance, the zig-zag's balance
     assert [r["work", False] for r in ranks] == cp_train.causal_work(world)
     assert [r["work", True] for r in ranks] == pytest.approx(cp_train.causal_work(world, zigzag=True))
+    # the order: at each step but the last, the next block's pass is in flight while this block is attended
+    assert [r["order"] for r in ranks] == [" ".join(["send recv attend wait wait"] * (world - 1) + ["attend"])] * world
+    assert all(r["restored"] for r in ranks), "RingLog leaves torch's methods and block_attention as it found them"
     # memory kept for backward: the prediction, and 1/N of one rank's
     assert all(r["memory"] == cp_train.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
     assert ranks[0]["memory"] * world == cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)

@@ -49,7 +49,7 @@ def test_the_students_expert_parallelism(executed):
 def test_where_each_dimension_goes(executed):
     res = executed("14_context_expert_parallelism")
     sent = value(res, "bytes_per_step_8b")
-    assert set(sent) == {"DP (DDP, bf16 gradients)", "TP (Megatron pair)", "PP (stage boundary)",
+    assert set(sent) == {"DP (FSDP / ZeRO-3, bf16)", "TP (Megatron pair)", "PP (stage boundary)",
                          "CP (ring, 8 x 4096 tokens)", "EP (top-2, 8 experts per layer)"}
     assert sent["PP (stage boundary)"] < sent["TP (Megatron pair)"] < sent["EP (top-2, 8 experts per layer)"]
 

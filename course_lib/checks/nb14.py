@@ -1,7 +1,8 @@
 """Notebook 14's visible tests: the online-softmax merge (one process); the student's ring on 2 forked ranks, plain
 and zig-zag, and on 3 (a block travels two hops), against attention over the whole sequence (output, log-sum-exp, the
-bytes it sends, a causal ring's tiles); and the student's expert-parallel dispatch and combine on 2 forked ranks
-against the one-process mixture of experts (output, gradients, drops, bytes)."""
+bytes it sends, a causal ring's tiles) and by its order (each pass posted before the block's attention, waited on
+after it); and the student's expert-parallel dispatch and combine on 2 forked ranks against the one-process mixture
+of experts (output, gradients, drops, bytes)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ EP_ANSWERS = (ep.exchange_counts, ep.dispatch, ep.combine, ep.within_capacity)
 RING = ("merge", "ring_forward")
 EXPERTS = ("within_capacity", "dispatch", "combine")
 B, H, D = 2, 2, 8
+MAX_EVENTS = 1000  # of the order one rank's ring ran: a ring of 4 runs about 30
 
 
 # ---------------------------------------------------------------- ring_attention: the merge
@@ -92,17 +94,19 @@ def qkv(seq: int, seed: int = 0) -> list[torch.Tensor]:
 
 def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
     """One rank: the student's ring_forward on its part of the sequence (padded where seq does not divide), the
-    bytes it moved and the scores its ``cp.block_attention`` calls computed (in blocks of local x local)."""
+    bytes it moved, the scores its ``cp.block_attention`` calls computed (in blocks of local x local) and the order
+    it ran (``cp.RingLog``'s events as one line: "send recv attend wait wait ...")."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq))
     try:
         with cp_train.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
-            with CollectiveBytes() as comm:
+            with CollectiveBytes() as comm, cp.RingLog() as log:
                 out, lse = ns["ring_forward"](q, k, v, causal, seq, *([True] if zigzag else []))
         got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
-               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(tally["tiles"])}
+               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(tally["tiles"]),
+               "order": " ".join(event["what"] for event in log.events[:MAX_EVENTS])}
     except Exception as err:
         got = {"raised": error_text(err)[:300]}
     return packed(plain(got))
@@ -159,6 +163,63 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
                 f"{label}, rank {r}: your cp.block_attention calls computed {run['work']} blocks of scores, a causal "
                 f"ring computes {work[r]} here: skip every {'tile (query chunk x key chunk)' if zigzag else 'block'} "
                 "no query sees, and compute each other one once")
+    for r, run in enumerate(runs):
+        fault = order_fault(run["order"], busy_steps(r, world, seq, causal, zigzag))
+        assert fault is None, f"{label}, rank {r}: {fault}"
+
+
+def busy_steps(rank: int, world: int, seq: int, causal: bool, zigzag: bool) -> list[bool]:
+    """Whether ``rank``'s queries see any key of the block it holds at each step that passes a block on (0 ... N-2)."""
+    local = cp._local_len(seq, world, zigzag)
+    rows = cp.local_positions(rank, world, local, zigzag)  # the positions of this rank's queries
+    busy = []
+    for step in range(world - 1):
+        holder = (rank - step) % world  # the rank whose block this one holds at this step
+        keys = cp.local_positions(holder, world, local, zigzag)
+        seen = (keys[None, :] < seq) & ((keys[None, :] <= rows[:, None]) if causal else True)
+        busy.append(bool(seen.any()))
+    return busy
+
+
+OVERLAP = ("post the pass of the block you hold (cp.ring_pass(send, recv), or dist.isend and dist.irecv), attend "
+           "to that block and merge, and only then wait on the works: the next block travels while this one is "
+           "computed")
+WAITED = f"your ring waited for a pass before attending to the block it holds (the compute waits): {OVERLAP}"
+SENT_LATE = f"your ring attended to a block before posting its pass (the transfer waits): {OVERLAP}"
+
+
+def order_fault(order, busy: list[bool]) -> str | None:
+    """What is wrong with the order one rank's ring ran (``RingLog``'s events, one line), or None. A pass is in flight
+    from a post to the next wait; each step that passes a block on and has keys to attend (``busy``) attends while its
+    pass is in flight, and nothing is attended with no pass in flight until the last pass is waited on."""
+    if not isinstance(order, str):
+        return f"the order your ring ran is missing ({order!r:.60})"
+    events = order.split()
+    ran = f"(this rank ran: {' '.join(events[:14])}{' ...' if len(events) > 14 else ''})"
+    if "attend" not in events:
+        return f"no cp.block_attention call: attend your queries to each block with cp.block_attention {ran}"
+    last_wait = max((i for i, what in enumerate(events) if what == "wait"), default=-1)
+    passes, in_flight = [], False  # for each pass in flight, the blocks attended meanwhile
+    for i, what in enumerate(events):
+        if what in ("send", "recv"):
+            if not in_flight:
+                passes.append(0)
+            in_flight = True
+        elif what == "wait":
+            in_flight = False
+        elif what == "attend" and in_flight:
+            passes[-1] += 1
+        elif what == "attend" and i < last_wait:  # computed with nothing in flight, more passes to come
+            return f"{WAITED if i > 0 and events[i - 1] == 'wait' else SENT_LATE} {ran}"
+    if len(passes) != len(busy):
+        return (f"your ring's passes were in flight over {len(passes)} spans (each from a post to the next wait), "
+                f"where a ring of {len(busy) + 1} ranks makes {len(busy)} pass{'es' * (len(busy) != 1)}: post a step's "
+                "send and receive together (cp.ring_pass, or dist.isend and dist.irecv, not the blocking dist.send and "
+                f"dist.recv), and wait on them once its block is attended {ran}")
+    for step, (attended, needed) in enumerate(zip(passes, busy)):
+        if needed and not attended:
+            return f"at step {step}, {WAITED} {ran}"
+    return None
 
 
 # (ranks, tokens, causal, zig-zag). 2 ranks make one pass; only a ring of 3 or more passes on a block it received,
@@ -175,7 +236,7 @@ def judge_ring_visible(got: list) -> str:
     for runs, case in zip(got, VISIBLE_RINGS):
         judge_ring(runs, *case)
     return ("2 ranks, causal and not, plain and zig-zag, and 3 ranks: full attention's output and lse, K/V sent N-1 "
-            "times, and the causal ring's tiles")
+            "times, the causal ring's tiles, and each pass in flight while its block is attended")
 
 
 register("test_ring_attention", probe_ring, judge_ring_visible)

@@ -1,6 +1,7 @@
 """Notebook 14's hidden tests (instructor edition only): the merge on scores large enough to overflow exp() without
-rescaling; the ring on 3 and 4 ranks, plain and zig-zag, with lengths that do not divide (padded keys masked);
-expert parallelism on 3 and 4 ranks with unequal token counts, with and without dropping."""
+rescaling; the ring on 3 and 4 ranks, plain and zig-zag, with lengths that do not divide (padded keys masked), each
+pass in flight while its block is attended; expert parallelism on 3 and 4 ranks with unequal token counts, with and
+without dropping."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def judge_ring(got: dict) -> str:
     assert len(got["rings"]) == len(RING_CASES), f"{len(got['rings'])} rings ran of the {len(RING_CASES)} cases"
     for runs, case in zip(got["rings"], RING_CASES):
         judge_ring_case(runs, *case)
-    return "large scores; 3 and 4 ranks, 10, 12 and 13 tokens (padded), causal and not, plain and zig-zag"
+    return ("large scores; 3 and 4 ranks, 10, 12 and 13 tokens (padded), causal and not, plain and zig-zag, each pass "
+            "in flight while its block is attended")
 
 
 register("test_ring_attention_hidden", probe_ring, judge_ring)

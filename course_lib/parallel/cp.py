@@ -14,7 +14,8 @@ ring gives the same numbers as attention over the whole sequence in one process.
 - ``ring_attention``: the ring itself (``ring_pass`` one step of it, ``ring_forward`` / ``ring_backward`` its two
   halves), an autograd Function whose backward runs the ring again; ``tile_mask`` says what each tile sees.
   Behind a ring given as ``forward`` (notebook 14's, written by the student) the backward is ``gathered_backward``:
-  every K/V block gathered, one all-reduce of their gradients, no ring loop of its own.
+  every K/V block gathered, one all-reduce of their gradients, no ring loop of its own. ``RingLog`` records a
+  rank's ring in order (passes posted, blocks attended, works waited on): whether each pass overlaps a compute.
 - ``split_sequence`` / ``merge_sequence`` (``zigzag_split`` / ``zigzag_merge``): each rank's block; with a
   causal mask the plain split leaves rank 0 one block of work and rank N-1 N blocks; the zig-zag split
   gives rank r chunks r and 2N-1-r of 2N, an early and a late one, and every rank the same work.
@@ -29,9 +30,12 @@ keys are masked, so their values never reach a real token, and ``merge_sequence`
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
+
+from course_lib.distributed import Timeline
 
 SEQ_DIM = -2  # (batch, heads, sequence, head_dim)
 
@@ -185,6 +189,37 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group=None) -> list:
     ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
            dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world)]
     return dist.batch_isend_irecv(ops)
+
+
+class RingLog(Timeline):
+    """The order of a rank's ring: every pass posted, every wait on a work and every ``block_attention`` call, in turn.
+
+    ``with RingLog() as log: ring(...)``; ``log.events`` as ``Timeline``'s, ``what`` one of "send" or "recv" (a pass
+    posted), "wait" (a work waited on) and "attend" (a ``block_attention`` call). Every way to pass a block
+    (``ring_pass``, ``batch_isend_irecv``, ``isend`` / ``irecv``, the blocking ``send`` / ``recv``) posts through the
+    process group's ``send`` and ``recv`` and waits through ``Work.wait``: those methods and this module's
+    ``block_attention`` are wrapped for the whole process until the block ends (one rank's process, as
+    ``cp_train.counted_tiles``). An overlapped step reads send, recv, attend, ..., wait: the next block travels while
+    this one is computed.
+    """
+
+    def __enter__(self) -> "RingLog":
+        self._swapped = [(dist.ProcessGroup, "send", "send"), (dist.ProcessGroup, "recv", "recv"),
+                         (dist.Work, "wait", "wait"), (sys.modules[__name__], "block_attention", "attend")]
+        self._saved = [vars(owner)[name] for owner, name, _ in self._swapped]  # as stored: a method stays a method
+        for owner, name, what in self._swapped:
+            setattr(owner, name, self._logged(what, getattr(owner, name)))
+        return self
+
+    def _logged(self, what: str, original):
+        def logged(*args, **kwargs):
+            self.mark(what)
+            return original(*args, **kwargs)
+        return logged
+
+    def __exit__(self, *exc) -> None:
+        for (owner, name, _), saved in zip(self._swapped, self._saved):
+            setattr(owner, name, saved)
 
 
 # graded: 14_context_expert_parallelism ring_attention

@@ -1,8 +1,11 @@
 """Known submissions of 14_context_expert_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The ring's order
+mistakes are edits of today's solution cell (tests/solved.py), never copies of it.
 """
+
+from solved import edit, solution
 
 # The reference merge and ring of the solution notebook; each mistake below changes it in one or two places.
 RING_SOLUTION = '''
@@ -114,6 +117,19 @@ NO_SKIP = changed(("                if mask.any():  # a tile no query sees (a la
 RESENDS_OWN_BLOCK = changed(("pending = cp.ring_pass(kv, incoming) if step < world - 1 else []",
                              "pending = cp.ring_pass(torch.stack([k, v]), incoming) if step < world - 1 else []"))
 
+# The ring's pass and its wait in the solution cell: the order mistakes below move one of them. Both give the right
+# output and bytes; only the order the ring ran (cp.RingLog) shows the transfer and the compute taking turns.
+RING_CELL = solution("14_context_expert_parallelism", "ring_attention")
+OVERLAPS = "  # the next block fills while we compute"
+POST = f"        pending = cp.ring_pass(kv, incoming) if step < world - 1 else []{OVERLAPS}\n"
+WAIT = "        for p in pending:\n            p.wait()\n"
+# each block attended first, its pass posted only after: the transfer waits for the compute
+RING_COMPUTES_THEN_SENDS = edit(RING_CELL, (POST, ""),
+                                (WAIT, POST.replace(OVERLAPS, "  # wrong: after the compute") + WAIT))
+# the pass posted first, but waited on at once: the compute waits for the transfer
+RING_WAITS_BEFORE_COMPUTING = edit(RING_CELL, (WAIT, ""),
+                                   (POST, POST + WAIT.replace("()", "()  # wrong: before the compute")))
+
 CALLS_LIBRARY_RING = '''
 import course_lib.parallel.cp as _cp
 
@@ -169,6 +185,10 @@ CASES = {
                 "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "resends_own_block": {"cells": {"ring_attention": RESENDS_OWN_BLOCK},
                           "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "ring_computes_then_sends": {"cells": {"ring_attention": RING_COMPUTES_THEN_SENDS},
+                                 "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "ring_waits_before_computing": {"cells": {"ring_attention": RING_WAITS_BEFORE_COMPUTING},
+                                    "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "calls_library_ring_attention": {"cells": {"ring_attention": CALLS_LIBRARY_RING}, "scores": scores(*RING)},
     "splits_not_exchanged": {"cells": {"expert_parallel": SPLITS_NOT_EXCHANGED}, "scores": scores(*EXPERTS)},
     "combine_wrong_order": {"cells": {"expert_parallel": COMBINE_WRONG_ORDER}, "scores": scores(*EXPERTS)},
