@@ -202,7 +202,9 @@ def checks_score(solution: dict, replace: dict[str, str], points: dict[str, floa
     nbgrader. ``only``: grade these test cells alone."""
     from course_lib.checks import grade
 
-    verdicts = grade.grade(submission(solution, solution, replace=replace), server=server, only=only)
+    # one fixed seed for the hidden cases, so a failure here replays; tests/test_grading_guard.py checks that grading
+    # for credit draws a new one every time
+    verdicts = grade.grade(submission(solution, solution, replace=replace), server=server, only=only, seed=1)
     return {k: (points[k] if v.passed else 0) for k, v in verdicts.items()}
 
 

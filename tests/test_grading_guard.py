@@ -208,3 +208,42 @@ def test_a_hidden_test_s_feedback_names_the_error_not_its_text():
     assert "SIZES" not in grade.judge(hidden, error, []).message
     assert "ValueError" in grade.judge(hidden, error, []).message and "line 2" in grade.judge(hidden, error, []).message
     assert "SIZES=[3, 5, 7]" in grade.judge(visible, error, []).message
+
+
+class RecordingServer(grade.Server):
+    """A real grading server that notes the seed each grading handed it."""
+
+    seeds: list
+
+    def run(self, cells, names, seconds, fence=True, seed=0):
+        self.seeds.append(seed)
+        return super().run(cells, names, seconds, fence, seed)
+
+
+def test_hidden_cases_come_from_each_gradings_secret_seed():
+    """06's hidden sampler test draws its seed from the grading's: two gradings ask for different batches, each
+    judged right under its own seed; the data that answered one grading fails under another's; and ``grade`` draws
+    a new seed every time."""
+    import nbgrading as g
+
+    name = "test_rank_batches_hidden"
+    solution = g.load_solution("06_ddp")
+    nb = g.submission(solution, solution)
+    running = RecordingServer(grade.hidden_modules([name]))
+    running.seeds = []
+    try:
+        cells = grade.cells_to_run(nb)
+        first = running.run(cells, [name], 60, seed=11)["results"][name]
+        second = running.run(cells, [name], 60, seed=12)["results"][name]
+        verdicts = [grade.grade(nb, server=running, only={name}) for _ in range(2)]
+    finally:
+        running.close()
+    assert first["data"]["seeded"] != second["data"]["seeded"], "the same hidden batches at two gradings"
+    assert grade.judge(name, first, [], seed=11).passed and grade.judge(name, second, [], seed=12).passed
+    assert not grade.judge(name, first, [], seed=12).passed, "an earlier grading's answers pass a later one"
+    assert all(v[name].passed for v in verdicts)
+    drawn = running.seeds[2:]
+    assert len(drawn) == 2 and drawn[0] != drawn[1], f"grade() drew the seeds {drawn}"
+    with checks.grading_seed(11):
+        eleven = checks.case_seed("sampler")
+    assert eleven != checks.case_seed("sampler") and checks.GRADING_SEED == 0  # the block's seed, then the default

@@ -17,7 +17,9 @@ process, where a patched helper, a swallowed error, a rebound ``forbid`` or a gr
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import hashlib
 import importlib
 import io
 import os
@@ -30,6 +32,10 @@ import torch
 from course_lib.launch import run_forked, ships_by_value
 
 REGISTRY: dict[str, "Check"] = {}
+# The seed of the grading under way: the grader draws one per submission (``grade.grade``) and sets it in the
+# process that runs the probes and around its own judges, so the hidden cases built from it (``case_seed``) are new
+# at every grading and outputs learned from an earlier one answer nothing. 0 in a notebook's own kernel.
+GRADING_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,24 @@ def register(name: str, probe: Callable[[dict], Any], judge: Callable[[Any], str
         raise ValueError(f"two checks are named {name!r}: each test cell's grade_id names one")
     REGISTRY[name] = Check(name, probe, judge)
     return REGISTRY[name]
+
+
+def case_seed(*parts) -> int:
+    """A seed for one hidden case, from this grading's seed and the case's name (``parts``): the probe, in the grading
+    process, and the judge, in the grader, derive the same one; every grading a new one."""
+    digest = hashlib.sha256(repr((GRADING_SEED, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (1 << 31)
+
+
+@contextlib.contextmanager
+def grading_seed(seed: int):
+    """Checks run inside this block build their hidden cases from ``seed`` (``case_seed``); the previous seed after."""
+    global GRADING_SEED
+    before, GRADING_SEED = GRADING_SEED, int(seed)
+    try:
+        yield
+    finally:
+        GRADING_SEED = before
 
 
 def load_all() -> None:

@@ -136,11 +136,14 @@ def restore(frozen: tuple[dict, list, list]) -> None:
             fn.__code__, fn.__defaults__ = original, defaults
 
 
-def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[dict, list, list]) -> dict:
-    """Each check's probe on ``namespace``: ``{name: {"data": ...}}`` or ``{name: {"error": "..."}}``."""
+def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[dict, list, list],
+               seed: int = 0) -> dict:
+    """Each check's probe on ``namespace``, its hidden cases built from the grading's ``seed``: ``{name: {"data":
+    ...}}`` or ``{name: {"error": "..."}}``."""
     out = {}
     for name in names:
         restore(frozen)
+        checks.GRADING_SEED = seed  # after restore, whose snapshot holds the default: the grader's, not the cells'
         start_clock(seconds)
         try:
             out[name] = {"data": checks.plain(checks.REGISTRY[name].probe(namespace))}
@@ -217,7 +220,7 @@ def run_job(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tup
     CLOCK["fd"] = job["report_fd"]
     guard(job, frozen, forbidden)
     cell_errors = run_cells(job["cells"], namespace, job["seconds"])
-    results = run_probes(job["names"], namespace, job["seconds"], frozen)
+    results = run_probes(job["names"], namespace, job["seconds"], frozen, int(job.get("seed", 0)))
     restore(frozen)  # the way out (torch.save, pickle, io) as it was before the student's code ran
     torch.save({"results": results, "cell_errors": cell_errors}, job["out"])
 

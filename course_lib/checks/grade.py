@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -142,15 +143,16 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "course_lib.checks.child", "--serve", *copies],
                                      cwd=self.folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def run(self, cells: list[str], names: list[str], seconds: int, fence: bool = True) -> dict:
-        """Run ``cells`` then the probes of ``names`` in a fenced fork; returns what it wrote (plain data only)."""
+    def run(self, cells: list[str], names: list[str], seconds: int, fence: bool = True, seed: int = 0) -> dict:
+        """Run ``cells`` then the probes of ``names`` in a fenced fork, the hidden cases built from ``seed``
+        (``checks.case_seed``); returns what it wrote (plain data only)."""
         scratch = Path(sandbox.scratch_folder())
         try:
             read, write = sandbox.allow_lists([], str(scratch), [], str(edition.grading_cache()), self.edition,
                                               str(HERE.parent))
-            job = {"cells": cells, "names": names, "seconds": seconds, "out": str(scratch / "out.pt"),
-                   "log": str(scratch / "log.txt"), "scratch": str(scratch), "fence": fence, "read": read,
-                   "write": write, "limit": seconds * (len(cells) + len(names)) + 60,
+            job = {"cells": cells, "names": names, "seconds": seconds, "seed": int(seed),
+                   "out": str(scratch / "out.pt"), "log": str(scratch / "log.txt"), "scratch": str(scratch),
+                   "fence": fence, "read": read, "write": write, "limit": seconds * (len(cells) + len(names)) + 60,
                    "env": {k: v for k, v in sandbox.grading_env({}, str(scratch), self.edition).items()
                            if k != "PYTHONPATH"}}
             (scratch / "job.json").write_text(json.dumps(job))
@@ -200,10 +202,10 @@ def hidden(name: str) -> bool:
     return name in checks.REGISTRY and checks.REGISTRY[name].probe.__module__.endswith("_hidden")
 
 
-def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
-    """One check's verdict, from its probe's data, in this process. The data is ``validated`` before the judge
-    reads it. A hidden test's feedback names the error's type and line, never its text: the student's code could
-    put the hidden inputs in it."""
+def judge(name: str, result: dict | None, cell_errors: list[str], seed: int = 0) -> Verdict:
+    """One check's verdict, from its probe's data, in this process, its hidden cases built from the grading's
+    ``seed``, as the probe's were. The data is ``validated`` before the judge reads it. A hidden test's feedback names
+    the error's type and line, never its text: the student's code could put the hidden inputs in it."""
     if not isinstance(result, dict) or "data" not in result:
         why = result.get("error") if isinstance(result, dict) else "the probe never ran"
         if isinstance(result, dict) and hidden(name):
@@ -212,7 +214,8 @@ def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
         context = f"\n(errors in your cells: {'; '.join(str(e) for e in cell_errors)})" if cell_errors else ""
         return Verdict(False, f"{name}: {why}{context}")
     try:
-        return Verdict(True, str(checks.REGISTRY[name].judge(validated(result["data"]))))
+        with checks.grading_seed(seed):
+            return Verdict(True, str(checks.REGISTRY[name].judge(validated(result["data"]))))
     except Malformed as err:
         return Verdict(False, f"{name}: the data your code gave back is not plain data a test can read ({err})")
     except AssertionError as err:
@@ -222,22 +225,24 @@ def judge(name: str, result: dict | None, cell_errors: list[str]) -> Verdict:
 
 
 def grade(nb: dict, seconds: int = 60, fence: bool = True, server: Server | None = None,
-          only: set[str] | None = None) -> dict[str, Verdict]:
+          only: set[str] | None = None, seed: int | None = None) -> dict[str, Verdict]:
     """``{grade_id: Verdict}`` of every test cell of ``nb`` that calls ``check``; a cell passes if all its checks do.
     ``server``: a grading server of the caller's (else the shared one for these checks). ``only``: these test cells'
-    checks alone run (the others' probes are never started)."""
+    checks alone run (the others' probes are never started). ``seed``: the hidden cases' (``checks.case_seed``); by
+    default a new secret one for this grading, which the submission's code can neither choose nor know ahead."""
+    seed = secrets.randbelow(1 << 31) if seed is None else seed
     cells = {k: v for k, v in checked_cells(nb).items() if only is None or k in only}
     names = [n for ns in cells.values() for n in ns]
     if not names:
         return {}
-    out = (server or server_for(names)).run(cells_to_run(nb), names, seconds, fence)
+    out = (server or server_for(names)).run(cells_to_run(nb), names, seconds, fence, seed)
     results, errors = out.get("results", {}), out.get("cell_errors", [])
     errors = errors if isinstance(errors, list) else []
     reports = tuple(f"{r['kind']}: {r['detail']}" + (" (refused)" if r["refused"] else "")
                     for r in out.get("reports", []))
     verdicts = {}
     for grade_id, ns in cells.items():
-        each = [judge(n, results.get(n), errors) for n in ns]
+        each = [judge(n, results.get(n), errors, seed) for n in ns]
         failed = [v for v in each if not v.passed]
         verdict = failed[0] if failed else Verdict(True, "; ".join(v.message for v in each))
         verdicts[grade_id] = dataclasses.replace(verdict, reports=reports)

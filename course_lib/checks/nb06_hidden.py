@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from torch.utils.data import DistributedSampler
 
-from course_lib.checks import register
+from course_lib.checks import case_seed, register
 from course_lib.checks.nb06 import average_probe, batches_per_rank, judge_average
 
 
 # ---------------------------------------------------------------- rank_batches
 def probe_batches(ns: dict) -> dict:
     return {"padded": batches_per_rank(ns, 3, 22, 4, (0,)),  # 22 = 3 x 7 + 1: a padding sampler hands out 8 per rank
-            "seeded": batches_per_rank(ns, 3, 50, 5, (0, 1, 4), 7)}
+            "seeded": batches_per_rank(ns, 3, 50, 5, (0, 1, 4), case_seed("sampler"))}  # a seed new to each grading
 
 
 def sampler_batches(n: int, rank: int, batch_size: int, epoch: int, seed: int) -> list:
@@ -33,7 +33,7 @@ def judge_batches(got: dict) -> str:
         assert got["padded"][r][0] == sampler_batches(22, r, 4, 0, 0), \
             f"22 samples, batches of 4, rank {r}: not the sampler's batches"
         for e in (0, 1, 4):
-            assert got["seeded"][r][e] == sampler_batches(50, r, 5, e, 7), \
+            assert got["seeded"][r][e] == sampler_batches(50, r, 5, e, case_seed("sampler")), \
                 f"rank {r}, epoch {e}: not the sampler's batches"
     return "3 ranks, an uneven data set, a seed and later epochs: the sampler's batches"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from course_lib.checks import register
+from course_lib.checks import case_seed, register
 from course_lib.checks.nb11 import (LABELLING, PEFT, is_tensor, labelling_batch, my_pair, peft_count, small_config,
                                     student_count, student_labels, tensor, their_pair)
 from course_lib.grading import forbid
@@ -40,12 +40,17 @@ register("test_response_labels_hidden", probe_labels, judge_labels)
 
 
 # ---------------------------------------------------------------- LoRALinear: merge, unmerge, dropout
-MERGE = dict(r=8, alpha=4, shape=(2, 3, 16), seed=5)  # scaling 0.5, a (batch, seq, in) input
-DROPOUT = dict(r=4, alpha=8, dropout=0.5, seed=6)
+MERGE = dict(r=8, alpha=4, shape=(2, 3, 16))  # scaling 0.5, a (batch, seq, in) input
+DROPOUT = dict(r=4, alpha=8, dropout=0.5)
+
+
+def seeded(case: dict, name: str) -> dict:
+    """``case`` with its weights' and input's seed: new to every grading (``case_seed``)."""
+    return {**case, "seed": case_seed("lora", name)}
 
 
 def probe_merge(ns: dict) -> dict:
-    mine, x = my_pair(ns, **MERGE)
+    mine, x = my_pair(ns, **seeded(MERGE, "merge"))
     out = {}
     with torch.no_grad():
         with forbid(*PEFT, namespace=ns):
@@ -61,16 +66,16 @@ def probe_merge(ns: dict) -> dict:
             out["merged after unmerge"] = bool(mine.merged)
             out["w unmerged"] = tensor(mine.base.weight)
             out["y unmerged"] = tensor(mine(x))
-    mine, x = my_pair(ns, **DROPOUT)
+    mine, x = my_pair(ns, **seeded(DROPOUT, "dropout"))
     mine.train()
     with forbid(*PEFT, namespace=ns):
-        torch.manual_seed(11)
+        torch.manual_seed(case_seed("lora", "mask"))
         out["y dropout"] = tensor(mine(x))
     return out
 
 
 def judge_merge(got: dict) -> str:
-    base, theirs, x = their_pair(**MERGE)
+    base, theirs, x = their_pair(**seeded(MERGE, "merge"))
     with torch.no_grad():
         y_ref = theirs(x)
         for key in ("y", "w merged", "w merged twice", "y merged", "w unmerged", "y unmerged"):
@@ -86,9 +91,9 @@ def judge_merge(got: dict) -> str:
         assert not got["merged after unmerge"] and torch.allclose(got["w unmerged"], base.weight, atol=1e-6), \
             "unmerge restores W"
         assert torch.allclose(got["y unmerged"], y, atol=1e-5)
-    _, theirs, x = their_pair(**DROPOUT)
+    _, theirs, x = their_pair(**seeded(DROPOUT, "dropout"))
     theirs.train()
-    torch.manual_seed(11)
+    torch.manual_seed(case_seed("lora", "mask"))
     y_ref = theirs(x)
     is_tensor(got["y dropout"], "the layer's output")
     assert torch.allclose(got["y dropout"], y_ref, atol=1e-5), \

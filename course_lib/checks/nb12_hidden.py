@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from course_lib.checks import error_text, register
+from course_lib.checks import case_seed, error_text, register
 from course_lib import nf4
 from course_lib.grading import worst
 from course_lib.checks.nb11 import is_tensor, tensor
@@ -20,8 +20,8 @@ from course_lib.grading import forbid
 # ---------------------------------------------------------------- nf4_quantize: many blocks
 def many_blocks() -> dict:
     """The inputs, drawn in the order the test had them: 150 values in blocks of 64, 64 and 22; 400 in 3 × 128 and
-    16; an all-zero block; a block ten thousand times larger than the next."""
-    torch.manual_seed(1)
+    16; an all-zero block; a block ten thousand times larger than the next. Their values are new to every grading."""
+    torch.manual_seed(case_seed("nf4", "many blocks"))
     many = [(torch.randn(shape) * 0.02, bs) for shape, bs in (((5, 30), 64), ((2, 200), 128))]
     zero = torch.randn(3, 64)
     zero[1] = 0.0
@@ -250,26 +250,31 @@ STORAGE_STAND_INS.update(nf4_quantize=_nf4_quantize, nf4_dequantize=_nf4_dequant
                          unpack_4bit=_unpack_4bit, compress_absmax=_compress_absmax,
                          decompress_absmax=_decompress_absmax)
 
-QLORA_CASES = {"float32": dict(r=4, alpha=16, shape=(2, 3), seed=11),          # a 3-D input, scaling 4
-               "bf16": dict(r=8, alpha=8, shape=(6,), seed=12, dtype=torch.bfloat16),  # bf16 autocast
-               "no bias": dict(r=2, alpha=4, shape=(4,), seed=13),
-               "more outputs": dict(r=4, alpha=8, shape=(3,), seed=14)}  # a Llama's gate_proj and up_proj widen
+QLORA_CASES = {"float32": dict(r=4, alpha=16, shape=(2, 3)),          # a 3-D input, scaling 4
+               "bf16": dict(r=8, alpha=8, shape=(6,), dtype=torch.bfloat16),  # bf16 autocast
+               "no bias": dict(r=2, alpha=4, shape=(4,)),
+               "more outputs": dict(r=4, alpha=8, shape=(3,))}  # a Llama's gate_proj and up_proj widen
 WIDER = {"more outputs": (96, 40)}  # (out, in) where a case's weight is not (40, 96)
+
+
+def qlora_case(case: str) -> dict:
+    """The case's settings and its seed (weights, adapters, input): new to every grading (``case_seed``)."""
+    return {**QLORA_CASES[case], "seed": case_seed("qlora", case)}
 
 
 def hidden_base(case: str) -> torch.nn.Linear:
     out_features, in_features = WIDER.get(case, (40, 96))
-    return qlora_base(out_features, in_features, QLORA_CASES[case]["seed"], exact=False, bias=case != "no bias")
+    return qlora_base(out_features, in_features, qlora_case(case)["seed"], exact=False, bias=case != "no bias")
 
 
 def probe_qlora_hidden(ns: dict) -> dict:
-    return {case: probe_qlora(ns, hidden_base(case), **kw) for case, kw in QLORA_CASES.items()}
+    return {case: probe_qlora(ns, hidden_base(case), **qlora_case(case)) for case in QLORA_CASES}
 
 
 def judge_qlora_hidden(got: dict) -> str:
-    for case, kw in QLORA_CASES.items():
+    for case in QLORA_CASES:
         mine, base = got[case], hidden_base(case)
-        kw = {k: v for k, v in kw.items() if k != "dtype"}
+        kw = {k: v for k, v in qlora_case(case).items() if k != "dtype"}
         weight = nf4.nf4_round_trip(base.weight.detach())  # NF4 with double quantisation: what QLoRA computes with
         judge_qlora_layer(mine, base, weight, **kw, tolerance=2e-2 if case == "bf16" else 1e-4)
         is_tensor(mine["y"], "the output")
