@@ -295,6 +295,29 @@ def _forced_torch_cp(seq: int) -> str:
     return "ran"
 
 
+def test_torch_cps_llama_draws_its_weights_where_the_reference_does():
+    """The same seed draws other weights on a GPU's generator than on the CPU's, and cp_torch's Llama is compared
+    loss for loss with cp_train's reference, built on the CPU: its weights must be drawn on the CPU too, whatever
+    device it runs on. The meta device stands in for a GPU: every random draw must still land on a CPU tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Draws(TorchDispatchMode):
+        devices: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("normal_", "uniform_", "bernoulli_", "random_"):
+                self.devices.add(args[0].device.type)
+            return func(*args, **(kwargs or {}))
+
+    with Draws() as draws:
+        model = cp_torch.llama(seed=3, device="meta")
+    assert draws.devices == {"cpu"}, f"random weights drawn on {draws.devices}"
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    reference = build_llama("tiny", seed=3)
+    again = cp_torch.llama(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), reference.state_dict().values()))
+
+
 def test_torch_context_parallel_goes_the_gpus_way_up_to_the_kernel():
     """The GPU path forced on 2 CPU ranks: mesh, in-place sharding of the batch, the course's Llama unchanged, up to
     the SDPA that torch's context swapped in, where the CPU has no kernel it can ring. A GPU runs on from there."""

@@ -64,14 +64,16 @@ def llama(seed: int = 0, device: torch.device | str = "cpu"):
     A rank's positions under the zig-zag split jump (chunk r, then chunk 2N-1-r), and transformers reads a jump in
     ``position_ids`` as the start of a packed sequence: it would build a block mask that cuts attention at the jump
     (and torch's context would shard that mask as if it were q, k or v). No mask, and ``is_causal``: the ring masks
-    by global position itself. The weights are ``build_llama("tiny", seed=seed)``'s.
+    by global position itself. The weights are ``build_llama("tiny", seed=seed)``'s: built on the CPU, where
+    ``cp_train.reference_llama_losses`` builds the model it is compared with, then moved to ``device`` (a GPU's
+    generator draws other weights from the same seed).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, course_sdpa)
     AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
-    return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed, device=device)
+    return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed).to(device)
 
 
 def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
