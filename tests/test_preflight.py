@@ -150,3 +150,14 @@ def test_ranks_that_cannot_connect_fail_the_collectives_row_with_their_error(mon
     row = preflight.collective_row("cpu", 2)
     assert row.status == "FAIL" and "nosuch0" in row.detail, row
     assert "GLOO_SOCKET_IFNAME" in row.fix
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_the_collectives_row_runs_every_collective_the_course_runs(nprocs):
+    """All-reduce, all-gather, reduce-scatter, all-to-all and (with a peer) a send/recv round the ring, each checked
+    by arithmetic on every rank and timed: an odd world too, and one rank alone, as one GPU is."""
+    row = preflight.collective_row("cpu", nprocs)
+    assert row.status == "pass", row
+    ran = ["all-reduce", "all-gather", "reduce-scatter", "all-to-all"] + (["send-recv"] if nprocs > 1 else [])
+    assert all(f"{op} " in row.detail and " ms" in row.detail for op in ran), row.detail
+    assert ("send-recv" in row.detail) == (nprocs > 1) and ("needs two ranks" in row.detail) == (nprocs == 1)

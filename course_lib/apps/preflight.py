@@ -310,23 +310,70 @@ def check_attention() -> list[Row]:
 
 # ------------------------------------------------------------------ collectives on real ranks
 
-def collective_worker(numel: int = 4096) -> dict:
-    """What each rank runs (``course_lib.launch``): an all-reduce and an all-gather on this rank's device,
-    each checked against the arithmetic. Returns which held."""
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def _collective_calls(device: torch.device, rank: int, world: int, numel: int) -> dict[str, Callable[[], bool]]:
+    """Each collective the course's notebooks run, as a call that runs it once and says whether the arithmetic
+    held: all-reduce (DDP), all-gather and reduce-scatter (FSDP, ZeRO), all-to-all (expert parallelism, the
+    context-parallel backward) and a send/recv round the ring (pipeline and ring attention; needs two ranks)."""
+    full = lambda value: torch.full((numel,), float(value), device=device)  # noqa: E731
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13's name
+
+    def all_reduce() -> bool:
+        x = full(rank + 1)
+        dist.all_reduce(x)
+        return bool((x == world * (world + 1) / 2).all())
+
+    def all_gather() -> bool:
+        parts = [torch.empty(numel, device=device) for _ in range(world)]
+        dist.all_gather(parts, full(rank))
+        return all(bool((p == r).all()) for r, p in enumerate(parts))
+
+    def reduce_scatter_() -> bool:
+        out = torch.empty(numel, device=device)
+        reduce_scatter(out, torch.cat([full(rank + r) for r in range(world)]))  # slice r of rank q holds q + r
+        return bool((out == sum(q + rank for q in range(world))).all())
+
+    def all_to_all() -> bool:
+        out = torch.empty(numel * world, device=device)
+        dist.all_to_all_single(out, torch.cat([full(rank * world + r) for r in range(world)]))  # to r: rank*N + r
+        return all(bool((chunk == q * world + rank).all()) for q, chunk in enumerate(out.chunk(world)))
+
+    def send_recv() -> bool:
+        got = torch.empty(numel, device=device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, full(rank), (rank + 1) % world),
+                                        dist.P2POp(dist.irecv, got, (rank - 1) % world)])
+        for work in works:
+            work.wait()
+        return bool((got == (rank - 1) % world).all())
+
+    calls = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter_,
+             "all_to_all": all_to_all, "send_recv": send_recv}
+    return calls if world > 1 else {k: v for k, v in calls.items() if k != "send_recv"}
+
+
+def collective_worker(numel: int = 4096, repeats: int = 5) -> dict:
+    """What each rank runs (``course_lib.launch``): every collective of ``_collective_calls`` on this rank's device,
+    checked against the arithmetic, then timed (the median of ``repeats`` runs, in ms). Returns which held."""
     device, rank, world = rank_device(), dist.get_rank(), dist.get_world_size()
-    x = torch.full((numel,), float(rank + 1), device=device)
-    dist.all_reduce(x)
-    parts = [torch.empty(numel, device=device) for _ in range(world)]
-    dist.all_gather(parts, torch.full((numel,), float(rank), device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return {"device": str(device), "backend": dist.get_backend(),
-            "all_reduce": bool((x == world * (world + 1) / 2).all()),
-            "all_gather": all(bool((p == r).all()) for r, p in enumerate(parts))}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    out: dict = {"device": str(device), "backend": dist.get_backend(), "ms": {}}
+    for name, call in _collective_calls(device, rank, world, numel).items():
+        out[name] = call()
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        out["ms"][name] = sorted(times)[len(times) // 2]
+    return out
 
 
 def collective_row(device_type: str, nprocs: int) -> Row:
-    """Launch ``nprocs`` ranks on ``device_type`` as the course does and judge their all-reduce and all-gather."""
+    """Launch ``nprocs`` ranks on ``device_type`` as the course does and judge every collective the course runs."""
     backend = backend_for(device_type)
     backend += " (RCCL)" if backend == "nccl" and torch.version.hip else ""
     check = f"collectives: {backend}, {nprocs} {'GPU' if device_type == 'cuda' else 'CPU'} ranks"
@@ -340,11 +387,15 @@ def collective_row(device_type: str, nprocs: int) -> Row:
                          echo=False)
     except (WorkerError, TimeoutError, ValueError) as err:
         return Row(check, FAIL, " ".join(str(err).split())[-400:], fix)
-    wrong = [f"rank {r['rank']}: {op}" for r in results for op in ("all_reduce", "all_gather") if not r[op]]
+    ran = [op for op in COLLECTIVES if op in results[0]] if results else []
+    wrong = [f"rank {r['rank']}: {op}" for r in results for op in ran if not r[op]]
     if len(results) != nprocs or wrong:
         return Row(check, FAIL, f"{len(results)} of {nprocs} ranks answered; wrong results: {wrong}", fix)
     devices = sorted({r["device"] for r in results})
-    return Row(check, PASS, f"all-reduce and all-gather correct on every rank ({', '.join(devices)})")
+    slowest = {op: max(r["ms"][op] for r in results) for op in ran}
+    timed = ", ".join(f"{op.replace('_', '-')} {ms:.2f} ms" for op, ms in slowest.items())
+    alone = "" if "send_recv" in ran else "; send/recv needs two ranks"
+    return Row(check, PASS, f"correct on every rank ({', '.join(devices)}), 16 KB each: {timed}{alone}")
 
 
 def check_collectives(quick: bool = False) -> list[Row]:
