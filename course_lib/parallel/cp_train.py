@@ -246,8 +246,9 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
     """One GPU, one rank: the longest sequence a bf16 training step (forward and backward, batch 1) of the Llama
     ``preset`` fits in ``budget_gb`` of this GPU, measured.
 
-    The allocator is held to the budget (``torch.cuda.set_per_process_memory_fraction``; less where less is free), so
-    neither the GPU's size nor other processes on it move the answer. Two short steps (``probes``) give the step's
+    The allocator's reserved memory is held to the budget (``torch.cuda.set_per_process_memory_fraction``; less where
+    less is free), so neither the GPU's size nor other processes on it move the answer; the peaks are reserved bytes
+    too. Two short steps (``probes``) give the step's
     fixed part and its bytes per token (the peak is linear in S), hence the longest sequence
     (``longest_from_peaks``), which is then checked by running ``checks`` times it: the first must fit and the
     second run out. Returns the budget, the probes' peaks, the bytes per token and the fixed part, the longest
@@ -273,8 +274,8 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
             if peak is not None and peak > budget:  # it fit only because the allocator went past the budget
                 raise RuntimeError(f"a step of {int(factor * longest)} tokens peaked at {peak / 2**30:.1f} GiB, past "
                                    f"the {budget / 2**30:.1f} GiB budget: this allocator does not hold "
-                                   "set_per_process_memory_fraction (PYTORCH_CUDA_ALLOC_CONF="
-                                   f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r}); run without expandable_segments")
+                                   f"set_per_process_memory_fraction ({_alloc_conf()}); run without "
+                                   "expandable_segments")
             ran_out[factor] = peak is None
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -284,8 +285,18 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
             "fixed": peaks[min(probes)] - per_token * min(probes), "longest": longest, "ran_out": ran_out}
 
 
+def _alloc_conf() -> str:
+    """The allocator settings this process was given, under the names torch reads here (ROCm reads
+    PYTORCH_HIP_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF; PYTORCH_ALLOC_CONF serves both)."""
+    names = ["PYTORCH_HIP_ALLOC_CONF"] if torch.version.hip else []
+    names += ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
+    return ", ".join(f"{n}={os.environ.get(n)!r}" for n in names)
+
+
 def _step_peak(model: nn.Module, seq: int, seed: int) -> int | None:
-    """The allocator's peak over one forward and backward of ``seq`` tokens, or None where it ran out of memory."""
+    """The allocator's peak over one forward and backward of ``seq`` tokens, or None where it ran out of memory.
+    Reserved, not allocated, memory: what ``set_per_process_memory_fraction`` caps, so the fit and the budget count
+    the same bytes (the cache's blocks and fragmentation included)."""
     device = next(model.parameters()).device
     tokens = lm_batch(0, 1, seq, model.config.vocab_size, seed).to(device)
     torch.cuda.empty_cache()
@@ -293,7 +304,7 @@ def _step_peak(model: nn.Module, seq: int, seed: int) -> int | None:
     try:
         next_token_loss(model(input_ids=tokens).logits, tokens).backward()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_reserved(device)
     except torch.cuda.OutOfMemoryError:
         return None
     except RuntimeError as err:  # a library's own allocation failing (cuBLAS, a kernel's workspace) says it so
