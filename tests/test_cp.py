@@ -83,6 +83,10 @@ def _every_check():
             for zigzag in (False, True):
                 results[seq, causal, zigzag] = _ring(rank, world, seq, causal, zigzag)
                 results["given", seq, causal, zigzag] = _ring(rank, world, seq, causal, zigzag, forward=_given_ring)
+                q, k, v, _ = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _qkvw(seq))
+                with CollectiveBytes() as gathered:
+                    out = cp.gathered_forward(q, k, v, causal=causal, seq_len=seq, zigzag=zigzag)[0]
+                results["gathered", seq, causal, zigzag] = (out.numpy(), gathered.sent_bytes_by_kind)
     seq = LENGTHS[world][0]
     results["wrong merge"] = _ring(rank, world, seq, True, False, merge=_wrong_merge)[0]
     for zigzag in (False, True):  # the tiles the ring computed, counted by the ring itself
@@ -125,6 +129,12 @@ def test_ring_attention_equals_full_attention(world):
                 fwd = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 bwd = cp_train.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 assert all(p[4] == fwd and p[5] == bwd for p in parts), ([p[4:] for p in parts], fwd, bwd)
+                # the all-gather design: the same output, one all-gather sending what the ring's passes send
+                gathered = [r["gathered", seq, causal, zigzag] for r in ranks]
+                got = cp.merge_sequence([torch.from_numpy(out) for out, _ in gathered], seq, zigzag=zigzag)
+                torch.testing.assert_close(got, ref[0], atol=2e-5, rtol=1e-4,
+                                           msg=f"gathered_forward: seq={seq} causal={causal} zigzag={zigzag}")
+                assert all(sent == {"all_gather": pytest.approx(fwd)} for _, sent in gathered), (gathered[0][1], fwd)
     # the tiles each rank computed: the plain causal ring's imbalance, the zig-zag's balance
     assert [r["work", False] for r in ranks] == cp_train.causal_work(world)
     assert [r["work", True] for r in ranks] == pytest.approx(cp_train.causal_work(world, zigzag=True))

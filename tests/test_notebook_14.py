@@ -46,6 +46,14 @@ def test_the_students_expert_parallelism(executed):
     assert shares == sorted(shares, reverse=True) and shares[0] > 0.2 and shares[-1] == 0
 
 
+def test_the_all_gather_design_gives_the_rings_output_for_the_same_bytes(executed):
+    res = executed("14_context_expert_parallelism")
+    designs = value(res, "cp_designs")
+    assert designs["gap"] < 1e-5 and designs["ring_bytes"] > 0
+    assert designs["allgather_bytes"] == pytest.approx(designs["ring_bytes"])
+    assert claim(res, "the all-gather design of context parallelism")["held"]
+
+
 def test_where_each_dimension_goes(executed):
     res = executed("14_context_expert_parallelism")
     sent = value(res, "bytes_per_step_8b")

@@ -16,6 +16,8 @@ ring gives the same numbers as attention over the whole sequence in one process.
   Behind a ring given as ``forward`` (notebook 14's, written by the student) the backward is ``gathered_backward``:
   every K/V block gathered, one all-reduce of their gradients, no ring loop of its own. ``RingLog`` records a
   rank's ring in order (passes posted, blocks attended, works waited on): whether each pass overlaps a compute.
+  ``gathered_forward`` is the forward's other design (torch's ``context_parallel``'s default): every K/V block
+  gathered at once, no ring.
 - ``split_sequence`` / ``merge_sequence`` (``zigzag_split`` / ``zigzag_merge``): each rank's block; with a
   causal mask the plain split leaves rank 0 one block of work and rank N-1 N blocks; the zig-zag split
   gives rank r chunks r and 2N-1-r of 2N, an early and a late one, and every rank the same work.
@@ -328,6 +330,37 @@ def ring_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len:
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+def _gathered_kv(k: torch.Tensor, v: torch.Tensor, group, world: int, local: int, zigzag: bool):
+    """Every rank's K/V block, gathered (one all-gather), and their keys' global positions: rank r's block at rows
+    r*local ... (r+1)*local - 1."""
+    kv = torch.stack([k, v]).contiguous()
+    blocks = [kv]
+    if world > 1:
+        blocks = [torch.empty_like(kv) for _ in range(world)]
+        dist.all_gather(blocks, kv, group=group)
+    k_pos = torch.cat([local_positions(r, world, local, zigzag, k.device) for r in range(world)])
+    return torch.cat(blocks, dim=SEQ_DIM), k_pos
+
+
+@torch.no_grad()
+def gathered_forward(q, k, v, *, causal: bool, group=None, seq_len: int | None = None, zigzag: bool = False,
+                     scale: float | None = None):
+    """Context parallelism's other design, (out, lse) of this rank's queries: every K/V block gathered at once (one
+    all-gather), then attention over the whole sequence's keys in one masked tile.
+
+    torch's ``context_parallel`` does this by default, and Llama 3's long-context training did. It sends what the
+    ring sends, (N-1)/N of the sequence's K/V per rank, in one collective before any compute instead of N-1 passes
+    that hide behind it, and holds all N blocks where the ring holds two: simpler, and small where K/V are a few
+    grouped heads; a document mask needs every key anyway.
+    """
+    rank, world = _rank_world(group)
+    seq_len, local = _check(q, k, v, world, seq_len, zigzag), q.shape[SEQ_DIM]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    every_kv, k_pos = _gathered_kv(k, v, group, world, local, zigzag)
+    mask = tile_mask(local_positions(rank, world, local, zigzag, q.device), k_pos, causal, seq_len)
+    return block_attention(q, every_kv[0], every_kv[1], mask, scale)
+
+
 @torch.no_grad()
 def gathered_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len: int | None = None,
                       zigzag: bool = False, scale: float | None = None):
@@ -344,13 +377,7 @@ def gathered_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_
     rank, world = _rank_world(group)
     seq_len, local = _check(q, k, v, world, seq_len, zigzag), q.shape[SEQ_DIM]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kv = torch.stack([k, v]).contiguous()
-    blocks = [kv]
-    if world > 1:
-        blocks = [torch.empty_like(kv) for _ in range(world)]
-        dist.all_gather(blocks, kv, group=group)
-    every_kv = torch.cat(blocks, dim=SEQ_DIM)  # rank r's block at rows r*local ... (r+1)*local - 1
-    k_pos = torch.cat([local_positions(r, world, local, zigzag, q.device) for r in range(world)])
+    every_kv, k_pos = _gathered_kv(k, v, group, world, local, zigzag)
     mask = tile_mask(local_positions(rank, world, local, zigzag, q.device), k_pos, causal, seq_len)
     dout = dout.to(out.dtype)
     dq, dk, dv = block_attention_backward(q, every_kv[0], every_kv[1], dout, lse, (dout * out).sum(-1), mask, scale)
