@@ -64,6 +64,14 @@ class Dims:
                          f"{'' if self.accum_steps == 1 else ' or accum_steps'}")
 
     @classmethod
+    def rounded(cls, global_batch: int, dp: int, accum_steps: int = 1) -> "Dims":
+        """The layout of the global batch nearest ``global_batch`` that ``dp`` ranks of ``accum_steps`` micro-batches
+        divide: the largest multiple of ``dp * accum_steps`` not above it, and at least one. For a size chosen before
+        the world is known (a tier's, on 3, 5, 6 or 7 GPUs)."""
+        step = max(1, dp) * max(1, accum_steps)
+        return cls(max(step, global_batch // step * step), accum_steps, dp)
+
+    @classmethod
     def for_world(cls, global_batch: int, world: int, *, accum_steps: int = 1, tp: int = 1, pp: int = 1) -> "Dims":
         """The layout of ``world`` ranks with the given ``tp`` and ``pp``: ``dp`` is what is left."""
         if world < 1 or world % (tp * pp):

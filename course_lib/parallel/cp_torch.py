@@ -35,8 +35,15 @@ from course_lib.parallel.cp import local_positions
 from course_lib.parallel.cp_train import no_mask, sum_gradients
 from course_lib.train import fit, train_step, worker_result
 
-SEQ = 32  # torch's load balancer cuts 2N chunks: 32 tokens serve every ring up to 16 ranks
+SEQ = 32  # tokens, at least: torch's load balancer cuts 2N equal chunks (seq_for rounds up to them)
 IMPLEMENTATION = "course_torch_cp"
+
+
+def seq_for(world: int, at_least: int = SEQ) -> int:
+    """The shortest sequence of at least ``at_least`` tokens that torch's load balancer cuts into 2·``world`` equal
+    chunks: 32 for 1, 2, 4, 8 or 16 ranks, 36 for 3, 40 for 5, 36 for 6, 42 for 7."""
+    step = 2 * world
+    return -(-at_least // step) * step
 
 
 def support(device: torch.device | str) -> str | None:
@@ -89,10 +96,11 @@ def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, 
     return loss / (len(tokens) * (seq - 1))
 
 
-def train_llama(steps: int = 3, *, seq: int = SEQ, batch: int = 2, lr: float = 1e-3, seed: int = 0,
+def train_llama(steps: int = 3, *, seq: int | None = None, batch: int = 2, lr: float = 1e-3, seed: int = 0,
                 force: bool = False) -> dict:
     """A worker (``launch.on_ranks``, GPU ranks): the course's tiny Llama trained with torch's ``context_parallel``
-    over every rank of the group, the same batches and optimizer as ``cp_train.reference_llama_losses``.
+    over every rank of the group, the same batches and optimizer as ``cp_train.reference_llama_losses``; ``seq``
+    tokens, by default ``seq_for`` the world (the reference must be given the same).
 
     Returns ``worker_result``'s losses (the sum of the ranks' shares: the batch's loss) and ``zigzag``: whether
     torch's split of the positions on this rank was ``cp.local_positions(rank, world, seq // world, zigzag=True)``.
@@ -103,6 +111,7 @@ def train_llama(steps: int = 3, *, seq: int = SEQ, batch: int = 2, lr: float = 1
     reason = support(device)
     if reason is not None and not force:
         raise RuntimeError(f"torch's context parallel cannot run on this rank: {reason}")
+    seq = seq_for(world) if seq is None else seq
     if seq % (2 * world):
         raise ValueError(f"seq={seq} tokens do not cut into 2·{world} equal chunks, which torch's load balancer "
                          f"needs: use a multiple of {2 * world}")

@@ -98,6 +98,12 @@ class ShardedModule(nn.Module):
         return functional_call(self.module, full, args, kwargs)
 
 
+def hybrid_shard_size(world: int) -> int:
+    """HYBRID_SHARD's shard group when none is given: two "nodes" where two divide the world, else the largest
+    divisor of the world below it (3, 5 or 7 ranks: 1, each rank a "node"; 6: 3)."""
+    return max(d for d in range(1, max(world // 2, 1) + 1) if world % d == 0)
+
+
 def make_mesh(strategy: str, shard_size: int | None = None, device_type: str | None = None):
     """The DeviceMesh of a strategy over the whole world (see the module's table)."""
     world = dist.get_world_size()
@@ -107,7 +113,7 @@ def make_mesh(strategy: str, shard_size: int | None = None, device_type: str | N
     if strategy == "no_shard":
         shard_size = 1
     elif strategy == "hybrid":
-        shard_size = shard_size or max(1, world // 2)  # two "nodes" unless told
+        shard_size = shard_size or hybrid_shard_size(world)
         if world % shard_size:
             raise ValueError(f"shard_size={shard_size} must divide the world size {world}")
     else:
