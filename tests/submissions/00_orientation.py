@@ -1,64 +1,35 @@
 """Known submissions of 00_orientation and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cells (tests/solved.py), never copies of them.
 """
 
-COUNT_LM_HEAD_WHEN_TIED = '''
-def llama_param_count(config):
-    d, ffn = config.hidden_size, config.intermediate_size
-    kv_width = d * config.num_key_value_heads // config.num_attention_heads
-    per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * ffn + 2 * d
-    # forgot: a tied lm_head is the embedding matrix, counted once
-    return config.num_hidden_layers * per_layer + 2 * config.vocab_size * d + d
-'''
+from solved import edit, solution
 
-NO_GQA = '''
-def llama_param_count(config):
-    d, ffn = config.hidden_size, config.intermediate_size
-    per_layer = 4 * d * d + 3 * d * ffn + 2 * d   # k and v taken as full d x d: grouped-query attention ignored
-    total = config.num_hidden_layers * per_layer + config.vocab_size * d + d
-    if not config.tie_word_embeddings:
-        total += config.vocab_size * d
-    return total
-'''
+PARAM_COUNT = solution("00_orientation", "llama_param_count")
+TRAINING_MEMORY = solution("00_orientation", "training_memory")
+METER = solution("00_orientation", "saved_activation_bytes")
 
-NO_NORMS = '''
-def llama_param_count(config):
-    d, ffn = config.hidden_size, config.intermediate_size
-    kv_width = d * config.num_key_value_heads // config.num_attention_heads
-    per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * ffn   # forgot the two RMSNorm weights (and the final norm)
-    total = config.num_hidden_layers * per_layer + config.vocab_size * d
-    if not config.tie_word_embeddings:
-        total += config.vocab_size * d
-    return total
-'''
+COUNT_LM_HEAD_WHEN_TIED = edit(PARAM_COUNT, (
+    "    if not config.tie_word_embeddings:\n        total += config.vocab_size * d\n",
+    "    total += config.vocab_size * d  # forgot: a tied lm_head is the embedding matrix, counted once\n"))
 
-ONE_ADAM_STATE = '''
-def training_memory(n_params, mode):
-    b = {"fp32": 4, "autocast": 4, "pure_bf16": 2}
-    if mode not in b:
-        raise ValueError(f"unknown mode {mode!r}")
-    # forgot: AdamW keeps two states per parameter (exp_avg and exp_avg_sq)
-    return {"weights": b[mode] * n_params, "gradients": b[mode] * n_params, "optimizer states": b[mode] * n_params}
-'''
+NO_GQA = edit(PARAM_COUNT, (  # k and v taken as full d x d: grouped-query attention ignored
+    "per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * ffn", "per_layer = 4 * d * d + 3 * d * ffn"))
 
-AUTOCAST_HALF_PRECISION_WEIGHTS = '''
-def training_memory(n_params, mode):
-    b = {"fp32": 4, "autocast": 2, "pure_bf16": 2}   # autocast taken to store 16-bit weights
-    if mode not in b:
-        raise ValueError(f"unknown mode {mode!r}")
-    return {"weights": b[mode] * n_params, "gradients": b[mode] * n_params, "optimizer states": 2 * b[mode] * n_params}
-'''
+NO_NORMS = edit(PARAM_COUNT,  # forgot the two RMSNorm weights (and the final norm)
+                ("3 * d * ffn + 2 * d\n", "3 * d * ffn\n"),
+                ("config.vocab_size * d + d\n", "config.vocab_size * d\n"))
 
-PURE_BF16_FP32_STATES = '''
-def training_memory(n_params, mode):
-    b = {"fp32": 4, "autocast": 4, "pure_bf16": 2}
-    if mode not in b:
-        raise ValueError(f"unknown mode {mode!r}")
-    # Adam states taken as float32 in every mode: torch's AdamW keeps them in the parameter's dtype
-    return {"weights": b[mode] * n_params, "gradients": b[mode] * n_params, "optimizer states": 8 * n_params}
-'''
+ONE_ADAM_STATE = edit(TRAINING_MEMORY, (  # forgot: AdamW keeps two states per parameter (exp_avg and exp_avg_sq)
+    '"optimizer states": 2 * b * n_params}', '"optimizer states": b * n_params}'))
+
+AUTOCAST_HALF_PRECISION_WEIGHTS = edit(TRAINING_MEMORY, (  # autocast taken to store 16-bit weights
+    '"autocast": 4', '"autocast": 2'))
+
+PURE_BF16_FP32_STATES = edit(TRAINING_MEMORY, (  # Adam states taken as float32 in every mode: torch's AdamW keeps
+    '"optimizer states": 2 * b * n_params}', '"optimizer states": 8 * n_params}'))  # them in the parameter's dtype
 
 CALLS_LIBRARY_PARAM_COUNT = '''
 def llama_param_count(config):
@@ -73,65 +44,25 @@ def training_memory(n_params, mode):
     return estimate_model_state(n_params, dtype)   # course_lib's answer
 '''
 
-METER_NO_DEDUPE = '''
-def saved_activation_bytes(model, forward):
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = 0
-    def pack(t):
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in weights:
-            total += t.untyped_storage().nbytes()   # a storage saved twice is counted twice
-        return t.detach()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return total
-'''
+METER_NO_DEDUPE = edit(METER, (  # a storage saved twice is counted twice
+    "            sizes[storage.data_ptr()] = storage.nbytes()\n",
+    "            sizes[len(sizes)] = storage.nbytes()\n"))
 
-METER_EXCLUDES_PARAMETERS_BY_IDENTITY = '''
-def saved_activation_bytes(model, forward):
-    params = list(model.parameters())
-    sizes = {}
-    def pack(t):
-        if not any(t is p for p in params):   # W.t() is a new tensor object over the weight's storage
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t.detach()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(sizes.values())
-'''
+METER_EXCLUDES_PARAMETERS_BY_IDENTITY = edit(
+    METER, ("    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}\n",
+            "    params = list(model.parameters())\n"),
+    ("        if storage.data_ptr() not in weights:\n",  # W.t() is a new tensor object over the weight's storage
+     "        if not any(t is p for p in params):\n"))
 
-METER_COUNTS_TENSORS_NOT_STORAGES = '''
-def saved_activation_bytes(model, forward):
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes = {}
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            sizes.setdefault(ptr, t.numel() * t.element_size())   # the view's elements, not the storage it keeps
-        return t.detach()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(sizes.values())
-'''
+METER_COUNTS_TENSORS_NOT_STORAGES = edit(METER, (  # the view's elements, not the storage it keeps
+    "            sizes[storage.data_ptr()] = storage.nbytes()\n",
+    "            sizes.setdefault(storage.data_ptr(), t.numel() * t.element_size())\n"))
 
 # right counts, but pack hands autograd the saved tensor itself: a saved output then holds its own grad_fn, and every
 # metered forward leaks its activations (the course's own meter did, until an H100 ran out of memory)
-METER_KEEPS_THE_GRAPH_ALIVE = '''
-def saved_activation_bytes(model, forward):
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            sizes[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return int(sum(sizes.values()))
-'''
+METER_KEEPS_THE_GRAPH_ALIVE = edit(METER, (
+    "        return t.detach()  # not t: a saved output would hold its own grad_fn, a cycle never freed\n",
+    "        return t\n"))
 
 CALLS_LIBRARY_METER = '''
 def saved_activation_bytes(model, forward):

@@ -1,17 +1,17 @@
 """Known submissions of 06_ddp and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cells (tests/solved.py), never copies of them.
 """
 
-NO_SET_EPOCH = '''
-def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
-    data = range(n_samples)
-    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    # forgot: sampler.set_epoch(epoch) -- every epoch replays epoch 0's order
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
-    return [[int(i) for i in batch] for batch in loader]
-'''
+from solved import edit, solution
+
+RANK_BATCHES = solution("06_ddp", "rank_batches")
+AVERAGE = solution("06_ddp", "average_gradients")
+
+NO_SET_EPOCH = edit(RANK_BATCHES, (  # every epoch replays epoch 0's order
+    "    sampler.set_epoch(epoch)\n", "    # forgot: sampler.set_epoch(epoch)\n"))
 
 NO_SAMPLER = '''
 def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
@@ -21,40 +21,16 @@ def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
     return [[int(i) for i in batch] for batch in loader]
 '''
 
-SUM_NOT_DIVIDED = '''
-def average_gradients(model):
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)   # forgot: / world size (an N x learning rate)
-'''
+# forgot: / world size (an N x learning rate)
+SUM_NOT_DIVIDED = edit(AVERAGE, ("\n            p.grad /= world_size", ""))
 
-REDUCE_TO_RANK_0 = '''
-def average_gradients(model):
-    world_size = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.reduce(p.grad, dst=0, op=dist.ReduceOp.SUM)   # only rank 0 gets the sum: replicas drift apart
-            p.grad /= world_size
-'''
+REDUCE_TO_RANK_0 = edit(AVERAGE, (  # only rank 0 gets the sum: replicas drift apart
+    "dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)", "dist.reduce(p.grad, dst=0, op=dist.ReduceOp.SUM)"))
 
-DIVIDED_BY_TWO = '''
-def average_gradients(model):
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= 2   # hard-coded world size: right on 2 ranks only
-'''
+DIVIDED_BY_TWO = edit(AVERAGE, ("p.grad /= world_size", "p.grad /= 2"))  # hard-coded world size: right on 2 ranks only
 
-SAMPLER_PADS = '''
-def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
-    data = range(n_samples)
-    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)  # pads: repeats
-    sampler.set_epoch(epoch)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)   # drops a short batch only
-    return [[int(i) for i in batch] for batch in loader]
-'''
-
-# --- Exercise 4, BucketedDDP: the reference, and the mistakes students make, each a small edit of it
+# the sampler pads (repeats indices to even out the shards); drop_last on the DataLoader drops a short batch only
+SAMPLER_PADS = edit(RANK_BATCHES, ("shuffle=True, seed=seed, drop_last=True)", "shuffle=True, seed=seed)"))
 
 CALLS_LIBRARY_RANK_BATCHES = '''
 def rank_batches(n_samples, rank, world_size, epoch, batch_size, seed=0):
@@ -78,12 +54,6 @@ FULL = {**EX1_FULL, **EX2_FULL}
 def scores(**changed):
     """Every test cell's points: full marks, but for ``changed``."""
     return {**FULL, **changed}
-
-
-def mistake(base: str, old: str, new: str) -> str:
-    """The reference solution ``base`` with one mistake: ``old`` replaced by ``new`` (which must be in it)."""
-    assert old in base, old
-    return base.replace(old, new)
 
 
 CASES = {

@@ -1,59 +1,33 @@
 """Known submissions of 08_fsdp and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cells (tests/solved.py), never copies of them.
 """
 
-GRAD_OP_SHARDS_WEIGHTS = '''
-def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
-    if strategy == "hybrid":
-        if not shard_size or world_size % shard_size:
-            raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
-        shards = shard_size
-    elif strategy in ("full", "grad_op"):
-        shards = world_size
-    elif strategy == "no_shard":
-        shards = 1
-    else:
-        raise ValueError(f"unknown strategy={strategy!r}")
-    out = {"weights": 4 * n_params / shards,
-           "weights_in_backward": 4 * n_params / shards,   # wrong: SHARD_GRAD_OP keeps full weights until backward
-           "gradients": 4 * n_params / shards, "optimizer states": 8 * n_params / shards}
-    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
-    return out
-'''
+from solved import edit, solution
 
-NO_SHARD_DIVIDES = '''
-def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
-    if strategy == "hybrid":
-        if not shard_size or world_size % shard_size:
-            raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
-        shards = shard_size
-    elif strategy in ("full", "grad_op", "no_shard"):
-        shards = world_size   # wrong: NO_SHARD is DDP, every rank keeps everything
-    else:
-        raise ValueError(f"unknown strategy={strategy!r}")
-    weights = 4 * n_params / shards
-    out = {"weights": weights, "weights_in_backward": 4 * n_params if strategy == "grad_op" else weights,
-           "gradients": 4 * n_params / shards, "optimizer states": 8 * n_params / shards}
-    out["total"] = out["weights"] + out["gradients"] + out["optimizer states"]
-    return out
-'''
+SHARD_BYTES = solution("08_fsdp", "shard_state_bytes")
+APPLY_FSDP = solution("08_fsdp", "apply_fsdp")
 
-ROOT_ONLY = '''
-def apply_fsdp(model, mesh, reshard_after_forward=True):
-    # wrong: one unit for the whole model, so every forward gathers all the weights at once
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return model
-'''
+GRAD_OP_SHARDS_WEIGHTS = edit(SHARD_BYTES, (  # wrong: SHARD_GRAD_OP keeps full weights until backward
+    '"weights_in_backward": 4 * n_params if strategy == "grad_op" else weights,',
+    '"weights_in_backward": weights,'))
 
-RESHARD_NOT_PASSED = '''
-def apply_fsdp(model, mesh, reshard_after_forward=True):
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)   # wrong: reshard_after_forward is not passed on (always True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return model
-'''
+NO_SHARD_DIVIDES = edit(SHARD_BYTES, (
+    '    elif strategy in ("full", "grad_op"):\n'
+    '        shards = world_size\n'
+    '    elif strategy == "no_shard":\n'
+    '        shards = 1\n',
+    '    elif strategy in ("full", "grad_op", "no_shard"):\n'
+    '        shards = world_size   # wrong: NO_SHARD is DDP, every rank keeps everything\n'))
+
+ROOT_ONLY = edit(APPLY_FSDP, (  # wrong: one unit for the whole model, so every forward gathers all the weights at once
+    "    for layer in model.model.layers:\n"
+    "        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)\n", ""))
+
+RESHARD_NOT_PASSED = edit(APPLY_FSDP, (  # wrong: reshard_after_forward is not passed on (always True)
+    "fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)", "fully_shard(layer, mesh=mesh)"))
 
 CALLS_LIBRARY_SHARD_BYTES = '''
 def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
@@ -76,85 +50,38 @@ def apply_fsdp(model, mesh, reshard_after_forward=True):
 
 # --- Exercise 3, ShardedModule: the reference, and the mistakes students make, each a small edit of it
 
-HAND = '''
-import math
+HAND = solution("08_fsdp", "ShardedModule")
 
-import torch.nn.functional as F
-from torch.func import functional_call
-
-class GatherParameter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, shard, shape):
-        world_size, n = dist.get_world_size(), shard.numel()
-        full = shard.new_empty(n * world_size)
-        dist.all_gather(list(full.split(n)), shard.detach().contiguous())
-        ctx.n, ctx.world_size = n, world_size
-        return full[:math.prod(shape)].view(shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        flat = F.pad(grad.reshape(-1), (0, ctx.n * ctx.world_size - grad.numel()))
-        mine = grad.new_empty(ctx.n)
-        dist.reduce_scatter(mine, list(flat.split(ctx.n)))
-        return mine / ctx.world_size, None
-
-
-class ShardedModule(torch.nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.names, self.shapes, shards = [], [], []
-        for name, p in module.named_parameters():
-            n = math.ceil(p.numel() / world_size)
-            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))
-            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))
-            self.names.append(name)
-            self.shapes.append(p.shape)
-        self.shards = torch.nn.ParameterList(shards)
-        self.module = module.to("meta")
-
-    def forward(self, *args):
-        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, self.shards)}
-        return functional_call(self.module, full, args)
-'''
-
-
-def _hand_edit(old: str, new: str) -> str:
-    assert HAND.count(old) == 1, old
-    return HAND.replace(old, new)
-
-
-HAND_SUMMED = _hand_edit("        return mine / ctx.world_size, None\n",
-                         "        return mine, None   # the sum: an N x learning rate\n")
-HAND_NO_AUTOGRAD = _hand_edit(  # gathered outside autograd: the module trains a copy that is thrown away
+HAND_SUMMED = edit(HAND, ("        return mine / ctx.world_size, None\n",
+                          "        return mine, None   # the sum: an N x learning rate\n"))
+HAND_NO_AUTOGRAD = edit(HAND, (  # gathered outside autograd: the module trains a copy that is thrown away
     "        full = {name: GatherParameter.apply(shard, shape)",
-    "        full = {name: GatherParameter.apply(shard.detach(), shape).requires_grad_()")
-HAND_UNPADDED = _hand_edit(
+    "        full = {name: GatherParameter.apply(shard.detach(), shape).requires_grad_()"))
+HAND_UNPADDED = edit(HAND, (
     "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n",
-    "            flat = p.detach().reshape(-1)   # no padding: the last rank's slice is short when N does not divide\n")
-HAND_KEEPS_FULL = _hand_edit('        self.module = module.to("meta")\n',
-                             '        self.module = module   # the full weights stay on every rank\n')
+    "            flat = p.detach().reshape(-1)   # no padding: the last rank's slice is short when N does not divide\n"))
+HAND_KEEPS_FULL = edit(HAND, ('        self.module = module.to("meta")\n',
+                              '        self.module = module   # the full weights stay on every rank\n'))
 
 CALLS_LIBRARY_HAND = '''
 from course_lib.parallel.fsdp import GatherParameter, ShardedModule   # course_lib's
 '''
 
 # the mechanism written out, but its slicing and gathering taken from course_lib's toolkit: half of the answer
-CALLS_LIBRARY_SLICES = _hand_edit(
-    "        world_size, n = dist.get_world_size(), shard.numel()\n"
-    "        full = shard.new_empty(n * world_size)\n"
-    "        dist.all_gather(list(full.split(n)), shard.detach().contiguous())\n"
-    "        ctx.n, ctx.world_size = n, world_size\n"
-    "        return full[:math.prod(shape)].view(shape)\n",
-    "        ctx.n, ctx.world_size = shard.numel(), dist.get_world_size()\n"
-    "        return gather_slices(shard, math.prod(shape)).view(shape)\n").replace(
-    "            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n"
-    "            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))\n",
-    "            shards.append(torch.nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad))\n").replace(
-    "from torch.func import functional_call\n",
-    "from torch.func import functional_call\n\nfrom course_lib.distributed import gather_slices, rank_slice   # course_lib's\n")
-assert all(CALLS_LIBRARY_SLICES.count(s) == 1
-           for s in ("rank_slice(p.detach())", "gather_slices(shard", "course_lib.distributed"))
+CALLS_LIBRARY_SLICES = edit(
+    HAND,
+    ("        world_size, n = dist.get_world_size(), shard.numel()\n"
+     "        full = shard.new_empty(n * world_size)\n"
+     "        dist.all_gather(list(full.split(n)), shard.detach().contiguous())\n"
+     "        ctx.n, ctx.world_size = n, world_size\n"
+     "        return full[:math.prod(shape)].view(shape)\n",
+     "        ctx.n, ctx.world_size = shard.numel(), dist.get_world_size()\n"
+     "        return gather_slices(shard, math.prod(shape)).view(shape)\n"),
+    ("            flat = F.pad(p.detach().reshape(-1), (0, n * world_size - p.numel()))\n"
+     "            shards.append(torch.nn.Parameter(flat[rank * n:(rank + 1) * n].clone(), requires_grad=p.requires_grad))\n",
+     "            shards.append(torch.nn.Parameter(rank_slice(p.detach()).clone(), requires_grad=p.requires_grad))\n"),
+    ("from torch.func import functional_call\n",
+     "from torch.func import functional_call\n\nfrom course_lib.distributed import gather_slices, rank_slice   # course_lib's\n"))
 
 CALLS_FULLY_SHARD = '''
 class ShardedModule(torch.nn.Module):   # torch's FSDP2 does the sharding

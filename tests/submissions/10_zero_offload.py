@@ -1,89 +1,65 @@
 """Known submissions of 10_zero_offload and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cell of the solution notebook; every other solution cell keeps the reference
-solution. ``scores`` gives the expected points of every graded cell.
+solution. ``scores`` gives the expected points of every graded cell. The mistakes are edits of today's solution cells
+(tests/solved.py), never copies of them.
 """
+
+from solved import edit, solution
 
 # --- OffloadedAdamW (ZeRO-Offload's step by hand): the reference, and the mistakes students make
 
-_OFFLOAD_INIT = '''
-class OffloadedAdamW:
-    def __init__(self, params, lr=1e-3, weight_decay=0.01, offload_device="cpu"):
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [p.detach().to(offload_device, torch.float32, copy=True) for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-'''
-
-OFFLOADED = _OFFLOAD_INIT + '''        for p, m in zip(self.params, self.master):
-            p.register_post_accumulate_grad_hook(lambda p, m=m: self._send_down(p, m))
-
-    def _send_down(self, p, m):
-        if m.grad is None:
-            m.grad = p.grad.detach().to(m.device, torch.float32)
-        else:
-            m.grad += p.grad.detach().to(m.device, torch.float32)
-        p.grad = None
-
-    def step(self):
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                if m.grad is not None:
-                    p.copy_(m)
-                    m.grad = None
-
-    def zero_grad(self, set_to_none=True):
-        for p, m in zip(self.params, self.master):
-            p.grad = None
-            m.grad = None
-'''
+OFFLOADED = solution("10_zero_offload", "OffloadedAdamW")
+SEND_DOWN = (
+    "        if m.grad is None:  # the first micro-batch of this step: a fresh fp32 copy (non-blocking from a GPU)\n"
+    "            m.grad = p.grad.detach().to(m.device, torch.float32, non_blocking=self.gpu)\n"
+    "        else:               # a later one: add on p's device, behind the last copy down, and send the sum down\n"
+    "            m.grad.copy_(m.grad.to(p.device, non_blocking=self.gpu) + p.grad, non_blocking=self.gpu)\n")
+FREE = "        p.grad = None       # the gradient has left the device\n"
+HOOKS = ("        for p, m in zip(self.params, self.master):\n"
+         "            p.register_post_accumulate_grad_hook(lambda p, m=m: self._send_down(p, m))\n\n"
+         "    def _send_down(self, p, m):\n"
+         "        # no wait here: backward would stall behind every copy; step() waits for them all, once\n"
+         + SEND_DOWN + FREE)
+WAIT = ("        if self.gpu:\n"
+        "            torch.cuda.synchronize()  # the copies down were queued without waiting: all land before AdamW reads them\n"
+        "        self.optimizer.step()\n")
+ZERO_GRAD = ("    def zero_grad(self, set_to_none=True):\n"
+             "        for p, m in zip(self.params, self.master):\n"
+             "            p.grad = None\n"
+             "            m.grad = None")  # the cell's last line
 
 # the contract before gradients left during backward: every gradient stays on the model until step() sends it down
-OFFLOAD_AT_STEP = _OFFLOAD_INIT + '''
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                if m.grad is not None:
-                    p.copy_(m)
-                    p.grad = None
+OFFLOAD_AT_STEP = edit(
+    OFFLOADED, (HOOKS, ""),
+    (WAIT, "        for p, m in zip(self.params, self.master):\n"
+           "            m.grad = None if p.grad is None else p.grad.detach().to(m.device, torch.float32)\n"
+           "        self.optimizer.step()\n"),
+    ("                    m.grad = None   # the next step starts from no gradient\n",
+     "                    p.grad = None\n"),
+    (ZERO_GRAD, "    def zero_grad(self, set_to_none=True):\n        for p in self.params:\n            p.grad = None"))
 
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-'''
-
-
-def mistake(old: str, new: str) -> str:
-    """The reference ``OFFLOADED`` with one mistake: ``old`` (there exactly once) replaced by ``new``."""
-    assert OFFLOADED.count(old) == 1, old
-    return OFFLOADED.replace(old, new)
-
-
-OFFLOAD_MASTER_IN_MODEL_DTYPE = mistake(  # the "master" keeps the model's bf16: the small updates are lost
-    "p.detach().to(offload_device, torch.float32, copy=True)", "p.detach().to(offload_device, copy=True)").replace(
-    "p.grad.detach().to(m.device, torch.float32)", "p.grad.detach().to(m.device)")
-OFFLOAD_ZERO_GRAD_FOR_MISSING = mistake(  # a parameter without a gradient gets a zero one: weight decay moves it
-    "    def step(self):\n        self.optimizer.step()",
-    "    def step(self):\n        for m in self.master:\n            if m.grad is None:\n"
-    "                m.grad = torch.zeros_like(m)\n        self.optimizer.step()")
-OFFLOAD_OVERWRITES_MICRO_BATCHES = mistake(  # each micro-batch replaces the last: accumulation loses all but one
-    "        if m.grad is None:\n            m.grad = p.grad.detach().to(m.device, torch.float32)\n        else:\n"
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n",
-    "        m.grad = p.grad.detach().to(m.device, torch.float32)\n")
-OFFLOAD_KEEPS_MASTER_GRAD = mistake(  # step() leaves the masters' gradients: the next step adds to the last one's
-    "                    p.copy_(m)\n                    m.grad = None\n", "                    p.copy_(m)\n")
-OFFLOAD_ZERO_GRAD_KEEPS_MASTERS = mistake(  # zero_grad clears the model only: a discarded backward reaches the next step
-    "            p.grad = None\n            m.grad = None\n", "            p.grad = None\n")
-OFFLOAD_GRAD_LEFT_ON_MODEL = mistake(  # copied down, but never freed: the device still holds every gradient
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n        p.grad = None\n",
-    "            m.grad += p.grad.detach().to(m.device, torch.float32)\n")
-OFFLOAD_FREES_WHEN_BACKWARD_ENDS = mistake(  # freed once backward ends: none left after it, all held during it
-    "        p.grad = None\n\n    def step",
-    "        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(p, 'grad', None))\n\n"
-    "    def step")
+OFFLOAD_MASTER_IN_MODEL_DTYPE = edit(  # the "master" keeps the model's bf16: the small updates are lost
+    OFFLOADED, ("p.detach().to(offload_device, torch.float32, copy=True)", "p.detach().to(offload_device, copy=True)"),
+    ("p.grad.detach().to(m.device, torch.float32, non_blocking=self.gpu)",
+     "p.grad.detach().to(m.device, non_blocking=self.gpu)"))
+# a parameter without a gradient gets a zero one: weight decay moves it
+OFFLOAD_ZERO_GRAD_FOR_MISSING = edit(OFFLOADED, (
+    "        self.optimizer.step()\n",
+    "        for m in self.master:\n            if m.grad is None:\n"
+    "                m.grad = torch.zeros_like(m)\n        self.optimizer.step()\n"))
+# each micro-batch replaces the last: accumulation loses all but one
+OFFLOAD_OVERWRITES_MICRO_BATCHES = edit(OFFLOADED, (
+    SEND_DOWN, "        m.grad = p.grad.detach().to(m.device, torch.float32, non_blocking=self.gpu)\n"))
+# step() leaves the masters' gradients: the next step adds to the last one's
+OFFLOAD_KEEPS_MASTER_GRAD = edit(OFFLOADED, (
+    "                    m.grad = None   # the next step starts from no gradient\n", ""))
+OFFLOAD_ZERO_GRAD_KEEPS_MASTERS = edit(  # zero_grad clears the model only: a discarded backward reaches the next step
+    OFFLOADED, ("            p.grad = None\n            m.grad = None", "            p.grad = None"))
+# copied down, but never freed: the device still holds every gradient
+OFFLOAD_GRAD_LEFT_ON_MODEL = edit(OFFLOADED, (FREE, ""))
+OFFLOAD_FREES_WHEN_BACKWARD_ENDS = edit(OFFLOADED, (  # freed once backward ends: none left after it, all held during it
+    FREE, "        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(p, 'grad', None))\n"))
 
 CALLS_LIBRARY_OFFLOADED = '''
 from course_lib.parallel.offload import OffloadedAdamW   # course_lib's

@@ -1,8 +1,11 @@
 """Known submissions of 11_llama_finetune and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cells (tests/solved.py), never copies of them.
 """
+
+from solved import edit, solution
 
 LABELS_KEEP_PADDING = '''
 def response_labels(input_ids, prompt_lengths, lengths):
@@ -21,73 +24,30 @@ def response_labels(input_ids, prompt_lengths, lengths):
     return labels
 '''
 
-LORA_IGNORES_GQA = '''
-def lora_params(config, r, target_modules):
-    d, ffn = config.hidden_size, config.intermediate_size
-    shapes = {"q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "o_proj": (d, d),   # k, v are smaller under GQA
-              "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
-    return config.num_hidden_layers * sum(r * (i + o) for i, o in (shapes[m] for m in target_modules))
-'''
+LORA_PARAMS = solution("11_llama_finetune", "lora_params")
 
-LORA_ONE_LAYER = '''
-def lora_params(config, r, target_modules):
-    d, ffn = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (d // config.num_attention_heads)
-    shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
-              "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
-    return sum(r * (i + o) for i, o in (shapes[m] for m in target_modules))   # forgot: every layer
-'''
+LORA_IGNORES_GQA = edit(LORA_PARAMS, (  # k, v are smaller under GQA
+    '"k_proj": (d, kv), "v_proj": (d, kv)', '"k_proj": (d, d), "v_proj": (d, d)'))
+
+LORA_ONE_LAYER = edit(LORA_PARAMS, (  # forgot: every layer
+    "    return config.num_hidden_layers * sum(", "    return sum("))
 
 # --- Exercise 2, LoRALinear: the reference, and the mistakes students make, each a small edit of it
 
-LORA_LINEAR = '''
-import math
+LORA_LINEAR = solution("11_llama_finetune", "LoRALinear")
 
-class LoRALinear(torch.nn.Module):
-    def __init__(self, base, r, alpha, dropout=0.0):
-        super().__init__()
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
-        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
-        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
-        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        torch.nn.init.zeros_(self.lora_B.weight)
-        self.scaling = alpha / r
-        self.dropout = torch.nn.Dropout(dropout)
-        self.merged = False
-
-    def forward(self, x):
-        if self.merged:
-            return self.base(x)
-        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
-
-    def merge(self):
-        if not self.merged:
-            self.base.weight.data += (self.scaling * self.lora_B.weight @ self.lora_A.weight).to(self.base.weight.dtype)
-            self.merged = True
-
-    def unmerge(self):
-        if self.merged:
-            self.base.weight.data -= (self.scaling * self.lora_B.weight @ self.lora_A.weight).to(self.base.weight.dtype)
-            self.merged = False
-'''
-
-
-def _lora_edit(old: str, new: str, count: int = 1) -> str:
-    assert LORA_LINEAR.count(old) == count, old
-    return LORA_LINEAR.replace(old, new)
-
-
-LORA_B_NOT_ZERO = _lora_edit("        torch.nn.init.zeros_(self.lora_B.weight)\n", "")  # nn.Linear's own init stays
-LORA_ALPHA_NOT_DIVIDED = _lora_edit("        self.scaling = alpha / r\n", "        self.scaling = alpha\n")
-LORA_BASE_NOT_FROZEN = _lora_edit("        for p in base.parameters():\n            p.requires_grad_(False)\n", "")
-LORA_MERGE_UNSCALED = _lora_edit("(self.scaling * self.lora_B.weight @ self.lora_A.weight)",
-                                 "(self.lora_B.weight @ self.lora_A.weight)", count=2)
-LORA_MERGE_ADDS_TWICE = _lora_edit("        if not self.merged:\n            self.base.weight.data +=",
-                                   "        if True:\n            self.base.weight.data +=")
-LORA_DROPOUT_ON_THE_OUTPUT = _lora_edit("self.lora_B(self.lora_A(self.dropout(x))) * self.scaling",
-                                        "self.dropout(self.lora_B(self.lora_A(x))) * self.scaling")
+LORA_B_NOT_ZERO = edit(LORA_LINEAR, ("        torch.nn.init.zeros_(self.lora_B.weight)\n", ""))  # nn.Linear's init stays
+LORA_ALPHA_NOT_DIVIDED = edit(LORA_LINEAR, ("        self.scaling = alpha / r\n", "        self.scaling = alpha\n"))
+LORA_BASE_NOT_FROZEN = edit(LORA_LINEAR, ("        for p in base.parameters():\n            p.requires_grad_(False)\n", ""))
+LORA_MERGE_UNSCALED = edit(LORA_LINEAR,
+                           ("data += (self.scaling * self.lora_B.weight @ self.lora_A.weight)",
+                            "data += (self.lora_B.weight @ self.lora_A.weight)"),
+                           ("data -= (self.scaling * self.lora_B.weight @ self.lora_A.weight)",
+                            "data -= (self.lora_B.weight @ self.lora_A.weight)"))
+LORA_MERGE_ADDS_TWICE = edit(LORA_LINEAR, ("        if not self.merged:\n            self.base.weight.data +=",
+                                           "        if True:\n            self.base.weight.data +="))
+LORA_DROPOUT_ON_THE_OUTPUT = edit(LORA_LINEAR, ("self.lora_B(self.lora_A(self.dropout(x))) * self.scaling",
+                                                "self.dropout(self.lora_B(self.lora_A(x))) * self.scaling"))
 
 CALLS_LIBRARY_LORA_LINEAR = '''
 class LoRALinear(torch.nn.Module):   # peft's layer, made by course_lib.lora.lora_linear

@@ -1,119 +1,51 @@
 """Known submissions of 13_model_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
-keeps the reference solution. ``scores`` gives the expected points of every graded cell.
+keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
+mistakes are edits of today's solution cells (tests/solved.py), never copies of them.
 """
 
+from solved import edit, solution
+
 # The reference pair of the solution notebook; each mistake below changes it in one or two places.
-PAIR_SOLUTION = '''
-class CopyToTP(torch.autograd.Function):
-    """f: every rank already has the whole input; in backward each rank holds a part of its gradient: sum them."""
+PAIR_SOLUTION = solution("13_model_parallelism", "tensor_parallel_pair")
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: each rank holds a partial sum of the output: add them up; the gradient of a sum is the same for every part."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        out = partial.contiguous().clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.out_features % world:
-            raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
-        rows = slice(rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        return F.linear(CopyToTP.apply(x), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if linear.in_features % world:
-            raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
-        cols = slice(rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-
-    def forward(self, x):
-        out = ReduceFromTP.apply(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank
-'''
-
-
-def changed(*edits: tuple[str, str], reference: str = PAIR_SOLUTION, before: str = "") -> str:
-    """``reference`` with each (old, new) edit made (every old text found exactly once), after ``before``."""
-    out = reference
-    for old, new in edits:
-        assert out.count(old) == 1, old
-        out = out.replace(old, new)
-    return before + out
-
-
-BIAS_EVERY_RANK = changed(('''        out = ReduceFromTP.apply(F.linear(x, self.weight))
+BIAS_EVERY_RANK = edit(PAIR_SOLUTION, ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank''',
-                           '''        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias'''))
+                                       '''        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias))  # wrong: every rank adds the bias'''))
 
-NO_F_BACKWARD = changed(('''        grad = grad.contiguous().clone()
+NO_F_BACKWARD = edit(PAIR_SOLUTION, ('''        grad = grad.contiguous().clone()
         dist.all_reduce(grad)
         return grad''', '''        return grad  # wrong: each rank keeps only its part of the input's gradient'''))
 
-F_BACKWARD_IN_PLACE = changed(('''        grad = grad.contiguous().clone()
+F_BACKWARD_IN_PLACE = edit(PAIR_SOLUTION, ('''        grad = grad.contiguous().clone()
         dist.all_reduce(grad)''', '''        grad = grad.contiguous()
         dist.all_reduce(grad)  # wrong: the gradient itself, which autograd may hand to another branch too'''))
 
-ALL_REDUCE_BOTH = changed(('''    def forward(ctx, x):
+ALL_REDUCE_BOTH = edit(PAIR_SOLUTION, ('''    def forward(ctx, x):
         return x.view_as(x)''', '''    def forward(ctx, x):
         out = x.contiguous().clone()
         dist.all_reduce(out)  # wrong: f all-reduces in forward too
         return out'''))
 
-NO_SIZE_CHECK = changed(('''        if linear.out_features % world:
+NO_SIZE_CHECK = edit(PAIR_SOLUTION, ('''        if linear.out_features % world:
             raise ValueError(f"out_features={linear.out_features} does not divide by the {world} ranks")
 ''', ''), ('''        if linear.in_features % world:
             raise ValueError(f"in_features={linear.in_features} does not divide by the {world} ranks")
 ''', ''))
 
 # seed 002's layer: the column layer gathers its output with a plain all_gather, the row layer slices it again
-GATHER_NO_BACKWARD = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
-                              '''        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
+GATHER_NO_BACKWARD = edit(PAIR_SOLUTION, ('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+                                          '''        local = F.linear(CopyToTP.apply(x), self.weight, self.bias)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local.contiguous())  # wrong: no backward, as in seed 002
         return torch.cat(parts, -1)'''), ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
-                                           '''        n = x.shape[-1] // dist.get_world_size()
+                                          '''        n = x.shape[-1] // dist.get_world_size()
         x = x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n]
         out = ReduceFromTP.apply(F.linear(x, self.weight))'''))
 
 # right numbers, a needless collective: a gather with a backward, and the row layer slices again
-GATHER_THEN_SLICE = changed(('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
-                             '''        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather'''),
-                            ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
-                             '''        n = x.shape[-1] // dist.get_world_size()
-        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))'''),
-                            before='''
+GATHER_TP = '''
 class GatherTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local):
@@ -125,7 +57,16 @@ class GatherTP(torch.autograd.Function):
     def backward(ctx, grad):
         n = grad.shape[-1] // dist.get_world_size()
         return grad[..., dist.get_rank() * n:(dist.get_rank() + 1) * n].contiguous()
-''')
+
+
+'''
+GATHER_THEN_SLICE = GATHER_TP + edit(
+    PAIR_SOLUTION,
+    ('''        return F.linear(CopyToTP.apply(x), self.weight, self.bias)''',
+     '''        return GatherTP.apply(F.linear(CopyToTP.apply(x), self.weight, self.bias))  # right numbers, a needless gather'''),
+    ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))''',
+     '''        n = x.shape[-1] // dist.get_world_size()
+        out = ReduceFromTP.apply(F.linear(x[..., dist.get_rank() * n:(dist.get_rank() + 1) * n], self.weight))'''))
 
 CALLS_LIBRARY_PAIR = '''
 from course_lib.parallel import tp as _tp
@@ -160,30 +101,18 @@ def one_f_one_b_order(p, m):
 '''
 
 # The reference 1F1B order of the solution notebook; each mistake below changes its warm-up.
-ORDER_SOLUTION = '''
-def one_f_one_b_order(p, m):
-    orders = []
-    for r in range(p):
-        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: the oldest backward, then the next forward
-            order += [("B", i), ("F", warmup + i)]
-        order += [("B", i) for i in range(m - warmup, m)]  # drain
-        orders.append(order)
-    return orders
-'''
+ORDER_SOLUTION = solution("13_model_parallelism", "one_f_one_b_order")
 WARMUP = "        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it"
 
-BACKWARD_TOO_SOON = changed((WARMUP, "        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank "
-                                     "starts with a backward"), reference=ORDER_SOLUTION)
+BACKWARD_TOO_SOON = edit(ORDER_SOLUTION, (WARMUP, "        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank "
+                                     "starts with a backward"))
 
-SAME_WARMUP_EVERY_RANK = changed((WARMUP, "        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later "
-                                          "ranks too full"), reference=ORDER_SOLUTION)
+SAME_WARMUP_EVERY_RANK = edit(ORDER_SOLUTION, (WARMUP, "        warmup = min(m, p)  # wrong: rank 0's warm-up on every rank keeps later "
+                                          "ranks too full"))
 
-WARMUP_PAST_M = changed((WARMUP, "        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist"),
-                        ('''        order += [("B", i) for i in range(m - warmup, m)]  # drain''',
-                         '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''),
-                        reference=ORDER_SOLUTION)
+WARMUP_PAST_M = edit(ORDER_SOLUTION, (WARMUP, "        warmup = p - r  # wrong when m < p - r: forwards of micro-batches that do not exist"),
+                                     ('''        order += [("B", i) for i in range(m - warmup, m)]  # drain''',
+                                      '''        order += [("B", i) for i in range(max(m - warmup, 0), m)]'''))
 
 CALLS_LIBRARY_ORDER = '''
 def one_f_one_b_order(p, m):
@@ -192,69 +121,29 @@ def one_f_one_b_order(p, m):
 '''
 
 # The reference 1F1B executor of the solution notebook; each mistake below changes it in one or two places.
-EXECUTOR_SOLUTION = """
-def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
-    m, first, last = len(micro_batches), rank == 0, rank == p - 1
-    held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
-    for kind, i in order:
-        if kind == "F":
-            x = micro_batches[i][0]
-            if not first:
-                x = torch.empty(shape)
-                dist.irecv(x, rank - 1).wait()
-                x.requires_grad_()  # its gradient is what rank - 1 needs back
-            out = stage(x)
-            send = None
-            if last:
-                out = loss_fn(out, micro_batches[i][1])
-                losses.append(out.item())
-            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
-                send = dist.isend(out.detach(), rank + 1)
-            held[i] = (x, out, send)
-            alive += 1
-            peak = max(peak, alive)
-        else:
-            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph
-            if last:
-                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m
-            else:
-                grad = torch.empty_like(out)
-                dist.irecv(grad, rank + 1).wait()
-                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
-                out.backward(grad)
-            if not first:
-                sends.append(dist.isend(x.grad, rank - 1))
-            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
-            alive -= 1
-    for work in sends:  # each gradient buffer stays alive until its send has gone
-        work.wait()
-    return losses, peak
-"""
+EXECUTOR_SOLUTION = solution("13_model_parallelism", "run_1f1b")
 
 # dist.send waits for the peer's receive: rank 0 sends micro-batch 1's activation while rank 1 sends micro-batch 0's
 # gradient, and neither receives: every run stops at the checks' 10 s timeout
-BLOCKING_SENDS = changed(("""            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+BLOCKING_SENDS = edit(EXECUTOR_SOLUTION, ("""            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
                 send = dist.isend(out.detach(), rank + 1)""", """            else:
                 dist.send(out.detach(), rank + 1)  # wrong: blocks until rank + 1 receives"""),
-                         ("""                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+                                         ("""                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
 """, ""), ("""                sends.append(dist.isend(x.grad, rank - 1))""",
-                           """                dist.send(x.grad, rank - 1)  # wrong: blocks until rank - 1 receives"""),
-                         reference=EXECUTOR_SOLUTION)
+                                          """                dist.send(x.grad, rank - 1)  # wrong: blocks until rank - 1 receives"""))
 
 # right gradients, right count, but every micro-batch's input and output stay referenced until the step ends
-KEEPS_EVERY_MICRO_BATCH = changed(("""            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph""",
-                                   """            x, out, send = held[i]  # wrong: kept till the step ends, all m micro-batches' tensors"""),
-                                  ("""            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
-""", ""), reference=EXECUTOR_SOLUTION)
+KEEPS_EVERY_MICRO_BATCH = edit(EXECUTOR_SOLUTION, ("""            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph""",
+                                                   """            x, out, send = held[i]  # wrong: kept till the step ends, all m micro-batches' tensors"""),
+                                                  ("""            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+""", ""))
 
-NO_MEAN = changed(("""                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m""",
-                   """                out.backward()  # wrong: the sum of the m losses' gradients, m times the mean's"""),
-                  reference=EXECUTOR_SOLUTION)
+NO_MEAN = edit(EXECUTOR_SOLUTION, ("""                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m""",
+                                   """                out.backward()  # wrong: the sum of the m losses' gradients, m times the mean's"""))
 
 # every forward, then every backward, whatever the order says: GPipe, m micro-batches held (and counted)
-IGNORES_THE_ORDER = changed(("""    for kind, i in order:""",
-                             """    for kind, i in sorted(order, key=lambda a: a[0] == "B"):  # wrong: all forwards first"""),
-                            reference=EXECUTOR_SOLUTION)
+IGNORES_THE_ORDER = edit(EXECUTOR_SOLUTION, ("""    for kind, i in order:""",
+                                             """    for kind, i in sorted(order, key=lambda a: a[0] == "B"):  # wrong: all forwards first"""))
 
 CALLS_LIBRARY_EXECUTOR = '''
 def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
