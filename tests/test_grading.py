@@ -44,6 +44,23 @@ def test_every_exercise_has_known_wrong_submissions_that_score_every_cell(assign
     assert set(g.checked_ids(solution)) == set(points), "every test cell is a check (scored outside the kernel)"
 
 
+@pytest.mark.parametrize("assignment", assignments())
+def test_no_known_wrong_submission_is_a_hand_copy_of_a_solution_cell(assignment):
+    """A mistake is an edit of today's solution cell (tests/solved.py): a code string written into the submissions
+    file that is most of a solution cell is a copy, which drifts from the solution it meant to break."""
+    import ast
+    import difflib
+
+    tree = ast.parse((g.ROOT / "tests" / "submissions" / f"{assignment}.py").read_text())
+    cells = {k: g.strip_markers(v).strip() for k, v in g.solution_cells(g.load_solution(assignment)).items()}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for cell, text in cells.items():
+                ratio = difflib.SequenceMatcher(None, node.value.value.strip(), text).ratio()
+                assert ratio < 0.75, (f"{assignment}: {ast.unparse(node.targets[0])} is {ratio:.0%} of the solution "
+                                      f"cell {cell}: derive it with solved.solution and solved.edit")
+
+
 @pytest.fixture(scope="module")
 def server():
     """One grading server for every assignment this worker grades, with every notebook's hidden checks loaded: it
