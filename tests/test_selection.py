@@ -110,6 +110,8 @@ def test_under_gate_pytest_keeps_what_the_change_reaches_and_deselects_the_rest(
     assert [k for k in kept if "test_grading.py" in k] == [
         "tests/test_grading.py::test_every_exercise_has_known_wrong_submissions_that_score_every_cell"
         "[14_context_expert_parallelism]",
+        "tests/test_grading.py::test_no_known_wrong_submission_is_a_hand_copy_of_a_solution_cell"
+        "[14_context_expert_parallelism]",
         "tests/test_grading.py::test_checks_grade_known_submissions[14_context_expert_parallelism]",
         "tests/test_grading.py::test_judges_refuse_mutated_data[14_context_expert_parallelism]"]
     assert len([k for k in kept if "test_ep.py" in k]) >= 8 and "deselected" in out.stdout

@@ -134,8 +134,11 @@ def check_bucketed(runs: list, label: str, nprocs: int, n: int, steps: int, froz
                                                           f"all-reduce(s) for {len(run['buckets'])} buckets: one "
                                                           "per bucket")
             unwaited = [e for e in launched if not e.get("waited")]
-            assert not unwaited, (f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on: "
-                                  "call wait() on every handle in finish_gradient_synchronization before reading it")
+            waits = sum(e.get("what") == "wait" for e in ev)
+            assert not unwaited and waits == sum(bool(e.get("async_op")) for e in launched), (
+                f"{label}, rank {r}, step {s}: {len(unwaited)} all-reduce(s) never waited on ({waits} waits for "
+                f"{len(launched)} launches): call wait() on every handle in finish_gradient_synchronization before "
+                "reading it")
             assert a < 1e-5, f"{label}, rank {r}, step {s}: your gradients differ from DDP's (max rel. diff {a:.1e})"
             assert b < 1e-5, f"{label}, rank {r}, step {s}: not one process's gradient on the whole batch ({b:.1e})"
         assert run["weights"].keys() == ref["one"][0].keys(), f"{label}: rank {r}'s weights are not the model's"
@@ -209,6 +212,8 @@ def judge_buckets(runs: list) -> str:
         assert all(ev[i]["async_op"] for i in launches), "launch each bucket with dist.all_reduce(..., async_op=True)"
         assert launches[0] < grads_in[-1], ("your first all-reduce started after the last gradient had arrived: "
                                             "launch each bucket from the hook, when its last gradient is in")
+        assert len(waits) == n_buckets, (f"rank {r}: {len(waits)} wait(s) for {n_buckets} buckets' all-reduces: wait "
+                                         "on every handle once, in finish_gradient_synchronization")
         early = [i for i in waits if i < launches[-1]]
         assert not early, (f"rank {r}: {len(early)} all-reduce(s) waited on before the last bucket was launched: "
                            "a wait during backward holds it up until that sum is back, so communication and "

@@ -85,7 +85,7 @@ CASES = {
     **{name: {"cells": {"BucketedDDP": cell}, "scores": scores(**lost)} for name, cell, lost in [
         ("bucketed_sum_not_averaged", BUCKETED_SUM_NOT_AVERAGED, dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
         ("bucketed_waits_for_the_last_only", BUCKETED_WAITS_FOR_THE_LAST_ONLY,
-         dict(test_BucketedDDP=0, test_BucketedDDP_hidden=0)),
+         dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
         ("bucketed_after_backward", BUCKETED_AFTER_BACKWARD, dict(test_BucketedDDP_buckets=0)),
         ("bucketed_waits_in_the_hook", BUCKETED_WAITS_IN_THE_HOOK, dict(test_BucketedDDP_buckets=0)),
         # not reset after any step, so not after the error either: the unused test's next step fails too
