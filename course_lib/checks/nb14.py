@@ -176,8 +176,7 @@ def busy_steps(rank: int, world: int, seq: int, causal: bool, zigzag: bool) -> l
     for step in range(world - 1):
         holder = (rank - step) % world  # the rank whose block this one holds at this step
         keys = cp.local_positions(holder, world, local, zigzag)
-        seen = (keys[None, :] < seq) & ((keys[None, :] <= rows[:, None]) if causal else True)
-        busy.append(bool(seen.any()))
+        busy.append(bool(cp.tile_mask(rows, keys, causal, seq).any()))
     return busy
 
 
