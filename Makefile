@@ -132,23 +132,23 @@ lab: setup
 	  $(VENV)/bin/jupyter lab notebooks/
 
 release: setup
-	$(PY) -m course_lib.apps.release
+	$(PY) -m course_grader.release
 
 release-check: setup
-	$(PY) -m course_lib.apps.release --check
+	$(PY) -m course_grader.release --check
 
-# The student edition (course_lib/apps/edition.py): release notebooks, course_lib with every graded reference stubbed,
+# The student edition (course_grader/edition.py): release notebooks, course_lib with every graded reference stubbed,
 # and what a student needs to set up; no solutions/, tests/ or runs/. Standard library only: needs no setup.
 STUDENT_EDITION ?= build/student-edition
 student-edition:
-	$(PYTHON) course_lib/apps/edition.py student $(STUDENT_EDITION) --archive
+	$(PYTHON) course_grader/edition.py student $(STUDENT_EDITION) --archive
 
-# The student's path (course_lib/apps/student_path.py): the student edition, a correct student's answers written into
+# The student's path (course_grader/student_path.py): the student edition, a correct student's answers written into
 # each release notebook, nbgrader's Validator configured as the student's lab configures it (docker/student-lab/).
 # Every notebook must say "Success". STUDENT_PATH_ARGS: notebooks by number, or --blank (the untouched release must
 # fail at every exercise). CI runs it on the floor (.ci/floor).
 student-path: setup
-	$(PY) -m course_lib.apps.student_path $(STUDENT_PATH_ARGS)
+	$(PY) -m course_grader.student_path $(STUDENT_PATH_ARGS)
 
 # Grade one assignment of the submissions in submitted/<student>/$(ASSIGNMENT)/, then export grades.csv.
 grade: setup

@@ -10,7 +10,7 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
    work, measured), ``attention`` (the fused SDPA kernel, or an error), ``instruct`` (instruction
    data: template, label masking, padding, packing), ``models`` (a small CNN, Llama presets),
    ``loss`` (the loss of a batch; the chunked LM loss), ``memory`` (estimates, the saved-tensor
-   meter, byte counting), ``throughput`` (timing, MFU), ``results``, ``plots``, ``grading``.
+   meter, byte counting), ``throughput`` (timing, MFU), ``results``, ``plots``.
 2. **The step**: ``train`` (one training step: accumulation, autocast, loss scaling, gradient sync,
    clipping; ``fit``).
 3. **The distributed toolkit**: ``distributed`` (process group, rank device, each rank's batches,
@@ -22,8 +22,10 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
    ``tp_train``), ``pp`` (with ``schedules``), ``cp`` (with ``cp_train``), ``ep``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), and in ``course_lib/apps/``
    ``finetune``, ``benchmark``, ``size_sweep`` (the largest model per offload strategy), ``accelerate_configs``,
-   ``cluster``, ``run_all`` (the course's main job), ``release``, ``edition``, ``student_path``, ``preflight``,
-   ``sandbox``.
+   ``cluster``, ``run_all`` (the course's main job), ``preflight``.
+
+The grader (the checks, the grading server, the sandbox, the student edition) is ``course_grader``, beside this
+package: it imports the library it grades, and nothing here imports it.
 
 Heavy optional packages (transformers, peft, accelerate, deepspeed) are imported where they are
 used, so that ``import course_lib`` stays fast in a notebook's first cell.

@@ -436,7 +436,7 @@ def _with_rank(fn: Callable, kwargs: dict) -> dict:
 
 STARTUP_TIMEOUT = 120.0  # seconds for the ranks of run_forked to start and join their group
 # "module:function" that a rank receiving its work by value calls before unpickling it (unpickling runs code the
-# sender chose): it returns what to call once the work is unpickled. Set by a grading process (course_lib.checks.child);
+# sender chose): it returns what to call once the work is unpickled. Set by a grading process (course_grader.child);
 # None everywhere else.
 RANK_GUARD: str | None = None
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-# Grading refuses to run as root (course_lib.apps.sandbox.refuse_root) unless told the root is a throwaway container:
+# Grading refuses to run as root (course_grader.sandbox.refuse_root) unless told the root is a throwaway container:
 # CI's is one, so the suite, as root, says so for every grader it starts.
 if os.geteuid() == 0:
     os.environ.setdefault("COURSE_GRADE_AS_ROOT", "1")
@@ -78,7 +78,7 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def student_edition(tmp_path_factory) -> Path:
     """The student edition (course_lib with every graded reference a stub, the release notebooks), built once."""
-    from course_lib.apps.edition import build_student_edition
+    from course_grader.edition import build_student_edition
 
     return build_student_edition(tmp_path_factory.mktemp("student") / "edition")
 
@@ -94,7 +94,7 @@ def executed(course_run_dir, student_edition):
     stderr) fails it too. Each notebook runs once per session.
     """
     from course_lib import results
-    from course_lib.apps import student_path
+    from course_grader import student_path
     from course_lib.apps.run_all import execute
 
     cache: dict[str, dict] = {}

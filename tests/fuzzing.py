@@ -80,7 +80,7 @@ GATED: list[Family] = [
 
 def families() -> list[Family]:
     """The families this grader must stand: (a)-(c) always, (e)-(f) where grade.py validates the data first."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     return FAMILIES + (GATED if hasattr(grade, "validated") else [])
 
@@ -161,7 +161,7 @@ def contiguous(data: Any) -> bool:
 def accepted(name: str, data: Any) -> list[str]:
     """The mutants of check ``name``'s passing ``data`` that the grader takes: a refused family's that its judge
     passes, a layout rewrite that reaches the judge other than as the original's data."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     out = []
     for what, family, mutated in mutants(data):

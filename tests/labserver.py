@@ -72,11 +72,11 @@ def lab_env(tmp: Path, port: int, **extra) -> dict:
 
 
 def student_edition(dest: Path) -> dict:
-    """The student edition (course_lib/apps/edition.py) built at ``dest`` and served as the student image serves
+    """The student edition (course_grader/edition.py) built at ``dest`` and served as the student image serves
     its own: ``lab_env`` settings with ``COURSE_DIR=dest`` (its notebooks, its docker/student-lab) and its stubbed
     ``course_lib`` first on the kernels' path. This checkout's .venv is linked in and installs the checkout's
     ``course_lib`` (editable), so ``dest`` goes on PYTHONPATH, ahead of it, as the image's install of its edition."""
-    from course_lib.apps.edition import build_student_edition
+    from course_grader.edition import build_student_edition
 
     build_student_edition(dest)
     (dest / ".venv").symlink_to(ROOT / ".venv")

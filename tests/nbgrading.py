@@ -14,7 +14,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from course_lib.apps.release import nbgrader
+from course_grader.release import nbgrader
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = "while True:  # a submission that never finishes\n    pass\n"
@@ -34,7 +34,7 @@ def load_solution(assignment: str) -> dict:
 
 
 def checked_ids(nb: dict) -> set[str]:
-    """The grade_ids of the test cells that call course_lib.checks (graded outside the kernel)."""
+    """The grade_ids of the test cells that call course_grader.checks (graded outside the kernel)."""
     return {c["metadata"]["nbgrader"]["grade_id"] for c in nb["cells"]
             if c["metadata"].get("nbgrader", {}).get("grade") and "check(" in cell_source(c)}
 
@@ -198,9 +198,9 @@ def attack_cases(assignment: str, solution: dict, points: dict[str, float]) -> d
 def checks_score(solution: dict, replace: dict[str, str], points: dict[str, float], server=None,
                  only: set[str] | None = None) -> dict[str, float]:
     """grade_id → score of the solution notebook with ``replace``'s solution cells, graded by calling its checks
-    (course_lib.checks.grade: the submission's code in a fenced child of ``server``, the judges here), without
+    (course_grader.grade: the submission's code in a fenced child of ``server``, the judges here), without
     nbgrader. ``only``: grade these test cells alone."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     # one fixed seed for the hidden cases, so a failure here replays; tests/test_grading_guard.py checks that grading
     # for credit draws a new one every time
@@ -212,7 +212,7 @@ def solution_run(assignment: str, server, seconds: int = 60) -> dict:
     """The reference solution graded by ``server`` once: its setup and solution cells, then every check's probe, in
     a fenced child; the raw ``{"results": {check: {"data": ...} | {"error": ...}}, "cell_errors": [...]}`` that
     ``grade.grade`` judges. Its data is what tests/fuzzing.py rewrites."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     solution = load_solution(assignment)
     nb = submission(solution, solution)
@@ -223,7 +223,7 @@ def solution_run(assignment: str, server, seconds: int = 60) -> dict:
 def run_scores(solution: dict, out: dict, points: dict[str, float]) -> dict[str, float]:
     """grade_id → score of a grading's raw output (``solution_run``), judged here as ``grade.grade`` judges it: a
     test cell scores where every check it calls passes."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     results, errors = out.get("results", {}), out.get("cell_errors", [])
     return {gid: points[gid] if all(grade.judge(n, results.get(n), errors).passed for n in names) else 0

@@ -45,32 +45,32 @@ BASE_FILE = ROOT / ".ci" / "full-pass"
 # A change to one of these can move any test: the build and its pins, the test harness, the grader's core (what
 # every grading and the student's Validate run through) and the cell limits.
 GLOBAL = ("pyproject.toml", "Makefile", "environment.yml", ".ci/run", "nbgrader_config.py", "tests/conftest.py",
-          "tests/selection.py", "tests/nbgrading.py", "course_lib/checks/__init__.py", "course_lib/checks/child.py",
-          "course_lib/checks/grade.py", "course_lib/grading.py", "course_lib/apps/sandbox.py",
-          "course_lib/apps/edition.py", "docker/student-lab/nbgrader_config.py")
+          "tests/selection.py", "tests/nbgrading.py", "course_grader/checks/__init__.py", "course_grader/child.py",
+          "course_grader/grade.py", "course_grader/grading.py", "course_grader/sandbox.py",
+          "course_grader/edition.py", "course_grader/nbgrader_plugins.py", "docker/student-lab/nbgrader_config.py")
 # Files a test module reads by glob or by a path it builds (their content is what it depends on), and modules it
 # imports by a name it computes (what they import counts too): neither is in its code whole.
 READS = {
-    "tests/test_architecture.py": ("course_lib/*",),
-    "tests/test_edition.py": ("course_lib/*", "solutions/*", "notebooks/*", "docker/*"),
-    "tests/test_stub_or_give.py": ("course_lib/*", "solutions/*"),
+    "tests/test_architecture.py": ("course_lib/*", "course_grader/*"),
+    "tests/test_edition.py": ("course_lib/*", "course_grader/*", "solutions/*", "notebooks/*", "docker/*"),
+    "tests/test_stub_or_give.py": ("course_lib/*", "course_grader/*", "solutions/*"),
     "tests/test_release.py": ("solutions/*", "notebooks/*"),
     "tests/test_numbering.py": ("solutions/*", "notebooks/*"),
     "tests/test_docker.py": ("docker/*", ".dockerignore"),
     "tests/test_hub.py": ("docker/*",),
     "tests/test_browser.py": ("docker/*",),
     "tests/test_run_all.py": ("README.md",),
-    "tests/test_packaging.py": ("course_lib/*",),
+    "tests/test_packaging.py": ("course_lib/*", "course_grader/*"),
     "tests/test_student_path.py": ("docker/student-lab/*",),
 }
 # The modules that grade the notebooks they name (the others run them): they reach the hidden checks and submissions.
 GRADING = ("tests/test_grading.py", "tests/test_instructor_flow.py", "tests/test_checks.py", "tests/test_hub.py",
            "tests/test_sandbox.py")
 LOADS = {
-    "tests/test_checks.py": ("course_lib/checks/*.py",),  # load_all: every check module this edition has
+    "tests/test_checks.py": ("course_grader/checks/*.py",),  # load_all: every check module this edition has
 }
 NOTEBOOK = re.compile(r"\b(\d\d_[a-z][a-z0-9_]*)\b")
-TARGET = re.compile(r"^(course_lib(?:\.\w+)+)(?::\w+)?$")
+TARGET = re.compile(r"^(course_(?:lib|grader)(?:\.\w+)+)(?::\w+)?$")
 
 
 def git(*args: str) -> str:
@@ -222,8 +222,8 @@ def closure(path: str, loads: bool = True) -> frozenset[str]:
 def _own_files(name: str, graded: bool) -> list[str]:
     """A notebook's own files: its two editions and visible checks; ``graded``, its hidden checks, its known
     submissions and the attacks too."""
-    own = [f"solutions/{name}/{name}.ipynb", f"notebooks/{name}.ipynb", f"course_lib/checks/nb{name[:2]}.py"]
-    own += [f"course_lib/checks/nb{name[:2]}_hidden.py", f"tests/submissions/{name}.py",
+    own = [f"solutions/{name}/{name}.ipynb", f"notebooks/{name}.ipynb", f"course_grader/checks/nb{name[:2]}.py"]
+    own += [f"course_grader/checks/nb{name[:2]}_hidden.py", f"tests/submissions/{name}.py",
             "tests/submissions/attacks.py"] if graded else []
     return [p for p in own if p in tracked()]
 

@@ -1,30 +1,35 @@
 """course_lib's shape, as the README's architecture paragraph states it: modules in layers, a module
 imports only from its own layer or the ones below, a technique may build on another but never in a cycle, the
 folders say the layers (the parallelisms in course_lib/parallel/, the applications in course_lib/apps/), the
-course's own imports sit at the top of each file, and every function fits on a screen."""
+course's own imports sit at the top of each file, and every function fits on a screen. And the grader's: it sits
+apart, in course_grader/, which the library never imports, and its face (everything nbgrader loads) is torch-free."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "course_lib"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "course_lib"
 LAYERS = {
     "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput",
-             "results", "plots", "grading", "dataloader"},
+             "results", "plots", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp",
                   "tp_train", "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4",
                   "qlora"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all",
-                    "release", "preflight", "edition", "student_path", "sandbox", "__init__"},
+                    "preflight", "__init__"},
 }
-# The folders say the layers: the applications (what a user runs: the course's main job, the release, the grading
-# fence, the benchmarks) sit in course_lib/apps/, the library they use in course_lib/, and of the library's
+# The folders say the layers: the applications (what a user runs: the course's main job, the preflight, the
+# benchmarks) sit in course_lib/apps/, the library they use in course_lib/, and of the library's
 # techniques the parallelisms (data, sharded, tensor, pipeline, context and expert parallelism, and ZeRO's offload)
 # together in course_lib/parallel/. Two application modules stay at the top, because a notebook's first line imports
 # them: the package itself and notebook (course_setup).
@@ -68,7 +73,7 @@ def course_imports(node: ast.AST) -> list[tuple[str, int]]:
         if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "course_lib":
             # from course_lib import results, plots / from course_lib.apps import ...
             if course_module(n.module) is None:
-                known = [a.name for a in n.names if a.name in module_paths() or a.name == "checks"]
+                known = [a.name for a in n.names if a.name in module_paths()]
                 out += [(name, n.lineno) for name in known]
                 out += [("__init__", n.lineno)] * (n.module == "course_lib" and len(known) < len(n.names))
             else:
@@ -219,34 +224,84 @@ def test_no_training_loop_outside_the_runner():
     assert not stale, f"OWNS_BACKWARD_OR_STEP names {stale}, which no longer call backward or step: remove them"
 
 
-# course_lib/checks/: the graded tests (a probe and a judge per test cell) and the grader that runs them. They sit
-# above the whole library, which they test: they may import any of it, and nothing in the library imports them.
-CHECKS = PACKAGE / "checks"
-GRADER_API = {"__init__", "child", "grade"}  # what nbgrader_config and the notebooks call: documented like the library
+# course_grader/: the graded tests (a probe and a judge per test cell, in checks/) and the grader that runs them. They
+# sit above the whole library, which they test: they may import any of it, and nothing in the library imports them.
+GRADER = ROOT / "course_grader"
+CHECKS = GRADER / "checks"
+# What nbgrader, the notebooks and an instructor call: documented like the library.
+GRADER_API = {"checks.__init__", "child", "grade", "sandbox", "edition", "release", "student_path", "nbgrader_plugins",
+              "audit", "grading"}
+# The grader's torch-free face: what every nbgrader command loads (the configuration and its plugins) and the
+# instructor's tools that build the student edition and the release.
+TORCH_FREE = ("course_grader", "course_grader.nbgrader_plugins", "course_grader.sandbox", "course_grader.edition",
+              "course_grader.release", "course_grader.student_path")
 
 
 @functools.cache
+def grader_modules() -> dict[str, ast.Module]:
+    """Every module of course_grader/ by its name below the package (``grade``, ``checks.nb07``)."""
+    return {".".join(p.relative_to(GRADER).with_suffix("").parts): ast.parse(p.read_text())
+            for p in sorted(GRADER.rglob("*.py"))}
+
+
 def checks_modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text()) for p in sorted(CHECKS.glob("*.py"))}
+    return {name.split(".", 1)[1]: tree for name, tree in grader_modules().items() if name.startswith("checks.")}
 
 
-def checks_imports(tree: ast.AST) -> list[tuple[str, int]]:
-    """(checks module, line) of every import of ``course_lib.checks.X`` in ``tree`` ("__init__" for the package)."""
+def grader_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(module, line) of every import of ``course_grader`` or a module of it in ``tree``."""
     out = []
     for n in ast.walk(tree):
         if isinstance(n, ast.ImportFrom):
-            names = [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names if n.module == "course_lib.checks"]
+            names = [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names if n.module == "course_grader"]
         else:
             names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
-        for name in names:
-            if name == "course_lib.checks" or name.startswith("course_lib.checks."):
-                out.append((name.split(".")[2] if name.count(".") >= 2 else "__init__", n.lineno))
+        out += [(name, n.lineno) for name in names if name.split(".")[0] == "course_grader"]
     return out
 
 
-def test_no_library_module_imports_the_checks():
-    importers = {name: checks_imports(tree) for name, tree in modules().items() if checks_imports(tree)}
-    assert not importers, f"the library imports the graded checks (they sit above it): {importers}"
+def checks_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(checks module, line) of every import of ``course_grader.checks.X`` in ``tree`` ("__init__" for the package)."""
+    return [(name.split(".")[2] if name.count(".") >= 2 else "__init__", line) for name, line in grader_imports(tree)
+            if name == "course_grader.checks" or name.startswith("course_grader.checks.")]
+
+
+def test_the_library_never_imports_the_grader():
+    importers = {name: grader_imports(tree) for name, tree in modules().items() if grader_imports(tree)}
+    assert not importers, f"the library imports the grader (which sits above it, apart): {importers}"
+
+
+def test_grader_imports_finds_each_way_of_importing_the_grader():
+    tree = ast.parse("import course_grader.grade\nfrom course_grader import checks\nfrom course_grader.checks.nb07 "
+                     "import cnn\nimport course_lib\nfrom course_lib.checkpointing import CheckpointedBlock\n")
+    assert [name for name, _ in grader_imports(tree)] == ["course_grader.grade", "course_grader",
+                                                           "course_grader.checks", "course_grader.checks.nb07"]
+    assert [name for name, _ in checks_imports(tree)] == ["__init__", "nb07"]
+
+
+def test_the_graders_face_and_nbgrader_config_load_no_torch():
+    """Every nbgrader command reads nbgrader_config.py: it and the modules it loads import nbgrader and the standard
+    library, never torch or course_lib (seconds and gigabytes on every command, and a GPU runtime's start)."""
+    code = ("import sys\n"
+            f"for m in {TORCH_FREE!r}: __import__(m)\n"
+            "from traitlets.config.loader import PyFileConfigLoader\n"
+            f"config = PyFileConfigLoader('nbgrader_config.py', path={str(ROOT)!r}).load_config()\n"
+            "assert config.Autograde.autograde_preprocessors, 'no preprocessors configured'\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'course_lib')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"loaded by nbgrader's configuration: {out.stdout.strip()}"
+
+
+def test_nbgrader_config_is_settings_and_one_import_of_the_grader():
+    """nbgrader_config.py sets values; the classes it selects live in course_grader.nbgrader_plugins."""
+    tree = ast.parse((ROOT / "nbgrader_config.py").read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert not defined, f"nbgrader_config.py defines {defined}: move them to course_grader/nbgrader_plugins.py"
+    course = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    plain = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert course == ["course_grader"] and set(plain) <= {"os", "sys"}, (course, plain)
 
 
 @pytest.mark.parametrize("name", sorted(checks_modules()))
@@ -257,22 +312,22 @@ def test_a_visible_check_never_imports_a_hidden_one_and_imports_sit_at_the_top(n
     hidden = [(t, line) for t, line in checks_imports(tree) if t.endswith("_hidden")]
     assert name.endswith("_hidden") or not hidden, f"checks/{name}.py imports hidden checks: {hidden}"
     nested = [(t, line) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for t, line in course_imports(f) + checks_imports(f)]
-    assert not nested, f"checks/{name}.py imports course_lib modules inside functions: {nested}"
+              for t, line in course_imports(f) + grader_imports(f)]
+    assert not nested, f"checks/{name}.py imports course modules inside functions: {nested}"
     for t, line in course_imports(tree):
-        assert t in LAYER_OF or t == "checks", f"checks/{name}.py:{line} imports course_lib.{t}, which has no layer"
+        assert t in LAYER_OF, f"checks/{name}.py:{line} imports course_lib.{t}, which has no layer"
 
 
-@pytest.mark.parametrize("name", sorted(checks_modules()))
-def test_check_functions_fit_on_a_screen_and_the_grader_says_what_it_does(name):
-    tree = checks_modules()[name]
+@pytest.mark.parametrize("name", sorted(grader_modules()))
+def test_grader_functions_fit_on_a_screen_and_the_grader_says_what_it_does(name):
+    tree = grader_modules()[name]
     long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
             and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
-    assert not long, f"checks/{name}.py: {long} are longer than {MAX_FUNCTION_LINES} lines"
+    assert not long, f"course_grader/{name}: {long} are longer than {MAX_FUNCTION_LINES} lines"
     if name in GRADER_API:
         public = [f.name for f in tree.body
                   if isinstance(f, (ast.FunctionDef, ast.ClassDef)) and not f.name.startswith("_")]
         undocumented = [f for f in public
                         if not ast.get_docstring(next(n for n in tree.body if getattr(n, "name", "") == f))]
-        assert not undocumented, f"checks/{name}.py: public {undocumented} have no docstring"
+        assert not undocumented, f"course_grader/{name}: public {undocumented} have no docstring"

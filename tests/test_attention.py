@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from course_grader.grading import max_rel_diff
 from course_lib import attention as att
-from course_lib.grading import max_rel_diff
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama, empty_llama
 

@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 
-from course_lib import attention
-from course_lib.apps import benchmark as bm
-from course_lib import recipe as rc
-from course_lib.apps import finetune as ft
+from course_grader.grading import grads, max_abs_diff, twin
+from course_lib import attention, recipe as rc
+from course_lib.apps import benchmark as bm, finetune as ft
 from course_lib.checkpointing import CheckpointedBlock
-from course_lib.grading import grads, max_abs_diff, twin
 from course_lib.instruct import packed_attention_mask
 from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.loss import forward_loss, lm_loss

@@ -152,7 +152,7 @@ def check_pngs(shots: list[Path]) -> None:
 def test_student_lab_runs_and_validates_notebook_00_without_instructor_tools(tmp_path):
     from playwright.sync_api import expect
 
-    from course_lib.apps.student_path import filled
+    from course_grader.student_path import filled
 
     # the student edition, and a work folder that holds its notebooks with 00's exercises written correctly
     # (start-lab.sh copies notebooks/ on the first start only: what is there stays)

@@ -1,4 +1,4 @@
-"""course_lib.checks: test cells as checks, graded in a process the student's code never ran in."""
+"""course_grader.checks: test cells as checks, graded in a process the student's code never ran in."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import pytest
 import torch
 
 import nbgrading as g
-from course_lib import checks
-from course_lib.apps import edition
-from course_lib.checks import grade
+from course_grader import checks, edition, grade
 
 SOLUTION = g.load_solution("00_orientation")
 POINTS = g.grade_cells(SOLUTION)
@@ -52,7 +50,7 @@ def test_only_plain_data_crosses_to_the_grader():
 
 def test_the_student_edition_has_the_visible_checks_and_not_the_hidden_ones(tmp_path):
     path = edition.for_grading()
-    code = ("import course_lib.checks as c; c.load_all(); print(sorted(c.REGISTRY))")
+    code = ("import course_grader.checks as c; c.load_all(); print(sorted(c.REGISTRY))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(path)}, cwd=tmp_path,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -65,10 +63,11 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
     would hang it. So no module may start one when it is imported."""
     code = ("import os, pkgutil, importlib, torch\n"
             "before = len(os.listdir('/proc/self/task'))\n"
-            "import course_lib, course_lib.checks as c\n"
+            "import course_lib, course_grader, course_grader.checks as c\n"
             "c.load_all()\n"
-            "for m in pkgutil.walk_packages(course_lib.__path__, 'course_lib.'):  # course_lib/apps/ too\n"
-            "    importlib.import_module(m.name)\n"
+            "for pkg in (course_lib, course_grader):  # course_lib/apps/ too\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        importlib.import_module(m.name)\n"
             "print(before, len(os.listdir('/proc/self/task')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "4"})

@@ -18,8 +18,8 @@ import IPython.display
 import pytest
 
 import nbgrading as g
+from course_grader.release import assignments
 from course_lib import results as results_mod
-from course_lib.apps.release import assignments
 
 FOUND = "## What this run found"
 TAKE_AWAY = "## What to take away"

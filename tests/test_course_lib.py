@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from course_grader.grading import grads, max_abs_diff, twin
 from course_lib import checkpointing, data, memory, models, precision, results, throughput, train
-from course_lib.loss import forward_loss
 from course_lib.device import pick_tier, system_report
-from course_lib.grading import grads, max_abs_diff, twin
+from course_lib.loss import forward_loss
 
 
 # --- bad input stops early, naming the parameter and the fix ------------------------------------
@@ -446,7 +446,7 @@ def test_system_report_names_the_stack():
 # --- grading: the library's answers out of reach -----------------------------------------------------
 
 def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
-    from course_lib.grading import LibraryAnswer, forbid
+    from course_grader.grading import LibraryAnswer, forbid
     from course_lib.memory import activation_bytes
 
     kept = activation_bytes
@@ -485,7 +485,7 @@ def test_forbid_blocks_every_way_to_reach_an_answer_and_restores_them():
 def test_forbid_swaps_a_method_that_calls_super_and_puts_its_code_back():
     """A method that calls ``super()`` closes over ``__class__``: its stand-in closes over the same name, so the
     swap is made in place like any other, and undone."""
-    from course_lib.grading import LibraryAnswer, forbid
+    from course_grader.grading import LibraryAnswer, forbid
 
     ddp = torch.nn.parallel.DistributedDataParallel
     original = ddp.__init__.__code__

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from course_grader.checks import nb05
 from course_lib import dataloader as dl
-from course_lib.checks import nb05
 
 matplotlib.use("Agg")
 

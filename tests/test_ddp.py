@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_lib.parallel import ddp
+from course_grader.grading import grads, max_rel_diff
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
-from course_lib.grading import grads, max_rel_diff
 from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
+from course_lib.parallel import ddp
 
 
 def test_buckets_fill_from_the_last_parameter_and_close_once_they_reach_the_cap():

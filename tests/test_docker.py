@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from course_grader.edition import graded_references
 from course_lib.apps import cluster
-from course_lib.apps.edition import graded_references
 from labserver import START, http_get, lab_env, start_lab, stop_lab
 from course_lib.distributed import free_port
 
@@ -52,7 +52,7 @@ BIN = Path(sys.executable).parent
 # --- Dockerfiles ---------------------------------------------------------------------------------
 
 # convention E's command, as the stage runs it
-EDITION_RUN = "python3 course_lib/apps/edition.py student /opt/student-edition"
+EDITION_RUN = "python3 course_grader/edition.py student /opt/student-edition"
 EDITION_OUT = "/opt/student-edition"
 
 
@@ -310,16 +310,16 @@ def test_grader_target_has_the_whole_course(dockerfile):
     copied = set().union(*(copied_from_context(s, files) for s in chain))
     dests = {dest for s in chain for frm, _, dest in copies(s) if frm is None and dest.startswith("/opt/course")}
     assert dests == {"/opt/course/"}, dests
-    for folder in ("solutions/", "tests/", "course_lib/", "notebooks/"):
+    for folder in ("solutions/", "tests/", "course_lib/", "course_grader/", "notebooks/"):
         theirs = {f for f in files if f.startswith(folder)}
         assert theirs and theirs <= copied, f"the grader image lacks {sorted(theirs - copied)[:5]}"
     assert {"nbgrader_config.py", "tests/test_docker.py"} <= copied
     assert any(f.startswith("tests/submissions/") for f in copied), "the known-wrong submissions"
     # the grading kernel's course_lib (convention E) is built at build time, into a folder the user cannot write
     runs = [a for w, a in chain[0].instructions if w == "RUN"]
-    assert len(runs) == 1 and "course_lib/apps/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
+    assert len(runs) == 1 and "course_grader/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
     # and the context the edition and grader stages read leaves out nothing of the course
-    for must in ("solutions", "tests", "course_lib", "notebooks", "nbgrader_config.py", "pyproject.toml", "Makefile"):
+    for must in ("solutions", "tests", "course_lib", "course_grader", "notebooks", "nbgrader_config.py", "pyproject.toml", "Makefile"):
         assert any(f == must or f.startswith(must + "/") for f in files), f"the .dockerignore leaves out {must}"
     assert not any(f.startswith((".venv/", "runs/", ".git/", "build/")) or "__pycache__" in f for f in files)
 
@@ -348,8 +348,10 @@ def test_the_student_stage_copies_no_solutions_tests_or_graded_reference(student
     files = sorted(p.relative_to(student_edition).as_posix() for p in student_edition.rglob("*") if p.is_file())
     assert files, "the edition stage wrote nothing"
     leaked = [f for f in files if f.split("/")[0] in ("solutions", "tests", "release", "submitted", "autograded",
-                                                      "runs", "build") or f == "nbgrader_config.py"]
+                                                      "runs", "build") or f == "nbgrader_config.py"
+              or f.endswith("_hidden.py")]
     assert not leaked, f"the student image would hold {leaked[:10]}"
+    assert "course_grader/checks/nb07.py" in files, "the visible checks a notebook's test cells call"
     assert {f for f in files if f.endswith(".ipynb")} == {f"notebooks/{p.name}"
                                                           for p in (ROOT / "notebooks").glob("*.ipynb")}
     # every graded reference (convention M's markers) is a stub there: a docstring and a raise, nothing else
@@ -387,7 +389,8 @@ def test_make_setup_works_in_the_student_edition(student_edition, tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
-    assert "course_lib/parallel/ddp.py" in names and \
+    assert "course_lib/parallel/ddp.py" in names and "course_grader/checks/nb07.py" in names and \
+        not any(n.endswith("_hidden.py") for n in names) and \
         any(n.startswith("course_lib/apps/templates/") for n in names) and \
         any(n.startswith("course_lib/apps/configs/") for n in names), names
 

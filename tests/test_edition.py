@@ -1,4 +1,4 @@
-"""The student edition (course_lib/apps/edition.py): what a student receives holds no solution, no hidden test and no
+"""The student edition (course_grader/edition.py): what a student receives holds no solution, no hidden test and no
 graded reference, and the grading kernel's course_lib is that same stubbed package.
 
 The scan builds the real edition and looks in every file of it for every solution body and hidden test of
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.apps import edition
-from course_lib.apps.edition import MARKER_FILE, MarkerError, build_student_edition, for_grading, graded_references
+from course_grader import edition
+from course_grader.edition import MARKER_FILE, MarkerError, build_student_edition, for_grading, graded_references
 
 ROOT = Path(__file__).resolve().parent.parent
 STDLIB_ONLY = [sys.executable, "-S"]  # no site-packages: the script must run on a bare python3, before any setup
@@ -53,7 +53,7 @@ COMMON = {
     "d, ffn = config.hidden_size, config.intermediate_size",
 }
 MIN_LINE = 25  # a shorter line is too common to say anything (`return x`, `loss.backward()`)
-TOP = {"notebooks", "course_lib", "docker", "pyproject.toml", "environment.yml", "Makefile", "README.md", ".gitignore",
+TOP = {"notebooks", "course_lib", "course_grader", "docker", "pyproject.toml", "environment.yml", "Makefile", "README.md", ".gitignore",
        MARKER_FILE}
 
 
@@ -204,14 +204,15 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = 300
 def built(tmp_path_factory) -> Path:
     """The student edition, written by the command line on a bare interpreter, with its archive."""
     dest = tmp_path_factory.mktemp("edition") / "student-edition"
-    out = run(STDLIB_ONLY + ["course_lib/apps/edition.py", "student", str(dest), "--archive"], cwd=ROOT)
+    out = run(STDLIB_ONLY + ["course_grader/edition.py", "student", str(dest), "--archive"], cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return dest
 
 
 def course_copy(dest: Path) -> Path:
-    """A root with a copy of this repository's course_lib and solutions (what the edition is made from)."""
-    for part in ("course_lib", "solutions", "notebooks"):
+    """A root with a copy of this repository's course_lib, course_grader and solutions (what the edition is made
+    from)."""
+    for part in ("course_lib", "course_grader", "solutions", "notebooks"):
         shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
     for part in edition.STUDENT_FILES + ("Makefile",):
         if (ROOT / part).is_dir():
@@ -447,8 +448,11 @@ def test_the_edition_holds_what_a_student_needs_and_nothing_of_the_instructor(bu
     assert not [n for n in names if re.match(r"(solutions|tests|runs|\.ci|\.git|release|autograded|submitted)/", n)]
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")], names
     assert "nbgrader_config.py" not in names and "gradebook.db" not in names
-    hidden = {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_lib").rglob("*_hidden.py")}
-    assert hidden and not hidden & names, "the hidden tests' checks must stay out of the student edition"
+    hidden = {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_grader").rglob("*_hidden.py")}
+    assert len(hidden) == 15 and not hidden & names, "the hidden tests' checks must stay out of the student edition"
+    assert {n for n in names if n.startswith("course_grader/")} == \
+        {p.relative_to(ROOT).as_posix() for p in (ROOT / "course_grader").rglob("*.py")} - hidden, \
+        "the student edition has the grader's visible checks and server, unchanged, and no more"
     submissions = {p.name: p.read_bytes() for p in (ROOT / "tests" / "submissions").rglob("*") if p.is_file()}
     assert not [n for n in names if Path(n).name in submissions], "a known-wrong submission is in the edition"
     contents = {(built / n).read_bytes() for n in names}
@@ -482,9 +486,9 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
                "-w", str(tmp_path / "w")], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     wheel = zipfile.ZipFile(next((tmp_path / "w").glob("*.whl")))
-    packaged = {n for n in wheel.namelist() if n.startswith("course_lib/")}
-    assert packaged == {n for n in files_of(built) if n.startswith("course_lib/")}, \
-        "pip install packages the stubbed course_lib"
+    packaged = {n for n in wheel.namelist() if n.startswith(("course_lib/", "course_grader/"))}
+    assert packaged == {n for n in files_of(built) if n.startswith(("course_lib/", "course_grader/"))}, \
+        "pip install packages the stubbed course_lib and the grader without its hidden checks"
     assert all(wheel.read(n) == (built / n).read_bytes() for n in packaged)
 
 
@@ -499,7 +503,7 @@ def test_a_foreign_folder_is_refused_and_kept_and_a_previous_edition_is_replaced
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.txt").write_text("a user's work")
-    out = run([sys.executable, "-m", "course_lib.apps.edition", "student", str(mine)], cwd=ROOT)
+    out = run([sys.executable, "-m", "course_grader.edition", "student", str(mine)], cwd=ROOT)
     assert out.returncode == 2 and "is not a student edition" in out.stderr, out.stderr
     assert files_of(mine) == {"thesis.txt"} and (mine / "thesis.txt").read_text() == "a user's work"
     dest = build_student_edition(tmp_path / "ed", archive=True)
@@ -519,11 +523,11 @@ def test_a_foreign_folder_is_refused_and_kept_and_a_previous_edition_is_replaced
 
 # ---------------------------------------------------------------- the grading kernel's course_lib
 
-def test_for_grading_builds_once_per_content_of_course_lib(tmp_path, monkeypatch):
+def test_for_grading_builds_once_per_content_of_course_lib_and_the_grader(tmp_path, monkeypatch):
     root = course_copy(tmp_path / "course")
     monkeypatch.setenv("COURSE_STUDENT_EDITION_DIR", str(tmp_path / "cache"))
     first = for_grading(root)
-    assert {p.name for p in first.iterdir()} == {"course_lib", ".content-hash"}
+    assert {p.name for p in first.iterdir()} == {"course_lib", "course_grader", ".content-hash"}
     stamp = (first / ".content-hash").stat().st_mtime_ns
     assert for_grading(root) == first and (first / ".content-hash").stat().st_mtime_ns == stamp, \
         "rebuilt with no change"
@@ -536,6 +540,11 @@ def test_for_grading_builds_once_per_content_of_course_lib(tmp_path, monkeypatch
               env={**os.environ, "PYTHONPATH": str(second)})
     assert out.returncode == 0 and out.stdout.split()[0] == "True", out.stderr[-2000:]
     assert Path(out.stdout.split()[1]).is_relative_to(second)
+    with open(root / "course_grader" / "checks" / "nb00.py", "a") as f:  # the grader's content counts too
+        f.write("\nGRADER_CHANGED = True\n")
+    third = for_grading(root)
+    assert third not in (first, second) and "GRADER_CHANGED" in (third / "course_grader/checks/nb00.py").read_text()
+    assert not list(third.rglob("*_hidden.py")), "a hidden check in the grading process's edition"
 
 
 def test_for_grading_from_several_graders_at_once_gives_one_whole_build(tmp_path, monkeypatch):

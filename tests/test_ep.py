@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel import ep
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import WorkerError, run_forked
+from course_lib.parallel import ep
 
 D, TOP_K, AUX = 8, 2, 0.1
 EXPERTS = {2: 4, 3: 6, 4: 4}
@@ -177,7 +177,7 @@ def test_groups_and_bad_input():
 def test_the_visible_checks_capacity_answers_are_the_rule_s():
     """checks/nb14's written-out answers of the capacity rule (the student edition cannot compute them: the rule is
     the exercise) are ep.within_capacity's on the visible test's groups, and they drop something."""
-    from course_lib.checks import nb14
+    from course_grader.checks import nb14
 
     seen = []
     for factor in (None, 1.0):

@@ -18,14 +18,10 @@ import torch
 import torch.distributed as dist
 from recorded import ROOT
 
-from course_lib.apps import accelerate_configs
-from course_lib import instruct as ins
-from course_lib.apps import finetune as ft
-from course_lib import lora
-from course_lib import loss as losses
-from course_lib import recipe as rc
+from course_grader.grading import grads, max_rel_diff, twin
+from course_lib import instruct as ins, lora, loss as losses, recipe as rc
+from course_lib.apps import accelerate_configs, finetune as ft
 from course_lib.train import train_step
-from course_lib.grading import grads, max_rel_diff, twin
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Grading: every notebook's known submissions, graded by calling its checks.
 
-Every test cell of every notebook calls ``check(...)`` (course_lib.checks): its score is judged outside the
+Every test cell of every notebook calls ``check(...)`` (course_grader.checks): its score is judged outside the
 kernel, from data a fenced child process returns. So the known-wrong submissions and the attacks of every
 notebook are graded here by calling the checks (``test_checks_grade_known_submissions``, seconds each), without
 nbgrader. What nbgrader's autograde adds over that path (the collection, the restored test cells, the kernel's
@@ -18,11 +18,11 @@ import pytest
 
 import fuzzing
 import nbgrading as g
-from course_lib.apps.release import assignments
+from course_grader.release import assignments
 
 # Grading rule 2 (README, "What the exercises grade"): every exercise of every notebook has a known-wrong
 # submission named calls_library_<exercise> that calls course_lib's counterpart, and it must score 0 on every
-# test of that exercise (the tests run the student's code inside course_lib.grading.forbid).
+# test of that exercise (the tests run the student's code inside course_grader.grading.forbid).
 
 
 @pytest.mark.parametrize("assignment", assignments())
@@ -65,8 +65,8 @@ def test_no_known_wrong_submission_is_a_hand_copy_of_a_solution_cell(assignment)
 def server():
     """One grading server for every assignment this worker grades, with every notebook's hidden checks loaded: it
     imports torch, course_lib and the checks once (10-20 s), where grading one assignment starts one of its own."""
-    from course_lib import checks
-    from course_lib.checks import grade
+    from course_grader import checks
+    from course_grader import grade
 
     checks.load_all()
     running = grade.Server(grade.hidden_modules(list(checks.REGISTRY)))
@@ -135,7 +135,7 @@ def test_judges_refuse_mutated_data(assignment, reference):
     data). The data is the ``reference`` fixture's, which the grading above judged already: no notebook runs here.
     Adding one integer to every int is no family: many judges rightly take a count within a slack (bytes held, the
     micro-batches in flight)."""
-    from course_lib.checks import grade
+    from course_grader import grade
 
     results, started, accepted = reference(assignment)["results"], time.perf_counter(), {}
     assert results, f"{assignment}: the reference's grading returned no data"

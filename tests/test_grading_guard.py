@@ -1,5 +1,5 @@
 """The grading process against a submission that attacks it: what its audit hook refuses and reports, what the
-server contains, and what the grader accepts back (course_lib.checks.audit, child, grade).
+server contains, and what the grader accepts back (course_grader.audit, child, grade).
 
 Each job here runs cells in a real fork of a real grading server (``grade.Server``), fenced as in grading; the
 probes' data is then judged in this process. The whole-notebook attacks (forbid disarmed, the results rewritten
@@ -14,8 +14,7 @@ import time
 import pytest
 import torch
 
-from course_lib import checks
-from course_lib.checks import grade
+from course_grader import checks, grade
 
 
 SECRET = "INSTRUCTOR_API_TOKEN"
@@ -65,8 +64,8 @@ def test_rebinding_a_library_function_s_code_is_refused_but_the_student_s_own_is
     out = run(server, [
         "import contextlib\n"
         "contextlib.nullcontext.__enter__.__code__ = (lambda self: None).__code__\n",
-        "import course_lib.grading\n"
-        "course_lib.grading.forbid.__enter__.__defaults__ = (1,)\n",
+        "import course_grader.grading\n"
+        "course_grader.grading.forbid.__enter__.__defaults__ = (1,)\n",
         "def mine(x):\n    return x\nmine.__code__ = (lambda x: 2 * x).__code__\nassert mine(2) == 4\n"])
     assert len(out["cell_errors"]) == 2 and all("GraderRefused" in e for e in out["cell_errors"]), out
     assert kinds(out) == [("rebinding a library function's code", True)] * 2
@@ -129,7 +128,7 @@ def test_the_job_s_files_are_limited_in_size_and_the_grader_s_secrets_are_not_in
 
 
 def test_a_job_that_allocates_without_end_fails_in_its_own_process(server):
-    from course_lib.checks import child
+    from course_grader import child
 
     out = run(server, ["import resource\n"
                        f"assert resource.getrlimit(resource.RLIMIT_DATA)[0] == {child.MEMORY_LIMIT}\n",
@@ -152,7 +151,7 @@ def test_what_a_job_leaves_in_shared_memory_is_not_there_for_the_next(server):
 def test_a_job_that_switches_its_alarm_off_is_killed_by_the_server(server):
     """The fork's alarm is the student's to ignore; the server kills the job a grace period past the cell's limit,
     not at the end of the whole job's allowance."""
-    from course_lib.checks import child
+    from course_grader import child
 
     start = time.monotonic()
     out = server.run(["import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n",
@@ -163,7 +162,7 @@ def test_a_job_that_switches_its_alarm_off_is_killed_by_the_server(server):
 
 
 def test_grading_refuses_root_unless_told_it_is_a_throwaway_container(monkeypatch, capsys):
-    from course_lib.apps import sandbox
+    from course_grader import sandbox
 
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.delenv(sandbox.AS_ROOT, raising=False)

@@ -110,7 +110,7 @@ def hub(tmp_path_factory):
     (tmp / "exchange").chmod(0o777)  # local mode: one user; start.sh gives the root to root, the course to the grader
     # the labs run the student edition (start.sh builds it for slurm); local mode lets it use the checkout's .venv
     edition = tmp / "student-edition"
-    subprocess.run([sys.executable, str(ROOT / "course_lib" / "apps" / "edition.py"), "student", str(edition)],
+    subprocess.run([sys.executable, str(ROOT / "course_grader" / "edition.py"), "student", str(edition)],
                    check=True, capture_output=True, timeout=120)
     (edition / ".venv").symlink_to(ROOT / ".venv")
     # the grader's course: the course's own nbgrader config, and this small assignment as its only source

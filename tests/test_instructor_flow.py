@@ -1,6 +1,6 @@
 """The instructor's flow end to end, with nbgrader's real commands and a real exchange folder: the one whole autograde.
 
-A course made by course_lib.apps.release.make_course from solutions/ (generate_assignment), less its long demonstrations
+A course made by course_grader.release.make_course from solutions/ (generate_assignment), less its long demonstrations
 (the cells tagged "demo", as make_course's exercise-only course leaves them out), releases 00_orientation, the
 cheapest notebook, into a temporary exchange (release_assignment). The students fetch it
 (fetch_assignment), put in their answers (built like tests/nbgrading.py does) and submit (submit). The
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 import nbgrading as g
-from course_lib.apps.release import make_course, nbgrader
+from course_grader.release import make_course, nbgrader
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENT = "00_orientation"
@@ -42,7 +42,7 @@ COURSE_ID = "scaling-pytorch-training"  # nbgrader_config.py
 CELL_TIMEOUT = 20  # seconds per cell while autograding (COURSE_CELL_TIMEOUT, read by nbgrader_config.py)
 BYSTANDER = "zoe"  # graded before this run, with half marks on every cell (nbgrading.add_bystander)
 # what the submissions whose grading the audit hook reports carry (tests/submissions/attacks.py, FLAGGED)
-FLAG_MARKS = ("inspect.getsource(course_lib.memory", "course_lib.grading._swap_in.__code__")
+FLAG_MARKS = ("inspect.getsource(course_lib.memory", "course_grader.grading._swap_in.__code__")
 
 
 def bens_edited_test() -> str:

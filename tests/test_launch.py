@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel import deepspeed_engine
 from course_lib.device import gpu_count, ranks_device
 from course_lib.distributed import free_port
 import course_lib.launch
 from course_lib.launch import WorkerError, check_world, launch, on_ranks, run_forked
+from course_lib.parallel import deepspeed_engine
 
 
 def test_a_failing_rank_ends_the_launch_at_once_with_its_traceback_streamed_with_rank_prefixes(capsys):
@@ -195,7 +195,7 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
     check's ranks get only the definitions it names."""
     import threading
 
-    from course_lib import checks
+    from course_grader import checks
 
     lock = threading.Lock()  # inherited by a forked rank, refused by cloudpickle
 

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from course_grader.checks import nb12
 from course_lib import nf4, qlora
-from course_lib.checks import nb12
 from course_lib.lora import ALL_LINEAR, lora_trainable_parameters
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.apps.release import assignments
+from course_grader.release import assignments
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBERS = {a[:2] for a in assignments()}

@@ -9,7 +9,7 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 
-from course_lib.apps.release import ROOT
+from course_grader.release import ROOT
 
 CONDA_TO_PIP = {"pytorch": "torch"}
 
@@ -84,3 +84,13 @@ def test_the_hubs_labs_get_their_packages_from_make_setup():
     assert {"jupyterhub", "batchspawner", "nbgrader", "jupyterlab"} <= names, names
     extensions = json.loads((ROOT / "docker" / "hub" / "student" / "jupyter_server_config.json").read_text())
     assert extensions["ServerApp"]["jpserver_extensions"]["jupyterhub"] is True  # the lab speaks to the hub
+
+
+def test_every_package_folder_is_installed():
+    """``pip install`` ships the folders pyproject.toml lists, no others: a package folder it misses (the grader's
+    checks, say) imports from a checkout and is absent from an installed course."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("course_lib", "course_grader")
+               for p in (ROOT / top).rglob("__init__.py")}
+    assert {"course_lib", "course_grader", "course_grader.checks"} <= folders
+    assert listed == folders, f"pyproject.toml's packages miss {folders - listed} and list {listed - folders}"

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from course_lib.apps.release import ROOT, assignments, check_cell_ids, make_course, released
+from course_grader.release import ROOT, assignments, check_cell_ids, make_course, released
 
 
 def test_release_in_sync_with_solutions(tmp_path):
@@ -14,7 +14,7 @@ def test_release_in_sync_with_solutions(tmp_path):
     committed = {p.stem: json.loads(p.read_text()) for p in (ROOT / "notebooks").glob("*.ipynb")}
     assert set(committed) == set(fresh), "notebooks/ and solutions/ hold different notebooks"
     for aid, nb in fresh.items():
-        assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_lib.apps.release"
+        assert committed[aid] == nb, f"notebooks/{aid}.ipynb is stale: run python -m course_grader.release"
 
 
 def test_a_solution_cell_without_an_id_is_refused(tmp_path):

@@ -21,11 +21,11 @@ import nbformat
 import pytest
 from traitlets.config.loader import PyFileConfigLoader
 
-from course_lib.apps import sandbox
-from course_lib.apps.edition import for_grading
+from course_grader import sandbox
+from course_grader.edition import for_grading
 
 ROOT = Path(__file__).resolve().parent.parent
-SANDBOX = ROOT / "course_lib" / "apps" / "sandbox.py"
+SANDBOX = ROOT / "course_grader" / "sandbox.py"
 # what any Python child needs: the interpreter, its libraries, the system's
 SYSTEM = sorted({sys.prefix, sys.base_prefix, os.path.realpath(sys.base_prefix)}) + ["/usr", "/lib", "/lib64", "/bin",
                                                                                     "/etc", "/proc", "/dev"]
@@ -70,7 +70,7 @@ def tree(tmp_path) -> Path:
 
 def test_landlock_is_here():
     assert sandbox.landlock_abi() >= 1, \
-        "grading needs Linux >= 5.13 with Landlock enabled (see course_lib/apps/sandbox.py)"
+        "grading needs Linux >= 5.13 with Landlock enabled (see course_grader/sandbox.py)"
 
 
 def test_reads_only_what_it_is_given(tree):

@@ -42,7 +42,7 @@ def test_a_known_submission_reaches_its_grading_not_the_notebook_s_run():
 
 
 def test_a_global_file_selects_everything_and_no_base_too():
-    for path in ("tests/conftest.py", "course_lib/checks/grade.py", "pyproject.toml"):
+    for path in ("tests/conftest.py", "course_grader/grade.py", "pyproject.toml"):
         assert sel.Selection("HEAD", {path}).everything
     assert sel.Selection(None).everything and sel.Selection(None).notebook_changed("00_orientation")
     assert sel.Selection("HEAD", set()).keeps("tests/test_pp.py") is False

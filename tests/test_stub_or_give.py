@@ -16,7 +16,7 @@ calls a graded reference, which is a stub in the student's kernel; and no visibl
 edition holds them) has an expected answer in its messages: a solution line that its exercise's text does not give.
 
 And answers are absent, not forbidden, while student code runs: every course_lib function or class that a check
-passes to ``forbid`` (course_lib/checks/*.py, found by parsing and evaluated in the check module's namespace) is a
+passes to ``forbid`` (course_grader/checks/*.py, found by parsing and evaluated in the check module's namespace) is a
 stub in the student edition that the grading process runs (``for_grading()``), or on ``GIVEN_FORBIDDEN`` with the
 cell, module or check that needs it working. A forbidden object that is present can be copied: ``exec`` of its
 source makes a new function that ``forbid`` does not know.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.apps.edition import graded_references
+from course_grader.edition import graded_references
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "solutions").glob("*/*.ipynb"))
@@ -318,9 +318,8 @@ def messages(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.parent.name for p in NOTEBOOKS])
 def test_no_visible_check_prints_a_solution_line(path):
-    check = ROOT / "course_lib" / "checks" / f"nb{path.parent.name[:2]}.py"
-    if not check.exists():
-        pytest.skip(f"no {check.name}")
+    check = ROOT / "course_grader" / "checks" / f"nb{path.parent.name[:2]}.py"
+    assert check.exists(), f"{path.parent.name} has graded cells and no visible checks at {check}"
     said = messages(check)
     bad = [f"{check.name}:{line}: {line_of_answer!r} ({exercise})" for exercise, lines in solution_lines(path).items()
            for line_of_answer in lines for line, text in said if line_of_answer in compact(text)]
@@ -331,7 +330,7 @@ def test_no_visible_check_prints_a_solution_line(path):
 def test_the_resume_judge_says_what_is_wrong_with_a_shard_that_requires_grad_and_gives_no_answer():
     """Notebook 09's visible state test: a shard made with requires_grad_() trains right and breaks the given
     load_state_dict; the judge names that, and none of the solution's lines."""
-    from course_lib.checks import nb09
+    from course_grader.checks import nb09
 
     run = {"load_error": "RuntimeError: a leaf Variable that requires grad is being used in an in-place operation.",
            "shards_require_grad": True}
@@ -467,7 +466,7 @@ GIVEN_FORBIDDEN = {
     "course_lib.parallel.cp.tile_mask": "gathered_backward, the backward ring_attention runs behind the student's "
                                         "ring (notebook 14's cells 11 to 17), masks with it",
 }
-CHECKS = ROOT / "course_lib" / "checks"
+CHECKS = ROOT / "course_grader" / "checks"
 
 
 def forbid_calls(tree: ast.AST) -> list[ast.Call]:
@@ -489,7 +488,7 @@ def forbidden() -> tuple[dict[str, list[str]], list[str]]:
         calls = forbid_calls(tree)
         if not calls:
             continue
-        space = vars(importlib.import_module(f"course_lib.checks.{path.stem}"))
+        space = vars(importlib.import_module(f"course_grader.checks.{path.stem}"))
         for call in calls:
             where = f"{path.name}:{call.lineno}"
             for arg in call.args:
@@ -526,7 +525,7 @@ def stub_kind(node: ast.AST) -> bool:
 @pytest.fixture(scope="module")
 def grading_course_lib() -> Path:
     """The student edition's course_lib, the one the grading process imports (edition.for_grading())."""
-    from course_lib.apps.edition import for_grading
+    from course_grader.edition import for_grading
 
     return for_grading() / "course_lib"
 

@@ -1,4 +1,4 @@
-"""The student's path (course_lib.apps.student_path): the student edition, validated as a student's Validate does.
+"""The student's path (course_grader.student_path): the student edition, validated as a student's Validate does.
 
 CI runs it whole on the floor (``.ci/floor``: every notebook with a correct student's answers, on torch 2.7, must
 say "Success"). Here: what a student's Validate is configured with, what a correct student's notebook holds, how an
@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 import nbgrading as g
-from course_lib import checks
-from course_lib.apps import student_path as sp
-from course_lib.apps.edition import build_student_edition
-from course_lib.apps.release import assignments
+from course_grader import checks, student_path as sp
+from course_grader.edition import build_student_edition
+from course_grader.release import assignments
 
 ROOT = Path(__file__).resolve().parent.parent
 

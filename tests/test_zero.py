@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from recorded import rel_diff
+from course_grader.grading import max_rel_diff, params
+from course_lib import memory
 from course_lib.data import synthetic_images
-from course_lib.grading import max_rel_diff, params
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
-from course_lib import memory
 from course_lib.parallel import deepspeed_engine, offload, zero
 from course_lib.parallel.deepspeed_engine import ds_config
 from course_lib.parallel.zero import ShardedOptimizer, check_batch_arithmetic

@@ -5,7 +5,7 @@
                                student edition that start.sh builds
     COURSE_HUB_SPAWNER=local   a plain process per user, no isolation: only for tests/test_hub.py
 
-Students get the student edition (no solutions, tests or graded references: course_lib/apps/edition.py); the Formgrader
+Students get the student edition (no solutions, tests or graded references: course_grader/edition.py); the Formgrader
 runs from the instructor's checkout (COURSE_DIR). Students submit through the exchange service
 (exchange_service.py), which files each submission under the hub user and its own clock's time; the
 Formgrader's collect (grader/grader_exchange.py) takes only what that service filed.
@@ -42,7 +42,7 @@ GRADER_PORT = int(os.environ.get("COURSE_HUB_GRADER_PORT", "9999"))
 GRADER_USER = os.environ.get("COURSE_HUB_GRADER_USER", "grader")  # runs students' code when autograding: not root
 START_LAB = str(COURSE_DIR / "docker" / "start-lab.sh")  # the images' entrypoint, also run by the grader
 # slurm and local: what the labs run on, never COURSE_DIR (start.sh builds the edition, copies the student config)
-EDITION = Path(os.environ.get("COURSE_HUB_EDITION", STATE / "student-edition"))  # course_lib.apps.edition student
+EDITION = Path(os.environ.get("COURSE_HUB_EDITION", STATE / "student-edition"))  # course_grader.edition student
 LAB_VENV = Path(os.environ.get("COURSE_HUB_LAB_VENV", STATE / "lab-venv"))  # slurm: the labs' Python (README)
 EXCHANGE_SERVICE = "course-exchange"  # files submissions (exchange_service.py); the labs post to it directly
 EXCHANGE_PORT = int(os.environ.get("COURSE_HUB_EXCHANGE_PORT", "9998"))
@@ -116,7 +116,7 @@ grader = {
     "oauth_no_confirm": True,
 }
 if MODE == "local":  # the test runs as root with no system users: the grader runs as the hub's user
-    as_root = "1" if os.getuid() == 0 else "0"  # the lab and the grading (course_lib.apps.sandbox.refuse_root)
+    as_root = "1" if os.getuid() == 0 else "0"  # the lab and the grading (course_grader.sandbox.refuse_root)
     grader["environment"].update(HOME=f"{GRADER_DIR}/home", COURSE_ALLOW_ROOT=as_root, COURSE_GRADE_AS_ROOT=as_root)
 else:
     grader["user"] = GRADER_USER

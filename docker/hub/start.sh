@@ -55,7 +55,7 @@ if [ "$mode" = slurm ]; then
   # from here, never from the checkout: the state folder opens for traversal only (0711), the hub's own files stay
   # 0600 (umask below). The config copy is docker/hub/student/ exactly: it takes precedence over the edition's
   # student-lab/, so no file that is gone from the checkout may linger in it.
-  "$course/.venv/bin/python" "$course/course_lib/apps/edition.py" student "$edition"
+  "$course/.venv/bin/python" "$course/course_grader/edition.py" student "$edition"
   if [ -e "$student_config" ] && [ ! -f "$student_config/course_exchange.py" ]; then
     die "$student_config exists and is not a copy of $here/student: move it away, or set COURSE_HUB_STUDENT_CONFIG"
   fi

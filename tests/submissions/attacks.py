@@ -1,6 +1,6 @@
 """Known-wrong submissions that attack the grader instead of solving, for every assignment.
 
-Three attacks, each stopped by the grading kernel's sandbox (course_lib.apps.sandbox, started by nbgrader_config.py):
+Three attacks, each stopped by the grading kernel's sandbox (course_grader.sandbox, started by nbgrader_config.py):
 
 - ``copy_reference_<exercise>``: the solution cell copies course_lib's reference of the mechanism, by
   ``exec(inspect.getsource(...))`` or by exec'ing the reference's module file, so that ``forbid()`` (which
@@ -174,16 +174,16 @@ def cases(assignment: str, tests_of: dict[str, list[str]]) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------- attacks on the tests themselves
-# Where an assignment's test cells call check(...), the grader judges outside the kernel (course_lib.checks.grade):
+# Where an assignment's test cells call check(...), the grader judges outside the kernel (course_grader.grade):
 # these attacks, which beat tests that ran in the student's kernel, must score what the code beneath them deserves.
 REBIND_FORBID = '''
 import contextlib
 import sys
 
-import course_lib.grading
+import course_grader.grading
 
 _off = lambda *answers, **kw: contextlib.nullcontext()   # forbid(...) that forbids nothing
-course_lib.grading.forbid = forbid = _off
+course_grader.grading.forbid = forbid = _off
 for _module in list(sys.modules.values()):   # and in every module that imported it, the tests' own included
     if getattr(_module, "__name__", "").startswith("course_lib") and hasattr(_module, "forbid"):
         _module.forbid = _off
@@ -192,16 +192,16 @@ for _module in list(sys.modules.values()):   # and in every module that imported
 DISARM_FORBID = '''
 import contextlib
 
-import course_lib.grading
+import course_grader.grading
 
 # forbid(...) as a generator context manager did nothing once contextlib's class was patched; forbid is a plain
 # class of course_lib's, whose methods the grading process puts back before every probe
 contextlib._GeneratorContextManager.__enter__ = lambda self: None
 contextlib._GeneratorContextManager.__exit__ = lambda self, *exc: False
-course_lib.grading.forbid.__enter__ = lambda self: self
-course_lib.grading.forbid.__exit__ = lambda self, *exc: False
+course_grader.grading.forbid.__enter__ = lambda self: self
+course_grader.grading.forbid.__exit__ = lambda self, *exc: False
 try:   # the code of the function that swaps an answer out: the audit hook refuses
-    course_lib.grading._swap_in.__code__ = (lambda fn, message: None).__code__
+    course_grader.grading._swap_in.__code__ = (lambda fn, message: None).__code__
 except Exception as _err:
     print(f"refused: {_err}")
 '''
@@ -216,7 +216,7 @@ assert _TORCH_DDP.count(_TORCH_DDP_CLASS) == 1
 DISARM_IN_RANK = '''
 class _Disarm:   # unpickled in each rank that receives BucketedDDP by value
     def __reduce__(self):
-        return exec, ("import course_lib.grading as g\\n"
+        return exec, ("import course_grader.grading as g\\n"
                       "g.forbid.__enter__ = lambda self: self\\n"
                       "g.forbid.__exit__ = lambda self, *exc: False\\n",)
 ''' + _TORCH_DDP.replace(_TORCH_DDP_CLASS, _TORCH_DDP_CLASS + "    _switch = _Disarm()\n\n")
@@ -279,19 +279,19 @@ def _agreeing(x, scale, dtype):   # the cast the tests compare with, made to agr
 course_lib.fp8.quantize = quantize = _agreeing
 '''),
     "03_gradient_accumulation": ("loss_not_divided", '''
-import course_lib.grading
+import course_grader.grading
 
-course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+course_grader.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
     "06_ddp": ("sum_not_divided", '''
-import course_lib.grading
+import course_grader.grading
 
-course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+course_grader.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
     "07_ddp_reducer": ("bucketed_sum_not_averaged", '''
-import course_lib.grading
+import course_grader.grading
 
-course_lib.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
+course_grader.grading.max_rel_diff = max_rel_diff = lambda *args, **kwargs: 0.0   # every gradient comparison agrees
 '''),
     "11_llama_finetune": ("lora_one_layer", '''
 import course_lib.lora
@@ -335,34 +335,34 @@ def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: g
 course_lib.parallel.fsdp.sweep = _agreeing
 '''),
     "10_zero_offload": ("offload_master_in_model_dtype", '''
-import course_lib.checks.nb10
+import course_grader.checks.nb10
 
 
 def _agreeing(got, *args, **kwargs):   # the replay through torch's AdamW the tests compare with, made to pass anything
     return [m["value"] for m in got["masters"]]
 
 
-course_lib.checks.nb10.judge_offload = _agreeing
+course_grader.checks.nb10.judge_offload = _agreeing
 '''),
     "12_qlora_recipe": ("absmax_without_offset", '''
-import course_lib.checks.nb12
+import course_grader.checks.nb12
 
 
 def _agreeing(*args, **kwargs):   # bitsandbytes' stored bytes and scales the tests compare with, made to pass anything
     return "agrees"
 
 
-course_lib.checks.nb12.judge_storage = _agreeing
+course_grader.checks.nb12.judge_storage = _agreeing
 '''),
     "14_context_expert_parallelism": ("combine_wrong_order", '''
-import course_lib.checks.nb14
+import course_grader.checks.nb14
 
 
 def _agreeing(*args, **kwargs):   # the one-process layer the tests compare with, made to agree with anything
     return None
 
 
-course_lib.checks.nb14.judge_ep = _agreeing
+course_grader.checks.nb14.judge_ep = _agreeing
 '''),
     "04_activation_checkpointing": ("no_recomputation", '''
 import course_lib.memory
@@ -375,7 +375,7 @@ course_lib.memory.activation_bytes = activation_bytes = lambda model, forward: (
 
 # Pasting the source of an answer a check forbids but the student edition gives (it runs elsewhere in the notebook):
 # the copy is a new function forbid cannot know, so it scores; the grading process flags it for the instructor
-# (course_lib.checks.audit: compiled source that holds most lines of a forbidden answer).
+# (course_grader.audit: compiled source that holds most lines of a forbidden answer).
 PASTE_GIVEN = {
     "00_orientation": ("training_memory", '''
 import inspect

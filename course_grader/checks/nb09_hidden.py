@@ -1,0 +1,192 @@
+"""Notebook 09's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (padding), with SGD and momentum
+in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed, the bytes a step sends
+(DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
+a batch that does not divide."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from course_grader.checks import number, packed, register, student, unpacked
+from course_lib.parallel import deepspeed_engine
+from course_grader.checks.nb09 import (ADAMW, SGD, SHARDED, cnn, finite_numbers, judge_resumed, judge_sharded,
+                                    judge_traffic, my_config, one_process, sharded_probe, trains)
+from course_grader.grading import forbid, max_abs_diff, params, worst
+from course_lib.distributed import CollectiveBytes
+from course_lib.launch import on_ranks, run_forked
+from course_lib.parallel.zero import check_batch_arithmetic
+
+# no clipping: a contract of its own
+ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)
+
+
+# ---------------------------------------------------------------- ShardedOptimizer
+def probe_sharded(ns: dict) -> dict:
+    space = student(ns, "ShardedOptimizer")
+
+    def yours_in_zero_train():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.set_num_threads(1)
+        with forbid(*SHARDED, namespace=space):
+            run = deepspeed_engine.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
+                ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW)
+        return packed([number(v) for v in run["losses"]])
+
+    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
+            "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True),
+            "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0]),
+            "bf16": probe_bf16(space)}
+
+
+# A bf16 model: the shard is its fp32 master, and one reduce-scatter and one all-gather move a step's group
+BF16 = dict(steps=6, lr=1e-3, rows=4)
+
+
+def bf16_case(rank: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A bf16 linear layer, the same on every rank, and rank's batch: multiples of 1/8 up to 1, 4 rows, so every
+    gradient of ``layer(x).sum()`` is exact in bf16 (sums of x's rows; the row count) and the same at every step."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(10 + rank)
+    return layer, torch.randint(0, 9, (BF16["rows"], 16), generator=g).to(torch.bfloat16) / 8
+
+
+def probe_bf16(space: dict) -> list:
+    def run():
+        torch.set_num_threads(1)
+        layer, x = bf16_case(dist.get_rank())
+        with forbid(*SHARDED, namespace=space):
+            opt = space["ShardedOptimizer"](layer.parameters(), torch.optim.SGD, lr=BF16["lr"])
+        calls = []
+        for _ in range(BF16["steps"]):
+            layer(x).sum().backward()
+            with forbid(*SHARDED, namespace=space), CollectiveBytes() as sent:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            calls.append(dict(sent.calls_by_kind))
+        return packed({"weights": params(layer), "calls": calls})
+
+    return [unpacked(r) for r in run_forked(run, 2, timeout=30)]
+
+
+def bf16_reference() -> dict:
+    """What ZeRO with fp32 masters gives: each step the master (the bf16 start, in fp32) moves by lr times the two
+    ranks' average gradient; the bf16 weights are its rounding."""
+    grads = []
+    for rank in range(2):
+        layer, x = bf16_case(rank)
+        layer(x).sum().backward()
+        grads.append({k: p.grad for k, p in layer.named_parameters()})
+    layer, _ = bf16_case(0)
+    out = {}
+    for k, p in layer.named_parameters():
+        master, average = p.detach().float(), ((grads[0][k] + grads[1][k]) / 2).float()
+        for _ in range(BF16["steps"]):
+            master.add_(average, alpha=-BF16["lr"])
+        out[k] = master.to(torch.bfloat16)
+    return out
+
+
+def judge_bf16(runs: list) -> None:
+    ref = bf16_reference()
+    assert len(runs) == 2, f"{len(runs)} ranks' runs of the bf16 model, expected 2"
+    for r, run in enumerate(runs):
+        assert len(run["calls"]) == BF16["steps"], \
+            f"rank {r}: the collectives of {len(run['calls'])} steps of the bf16 model, expected {BF16['steps']}"
+        for s, calls in enumerate(run["calls"]):
+            assert calls == {"reduce_scatter": 1, "all_gather": 1}, (
+                f"a bf16 model in one group, rank {r}, step {s}: your step ran {calls}. One flat buffer per group: "
+                "one reduce-scatter of its gradients, one all-gather of its weights, whatever the number of tensors")
+        weights = run["weights"]
+        assert set(weights) == set(ref), f"rank {r}: the weights of {sorted(weights)}, expected {sorted(ref)}"
+        for k, want in ref.items():
+            got = weights[k]
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and got.shape == want.shape, \
+                f"rank {r}: {k} is no longer the model's bf16 tensor of shape {tuple(want.shape)}"
+            off = (got != want).float().mean().item()
+            assert off <= 0.05, (
+                f"a bf16 model, SGD at lr {BF16['lr']}, {BF16['steps']} steps, rank {r}: {off:.0%} of {k} differ from "
+                "the bf16 rounding of an fp32 master. Each update is smaller than bf16 can add to a weight; the shard "
+                "must be a float32 copy (the master), stepped in float32, and the model's weights its rounding")
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_stage1() -> dict:
+    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, stage=1)[0]
+
+
+def judge_sharded_hidden(got: dict) -> str:
+    label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
+    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True)
+    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
+    judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
+    ratio = judge_traffic(got["sgd"], 3, True)
+    # AdamW decays every weight it steps: a frozen one sharded and stepped (with a zero gradient) moves. (Adam's
+    # update of a near-zero gradient is its sign, so the other weights are compared under SGD, above.)
+    start = cnn(True).head.bias.detach()
+    _, full, n_params = one_process(24, 3, ADAMW[0], tuple(sorted(ADAMW[1].items())), True)
+    assert len(got["adamw"]) == 3, f"{len(got['adamw'])} ranks' runs with AdamW, expected 3"
+    for r, run in enumerate(got["adamw"]):
+        assert len(run["weights"]) == 3, f"rank {r}'s weights after {len(run['weights'])} AdamW steps, expected 3"
+        for s, weights in enumerate(run["weights"]):
+            assert all(torch.isfinite(w).all() for w in weights.values()), f"rank {r}, step {s}: weights not finite"
+            moved = max_abs_diff({"head.bias": weights["head.bias"]}, {"head.bias": start})
+            assert moved == 0, (f"3 ranks, AdamW with weight decay, rank {r}, step {s}: the frozen bias moved by "
+                                f"{moved:.1e}: a parameter that does not require grad takes no part in the shards")
+        held = run["state_bytes"]
+        assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, \
+            f"a rank holds {held / full:.3f} of the state on 3 ranks, of a model with a frozen bias"
+    judge_bf16(got["bf16"])
+    ds = deepspeed_stage1()
+    assert len(got["zero_train"]) == len(ds["losses"]), \
+        f"zero_train ran {len(got['zero_train'])} steps with your optimizer, expected {len(ds['losses'])}"
+    assert worst(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, \
+        "not DeepSpeed stage 1's losses"
+    return (f"3 ranks with SGD, groups, StepLR and a frozen bias, resumed from a checkpoint, {ratio:.3f}x DDP's bytes, "
+            "AdamW with a frozen bias and its state's bytes on 3 ranks, DeepSpeed stage 1's losses, and a bf16 model: "
+            "fp32 masters, one reduce-scatter and one all-gather per step")
+
+
+register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
+
+
+# ---------------------------------------------------------------- make_ds_config
+SPLITS = ((64, 8, 8), (256, 4, 8), (6, 3, 2))  # global batch, micro batch, world size
+
+
+def probe_configs(ns: dict) -> dict:
+    splits = [my_config(ns, g, m, w, stage=1) for g, m, w in SPLITS]
+    offload = my_config(ns, 16, 4, 2, stage=3, offload_optimizer=True)
+    try:
+        my_config(ns, 30, 4, 2, stage=2)
+    except ValueError as err:
+        refused = {"raised": "ValueError", "message": str(err)}
+    else:
+        refused = None
+    return {"splits": splits, "offload": offload, "refused": refused}
+
+
+def judge_configs(got: dict) -> str:
+    assert len(got["splits"]) == len(SPLITS), f"{len(got['splits'])} configs for the {len(SPLITS)} splits"
+    for (g, m, w), c in zip(SPLITS, got["splits"]):
+        finite_numbers(c, f"the config of global_batch={g}, micro_batch={m}, world_size={w}")
+        assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"]) == (g, m), \
+            (f"global_batch={g}, micro_batch={m}, world_size={w}: train_batch_size {c['train_batch_size']} and "
+             f"train_micro_batch_size_per_gpu {c['train_micro_batch_size_per_gpu']}, expected {g} and {m}")
+        check_batch_arithmetic(c["train_batch_size"], c["train_micro_batch_size_per_gpu"],
+                               c["gradient_accumulation_steps"], w)
+    c = got["offload"]
+    finite_numbers(c, "the offload config")
+    assert c["zero_optimization"]["stage"] == 3
+    assert c["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert trains(c, 2)["global_steps"] == 2
+    assert got["refused"] is not None, "30 is not a multiple of 4 x 2: expected ValueError"
+    assert "global_batch" in got["refused"]["message"]
+    return "other splits, offload, and a batch that does not divide"
+
+
+register("test_make_ds_config_hidden", probe_configs, judge_configs)

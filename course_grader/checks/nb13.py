@@ -1,0 +1,411 @@
+"""Notebook 13's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
+the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks, which no message prints), and
+the executor on 2 forked ranks following a given order that is not 1F1B's (one process's losses and gradients; the
+micro-batches it holds, counted and measured)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import course_lib.parallel.pp as pp
+import course_lib.parallel.schedules as schedules
+import course_lib.parallel.tp as tp
+from course_grader.checks import in_ranks, number, packed, plain, register, student, tensor_data, unpacked
+from course_grader.grading import forbid, worst
+from course_lib.distributed import CollectiveBytes
+from course_lib.launch import run_forked
+
+# What each exercise builds, out of reach while the student's code runs.
+TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
+              tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
+PP_ANSWERS = (schedules.one_f_one_b_order, schedules.gpipe_order, schedules.torch_order, Schedule1F1B, ScheduleGPipe)
+PAIR = ("ColumnParallelLinear", "RowParallelLinear")
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair
+def mlp(d: int = 8, h: int = 16, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, h, bias=bias), nn.GELU(), nn.Linear(h, d, bias=bias))
+
+
+def mlp_input(d: int) -> torch.Tensor:
+    return torch.randn(6, d, generator=torch.Generator().manual_seed(1))
+
+
+def tp_rank(d: int, h: int, bias: bool, ns: dict) -> dict:
+    """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's;
+    their output, the gradients of every weight (this rank's slice) and of the input, and the collectives."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    ref = mlp(d, h, bias)
+    mine = copy.deepcopy(ref)
+    x = mlp_input(d).requires_grad_(True)
+    with forbid(*TP_ANSWERS, namespace=ns):
+        mine[2], mine[4] = ns["ColumnParallelLinear"](ref[2]), ns["RowParallelLinear"](ref[4])
+        with CollectiveBytes() as comm:
+            out = mine(x)
+            forward_calls = dict(comm.calls_by_kind)
+            out.pow(2).sum().backward()
+    grads = {"first layer": mine[0].weight.grad, "column weight": mine[2].weight.grad,
+             "row weight": mine[4].weight.grad, "input": x.grad}
+    if bias:
+        grads.update({"column bias": mine[2].bias.grad, "row bias": mine[4].bias.grad})
+    return packed(plain({"output": tensor_data(out), "grads": {k: tensor_data(g) for k, g in grads.items()},
+                   "forward calls": {str(k): number(v) for k, v in forward_calls.items()},
+                   "calls": {str(k): number(v) for k, v in comm.calls_by_kind.items()},
+                   "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
+
+
+def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
+    return in_ranks(ns, PAIR, tp_rank, world, d=d, h=h, bias=bias)
+
+
+def reference(d: int, h: int, bias: bool) -> tuple[torch.Tensor, dict]:
+    """The unsplit MLP's output and its full gradients, in one process."""
+    ref = mlp(d, h, bias)
+    x = mlp_input(d).requires_grad_(True)
+    out = ref(x)
+    out.pow(2).sum().backward()
+    grads = {"first layer": ref[0].weight.grad, "column weight": ref[2].weight.grad, "row weight": ref[4].weight.grad,
+             "input": x.grad}
+    if bias:
+        grads.update({"column bias": ref[2].bias.grad, "row bias": ref[4].bias.grad})
+    return out.detach(), grads
+
+
+def rank_slice(name: str, g: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """This rank's part of the unsplit gradient ``g``: rows of the column layer, columns of the row layer's weight."""
+    if name in ("column weight", "column bias"):
+        return g[rank * n:(rank + 1) * n]
+    if name == "row weight":
+        return g[:, rank * n:(rank + 1) * n]
+    return g
+
+
+def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool) -> None:
+    want, full = reference(d, h, bias)
+    assert len(runs) == world, f"{label}: {len(runs)} ranks answered, expected {world}"
+    n = h // world
+    for r, run in enumerate(runs):
+        assert isinstance(run["output"], torch.Tensor), \
+            f"{label}, rank {r}: the output is {run['output']}, not a tensor"
+        gap = float((run["output"] - want).abs().max())
+        assert gap < 1e-5, (f"{label}, rank {r}: the output differs from the unsplit MLP's by "
+                            f"{gap:.1e}: is the bias added once, after the all-reduce?")
+        for name, g_full in full.items():
+            g, ref_g = run["grads"][name], rank_slice(name, g_full, r, n)
+            assert g is not None, (f"{label}, rank {r}: the {name} got no gradient: a collective without a "
+                                   "backward cut the graph (use your autograd functions)")
+            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: the {name}'s gradient is {g}, not a tensor"
+            rel = float((g - ref_g).abs().max() / ref_g.abs().max())
+            assert rel < 1e-5, (f"{label}, rank {r}: the {name}'s gradient is off by {rel:.1e} (relative): "
+                                "CopyToTP's backward must sum the input's gradient over the ranks")
+
+
+def probe_pair(ns: dict) -> list:
+    return [{k: run[k] for k in ("output", "grads")} for run in tp_runs(ns, 2, 8, 16, True)]
+
+
+def judge_pair(runs: list) -> str:
+    judge_tp(runs, "2 ranks", 2, 8, 16, True)
+    return "2 ranks: the unsplit MLP's output and gradients"
+
+
+register("test_tensor_parallel_pair", probe_pair, judge_pair)
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair: its collectives
+def probe_collectives(ns: dict) -> list:
+    return [{k: run[k] for k in ("forward calls", "calls", "bytes")} for run in tp_runs(ns, 2, 8, 16, True)]
+
+
+def judge_collectives(runs: list) -> str:
+    assert len(runs) == 2, f"{len(runs)} ranks answered, expected 2"
+    for r, run in enumerate(runs):
+        assert run["forward calls"] == {"all_reduce": 1}, (f"rank {r}: forward ran {run['forward calls']}: the pair "
+                                                           "needs one all-reduce, after the row-parallel layer")
+        assert run["calls"] == {"all_reduce": 2}, f"rank {r}: forward and backward ran {run['calls']}"
+        assert run["bytes"] == {"all_reduce": 2 * 6 * 8 * 4}, f"rank {r}: {run['bytes']} bytes"
+    return f"one all-reduce forward, one backward, of {6 * 8 * 4} bytes each"
+
+
+register("test_tensor_parallel_pair_collectives", probe_collectives, judge_collectives)
+
+
+# ---------------------------------------------------------------- one_f_one_b_order
+def action(a) -> tuple:
+    """One action of the student's order as plain data: its strings kept, its numbers as numbers."""
+    return tuple(x if isinstance(x, str) else number(x) for x in a)
+
+
+def order_of(ns: dict, p: int, m: int) -> list:
+    """The student's ``one_f_one_b_order(p, m)``, the library's orders and torch's schedules forbidden."""
+    with forbid(*PP_ANSWERS, namespace=ns):
+        order = ns["one_f_one_b_order"](p, m)
+    return [[action(a) for a in rank] for rank in order]
+
+
+def orders(ns: dict, shapes) -> dict:
+    return {f"{p},{m}": order_of(ns, p, m) for p, m in shapes}
+
+
+def as_order(order) -> list:
+    return [[tuple(a) for a in rank] for rank in order]
+
+
+def check_order(order: list, p: int, m: int) -> None:
+    order = as_order(order)
+    assert len(order) == p, f"p={p}, m={m}: {len(order)} ranks' orders, expected {p}"
+    everything = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+    for r, actions in enumerate(order):
+        assert sorted(actions) == everything, \
+            f"p={p}, m={m}, rank {r}: every F and B of every micro-batch once: {actions}"
+        alive = peak = 0
+        for kind, _ in actions:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak <= p - r, (f"p={p}, m={m}, rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most "
+                               f"p - r = {p - r}: start the backwards after the warm-up")
+    try:
+        sim = schedules.schedule_makespan(order, t_f=1.0, t_b=2.0)
+    except ValueError as err:
+        raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
+    formula = schedules.bubble_formula(p, m)
+    assert abs(sim["bubble"] - formula) < 1e-9, \
+        f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
+
+
+def judge_orders(got: dict, shapes) -> None:
+    for p, m in shapes:
+        check_order(got[f"{p},{m}"], p, m)
+
+
+SHAPES = ((2, 4), (4, 4), (4, 8))
+
+register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
+         lambda got: judge_orders(got, SHAPES) or "runnable, at most p - r in flight, bubble (p-1)/(m+p-1)")
+
+
+# ---------------------------------------------------------------- one_f_one_b_order: what torch ran
+def measured_rank(m: int, layers: int, batch: int) -> list:
+    warnings.filterwarnings("ignore")
+    res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
+    return schedules.rank_orders(res["timeline"])
+
+
+@functools.lru_cache(maxsize=None)
+def torch_ran(p: int, m: int, layers: int, batch: int) -> tuple:
+    """The order torch's Schedule1F1B ran on p real ranks (one step), per rank: measured here, in the grader."""
+    ranks = run_forked(measured_rank, p, dict(m=m, layers=layers, batch=batch), timeout=45)[0]
+    return tuple(tuple(tuple(a) for a in rank) for rank in ranks)
+
+
+def ran(p: int, m: int, layers: int, batch: int) -> list:
+    return as_order(torch_ran(p, m, layers, batch))
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def first_difference(mine: list, theirs: list) -> str | None:
+    """Where the student's order first leaves the order torch ran, in words (one action of each, never the whole
+    order: it is the exercise's answer); None where they are the same."""
+    if len(mine) != len(theirs):
+        return f"your order lists {len(mine)} ranks, the schedule runs {len(theirs)} stages"
+    def said(actions: list, i: int) -> str:
+        return "".join(map(str, actions[i])) if i < len(actions) else "nothing (its actions ended)"
+
+    for r, (a, b) in enumerate(zip(mine, theirs)):
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b) or a[i] != b[i]:
+                return f"stage {r}'s {ordinal(i + 1)} action: you have {said(a, i)}, the schedule runs {said(b, i)}"
+    return None
+
+
+def judge_measured(got: list) -> str:
+    differs = first_difference(as_order(got), ran(2, 4, 2, 8))
+    assert differs is None, f"p=2, m=4: your order is not the one torch's Schedule1F1B ran: {differs}"
+    return "the order torch's Schedule1F1B ran on 2 ranks, 4 micro-batches, action for action"
+
+
+register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge_measured)
+
+
+# ---------------------------------------------------------------- run_1f1b
+# p stages of an MLP of constant width: every activation between stages is one (ROWS, WIDTH) tensor
+ROWS, WIDTH = 4, 16
+PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
+PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
+# The order the visible executor tests give, 2 stages and 4 micro-batches: runnable, and neither GPipe's nor 1F1B's
+# (rank 0 runs three forwards ahead, rank 1 two at a time: 3 and 2 micro-batches held), so an executor must follow
+# the order it is given; its first exchange is 1F1B's (rank 0 sends an activation while rank 1 sends a gradient back),
+# where blocking sends deadlock.
+GIVEN_2_4 = [[("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)],
+             [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("F", 2), ("F", 3), ("B", 2), ("B", 3)]]
+
+
+class CountedStage(nn.Module):
+    """Linear then tanh, which tells ``counter`` each time a forward begins (by any way of calling it)."""
+
+    def __init__(self, counter: "InFlight"):
+        super().__init__()
+        self.linear, self.counter = nn.Linear(WIDTH, WIDTH), counter
+
+    def forward(self, x):
+        self.counter.forwards += 1
+        return torch.tanh(self.linear(x))
+
+
+def pipeline_stages(p: int, counter: "InFlight | None" = None) -> list:
+    torch.manual_seed(0)
+    return [CountedStage(counter or InFlight()) for _ in range(p)]
+
+
+def micro_batches(m: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)) for _ in range(m)]
+
+
+def mse(out, target):
+    return (out - target).pow(2).mean()  # saves out - target only: a fresh tensor of this micro-batch
+
+
+class InFlight:
+    """The most micro-batches whose activations were alive at once on this rank: every tensor autograd saves
+    during the stage's k-th forward (and the loss after it) counts for that forward until the tensor is freed,
+    by backward or by the last reference the executor kept. Weights and the micro-batches' data do not count."""
+
+    def __init__(self, keep=()):
+        self.keep = {t.untyped_storage().data_ptr() for t in keep}
+        self.forwards, self.alive, self.peak = 0, {}, 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.keep:
+            k = self.forwards
+            self.alive[k] = self.alive.get(k, 0) + 1
+            self.peak = max(self.peak, len(self.alive))
+            weakref.finalize(t, self.release, k)
+        return t
+
+    def release(self, k: int) -> None:
+        self.alive[k] -= 1
+        if not self.alive[k]:
+            del self.alive[k]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def pipeline_rank(orders: list, ns: dict) -> bytes:
+    """One rank of the student's ``run_1f1b`` on its stage, following ``orders[rank]``: the losses and peak it
+    reports, the in-flight peak measured beside it, and its stage's gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    counter = InFlight()
+    stage, data = pipeline_stages(world, counter)[rank], micro_batches(len(orders[rank]) // 2)
+    counter.keep |= {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *(t for pair in data for t in pair)]}
+    order = [tuple(a) for a in orders[rank]]  # a right order, given: this exercise is the executor, not the order
+    with forbid(*PIPE_ANSWERS, namespace=ns), counter.hooks():
+        result = ns["run_1f1b"](stage, rank, world, data, order, mse, (ROWS, WIDTH))
+    losses, peak = result if isinstance(result, (tuple, list)) and len(result) == 2 else (repr(result)[:200], None)
+    return packed(plain({"losses": [number(x) for x in losses] if isinstance(losses, (list, tuple)) else losses,
+                         "peak": number(peak), "in flight": counter.peak,
+                         "grads": [tensor_data(q.grad) for q in (stage.linear.weight, stage.linear.bias)]}))
+
+
+def pipeline_runs(ns: dict, orders: list) -> dict:
+    """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
+    space = student(ns, "run_1f1b")
+    try:
+        runs = run_forked(functools.partial(pipeline_rank, ns=space), len(orders), dict(orders=orders),
+                          timeout=PIPE_TIMEOUT)
+    except TimeoutError:
+        return {"timeout": PIPE_TIMEOUT}
+    return {"ranks": [unpacked(run) for run in runs]}
+
+
+def one_process(p: int, m: int) -> tuple[list, list]:
+    """The same stages run one after the other in one process: each micro-batch's loss, and every stage's
+    (weight, bias) gradients of the mean loss."""
+    stages, losses = pipeline_stages(p), []
+    for x, y in micro_batches(m):
+        h = x
+        for stage in stages:
+            h = stage(h)
+        loss = mse(h, y)
+        (loss / m).backward()
+        losses.append(loss.item())
+    return losses, [(s.linear.weight.grad, s.linear.bias.grad) for s in stages]
+
+
+def ran_to_the_end(got: dict, label: str) -> list:
+    assert "timeout" not in got, (
+        f"{label}: the ranks were still running after {got.get('timeout')} s, a deadlock: a blocking send "
+        "(dist.send, or isend(...).wait() at once) waits until the peer posts its receive, and once 1F1B's warm-up "
+        "ends rank r sends an activation up while rank r + 1 sends a gradient down, each before its receive. Send "
+        "with isend and wait on the work only once the peer must have received it (or at the end of the step)")
+    return got["ranks"]
+
+
+def judge_gradients(got: dict, p: int, m: int, label: str) -> None:
+    ranks = ran_to_the_end(got, label)
+    losses, grads = one_process(p, m)
+    assert len(ranks) == p, f"{label}: {len(ranks)} ranks answered, expected {p}"
+    got_losses = ranks[-1]["losses"]
+    assert isinstance(got_losses, list) and len(got_losses) == m and all(isinstance(x, float) for x in got_losses), (
+        f"{label}: the last rank returned losses {got_losses!r}: return (losses, peak), the m losses as floats")
+    gap = worst(abs(a - b) for a, b in zip(got_losses, losses))
+    assert gap < 1e-5, f"{label}: the last rank's losses {got_losses} differ from one process's {losses}"
+    for r, (run, want) in enumerate(zip(ranks, grads)):
+        assert len(run["grads"]) == 2, \
+            f"{label}, rank {r}: {len(run['grads'])} gradients for its stage's weight and bias"
+        for name, g, w in zip(("weight", "bias"), run["grads"], want):
+            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: its stage's {name} got no gradient ({g})"
+            ratio = float(g.flatten() @ w.flatten() / (w.flatten() @ w.flatten()))
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-6), (
+                f"{label}, rank {r}: its stage's {name} gradient differs from one process's (its projection on it is "
+                f"{ratio:.2f} times it): the step's gradient is that of the mean over the {m} micro-batches, so "
+                "scale each micro-batch's loss by 1/m before its backward")
+
+
+def judge_activations(got: dict, orders: list, label: str) -> None:
+    ranks = ran_to_the_end(got, label)
+    assert len(ranks) == len(orders), f"{label}: {len(ranks)} ranks answered, expected {len(orders)}"
+    for r, (run, order) in enumerate(zip(ranks, orders)):
+        alive = peak = 0
+        for kind, _ in order:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert run["peak"] == peak, (f"{label}, rank {r}: you counted {run['peak']} micro-batches held at most; "
+                                     f"its order holds {peak} (forwards run minus backwards run, at its largest): "
+                                     "run the actions in the order given, each backward when it comes")
+        # one micro-batch more: its tensors may live on in local variables until the next forward rebinds them
+        assert run["in flight"] <= peak + 1, (
+            f"{label}, rank {r}: the activations of {run['in flight']} micro-batches were alive at once, measured "
+            f"(the tensors autograd saved, until freed); the order needs {peak}. Drop every reference to micro-batch "
+            "i's input and output once its backward ran: backward frees the graph, but not tensors you still hold")
+
+
+register("test_run_1f1b", lambda ns: pipeline_runs(ns, GIVEN_2_4),
+         lambda got: judge_gradients(got, 2, 4, "p=2, m=4")
+         or "2 ranks, 4 micro-batches: one process's losses and gradients")
+def counts(got: dict) -> dict:
+    """What ``judge_activations`` reads of ``pipeline_runs``' data: each rank's peak, counted and measured."""
+    return got if "ranks" not in got else {"ranks": [{k: run[k] for k in ("peak", "in flight")}
+                                                     for run in got["ranks"]]}
+
+
+register("test_run_1f1b_activations", lambda ns: counts(pipeline_runs(ns, GIVEN_2_4)),
+         lambda got: judge_activations(got, GIVEN_2_4, "p=2, m=4")
+         or "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured")

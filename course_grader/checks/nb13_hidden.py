@@ -1,0 +1,126 @@
+"""Notebook 13's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
+divide, and ``CopyToTP`` where its input's gradient also flows around it; the 1F1B order on other shapes and against
+torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle rank receives from both sides), with fewer
+micro-batches than stages, and following GPipe's order."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import course_lib.parallel.schedules as schedules
+from course_grader.checks import in_ranks, packed, register, tensor_data
+from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, first_difference, judge_activations, judge_gradients,
+                                    judge_orders, judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
+from course_grader.grading import forbid
+
+
+# ---------------------------------------------------------------- tensor_parallel_pair
+def bad_size_rank(ns: dict) -> bytes:
+    """Each layer made from a Linear whose 6 features do not divide by the ranks: its ValueError's message, or None."""
+    out = []
+    for name, layer in (("ColumnParallelLinear", nn.Linear(4, 6)), ("RowParallelLinear", nn.Linear(6, 4))):
+        try:
+            with forbid(*TP_ANSWERS, namespace=ns):
+                ns[name](layer)
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return packed(out)
+
+
+def branch_gradient(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def branch_rank(ns: dict) -> bytes:
+    """``CopyToTP(x) + x`` backward: autograd hands the one gradient of the sum to both branches, so a backward that
+    sums it over the ranks in place changes the other branch's too. The input's gradient on this rank."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    with forbid(*TP_ANSWERS, namespace=ns):
+        (ns["CopyToTP"].apply(x) + x).backward(branch_gradient(dist.get_rank()))
+    return packed(tensor_data(x.grad))
+
+
+def probe_pair(ns: dict) -> dict:
+    def strip(runs):
+        return [{k: run[k] for k in ("output", "grads")} for run in runs]
+    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
+            "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0],
+            "branch": in_ranks(ns, ("CopyToTP",), branch_rank, 2)}
+
+
+def judge_pair(got: dict) -> str:
+    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True)
+    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False)
+    assert len(got["bad size"]) == 2, f"{len(got['bad size'])} results for the 2 layers of 6 features over 4 ranks"
+    for name, msg in zip(("ColumnParallelLinear", "RowParallelLinear"), got["bad size"]):
+        assert msg, f"{name}: 6 features over 4 ranks must raise ValueError"
+    total = branch_gradient(0) + branch_gradient(1)
+    assert len(got["branch"]) == 2, f"{len(got['branch'])} ranks answered CopyToTP(x) + x, expected 2"
+    for r, grad in enumerate(got["branch"]):
+        assert isinstance(grad, torch.Tensor) and grad.shape == total.shape, \
+            f"CopyToTP(x) + x, rank {r}: the input's gradient is {grad!r:.80}"
+        gap = float((grad - (total + branch_gradient(r))).abs().max())
+        assert gap < 1e-5, (f"CopyToTP(x) + x, rank {r}: the input's gradient is off by {gap:.1e}: it must be the sum "
+                            "over the ranks (through CopyToTP) plus this rank's own (around it); sum a copy of the "
+                            "incoming gradient, not the gradient itself, which autograd also hands to the other branch")
+    return "4 ranks, no bias, a ValueError for 6 features over 4 ranks, and CopyToTP beside a branch around it"
+
+
+register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)
+
+# ---------------------------------------------------------------- one_f_one_b_order
+SHAPES = ((3, 5), (4, 2), (5, 1), (3, 9), (1, 3))
+
+
+def probe_order(ns: dict) -> dict:
+    return {"shapes": orders(ns, SHAPES), "3,3": order_of(ns, 3, 3)}
+
+
+def judge_order(got: dict) -> str:
+    judge_orders(got["shapes"], SHAPES)
+    differs = first_difference(as_order(got["3,3"]), ran(3, 3, 3, 6))
+    assert differs is None, f"p=3, m=3: your order is not the one torch's Schedule1F1B ran: {differs}"
+    return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
+
+
+register("test_one_f_one_b_order_hidden", probe_order, judge_order)
+
+
+# ---------------------------------------------------------------- run_1f1b
+def one_f_one_b(p: int, m: int) -> list:
+    """1F1B's order (the hidden module's own: course_lib.parallel.schedules' is a stub in the student edition)."""
+    plan = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        plan.append(order + [("B", i) for i in range(m - warmup, m)])
+    return plan
+
+
+# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
+RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
+        "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
+
+
+def probe_runs(ns: dict) -> dict:
+    got = {}
+    for label, plan in RUNS.items():
+        got[label] = run = pipeline_runs(ns, plan)
+        if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
+            break
+    return got
+
+
+def judge_runs(got: dict) -> str:
+    for label, plan in RUNS.items():
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label)
+        judge_activations(got[label], plan, label)
+    return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
+
+
+register("test_run_1f1b_hidden", probe_runs, judge_runs)
