@@ -319,7 +319,8 @@ def test_grader_target_has_the_whole_course(dockerfile):
     runs = [a for w, a in chain[0].instructions if w == "RUN"]
     assert len(runs) == 1 and "course_grader/edition.py grading" in runs[0] and ".student-edition.json" in runs[0]
     # and the context the edition and grader stages read leaves out nothing of the course
-    for must in ("solutions", "tests", "course_lib", "course_grader", "notebooks", "nbgrader_config.py", "pyproject.toml", "Makefile"):
+    for must in ("solutions", "tests", "course_lib", "course_grader", "notebooks", "nbgrader_config.py",
+                 "pyproject.toml", "Makefile"):
         assert any(f == must or f.startswith(must + "/") for f in files), f"the .dockerignore leaves out {must}"
     assert not any(f.startswith((".venv/", "runs/", ".git/", "build/")) or "__pycache__" in f for f in files)
 

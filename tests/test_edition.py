@@ -53,8 +53,8 @@ COMMON = {
     "d, ffn = config.hidden_size, config.intermediate_size",
 }
 MIN_LINE = 25  # a shorter line is too common to say anything (`return x`, `loss.backward()`)
-TOP = {"notebooks", "course_lib", "course_grader", "docker", "pyproject.toml", "environment.yml", "Makefile", "README.md", ".gitignore",
-       MARKER_FILE}
+TOP = {"notebooks", "course_lib", "course_grader", "docker", "pyproject.toml", "environment.yml", "Makefile",
+       "README.md", ".gitignore", MARKER_FILE}
 
 
 # ---------------------------------------------------------------- what solutions/ holds
