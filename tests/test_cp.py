@@ -296,6 +296,50 @@ def test_torch_cps_llama_gets_no_mask_whatever_its_positions(monkeypatch):
     assert torch.allclose(ours(input_ids=ids).logits, default(input_ids=ids).logits)
 
 
+def test_torch_cps_ring_gets_equal_heads_never_grouped_ones(monkeypatch):
+    """The tiny Llama groups 4 query heads on 2 K/V heads, and the course's attention hands SDPA grouped heads where
+    a fused kernel takes them (``enable_gqa``: this CPU's flash kernel does, as the GPUs' do). Inside torch's
+    context-parallel ring that is a path torch's own tests do not cover, so cp_torch's Llama repeats K/V first:
+    every call torch's context would swap gets equal heads, and the logits stay the default Llama's."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def watched(q, k, v, *args, **kwargs):
+        calls.append((q.shape[1], k.shape[1], v.shape[1], bool(kwargs.get("enable_gqa", False))))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", watched)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    default, ours = build_llama("tiny"), cp_torch.llama()
+    want = default(input_ids=ids).logits
+    assert calls and all(k < q for q, k, _, _ in calls), calls  # the default Llama does group its heads here
+    calls.clear()
+    got = ours(input_ids=ids).logits
+    assert calls and all(q == k == v and not gqa for q, k, v, gqa in calls), calls
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("version, hip, host_checked, gated", [
+    ("2.14.0a0+git1234", "7.1.25424", False, True),  # both workshop images' torch on ROCm: AOTriton's fault
+    ("2.14.0a0+git1234", "7.1.25424", True, False),  # the host ran the preflight's step and opened it
+    ("2.15.0a0+rocm7.2", "7.2", False, False),  # the release with the fix (a pre-release of it counts)
+    ("2.14.0+cu130", None, False, False),  # CUDA: no gate
+])
+def test_torch_cp_is_gated_on_rocm_below_the_fixed_release(version, hip, host_checked, gated):
+    reason = cp_torch.rocm_gate(version, hip, host_checked)
+    assert (reason is not None) == gated, reason
+    assert not gated or ("AOTriton" in reason and cp_torch.ROCM_CP_ENV in reason and "preflight" in reason)
+
+
+def test_support_asks_the_rocm_gate_where_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424")
+    monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
+    monkeypatch.delenv(cp_torch.ROCM_CP_ENV, raising=False)
+    assert "AOTriton" in cp_torch.support("cuda")
+    monkeypatch.setenv(cp_torch.ROCM_CP_ENV, "1")
+    assert cp_torch.support("cuda") is None
+
+
 def _forced_torch_cp(seq: int) -> str:
     """cp_torch.train_llama forced onto this CPU rank: the traceback of where it stopped."""
     try:

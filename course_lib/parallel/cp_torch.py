@@ -11,13 +11,16 @@ inside its ``with`` block:
   by their log-sum-exp as ``cp.merge`` does; the K/V shards travel by all-gather (torch's default).
 
 The course's Llama keeps its attention (``attention.course_sdpa``, which calls ``F.scaled_dot_product_attention``, the
-call the context swaps) but gets no mask from transformers (``llama``: a rank's zig-zag positions would read as packed
-sequences); causality is the ring's, from ``is_causal``. Backward runs inside the context too (the ring's
-backward is the DTensor handler of the kernel's backward). The kernels are GPU kernels, so this runs on GPU ranks,
-one per GPU (``launch.on_ranks``); ``support`` says why not elsewhere.
+call the context swaps), with its K/V heads repeated to the query's (``ring_sdpa``), but gets no mask from
+transformers (``llama``: a rank's zig-zag positions would read as packed sequences); causality is the ring's, from
+``is_causal``. Backward runs inside the context too (the ring's backward is the DTensor handler of the kernel's
+backward). The kernels are GPU kernels, so this runs on GPU ranks, one per GPU (``launch.on_ranks``); ``support``
+says why not elsewhere (and on ROCm below the release that fixed its fused backward, why not there).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -26,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel  # torch 2.5 on: the floor's 2.7 has it
 
-from course_lib.attention import course_sdpa
+from course_lib.attention import course_sdpa, repeat_kv
 from course_lib.data import lm_batch
 from course_lib.distributed import rank_device
 from course_lib.loss import IGNORE_INDEX
@@ -37,6 +40,12 @@ from course_lib.train import fit, train_step, worker_result
 
 SEQ = 32  # tokens, at least: torch's load balancer cuts 2N equal chunks (seq_for rounds up to them)
 IMPLEMENTATION = "course_torch_cp"
+# ROCm: AOTriton's fused attention backward can fault inside context parallelism (pytorch issue 168445,
+# ROCm/aotriton issue 236; the fix, pytorch PR 197208, is in the releases from 2.15 on) and its memory-efficient
+# kernel in fp32 misses torch's own tolerance (pytorch issue 168446). Below that release the course does not run it,
+# unless the preflight's "context parallelism" row ran it on this machine and the host says so in ROCM_CP_ENV.
+ROCM_CP_TORCH = (2, 15)
+ROCM_CP_ENV = "COURSE_ROCM_TORCH_CP"
 
 
 def seq_for(world: int, at_least: int = SEQ) -> int:
@@ -62,11 +71,31 @@ def support(device: torch.device | str) -> str | None:
                 f"on {device.type} SDPA runs a kernel it cannot shard: it needs GPUs, one per rank")
     if not torch.cuda.is_available():
         return "no GPU is visible to this process"
-    return None
+    return rocm_gate(torch.__version__, torch.version.hip, os.environ.get(ROCM_CP_ENV) == "1")
+
+
+def rocm_gate(torch_version: str, hip: str | None, host_checked: bool = False) -> str | None:
+    """Why torch ``torch_version`` (``hip``: its ROCm, None on CUDA) must not run context parallelism, or None."""
+    release = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2])
+    if hip is None or release >= ROCM_CP_TORCH or host_checked:
+        return None
+    return (f"torch {torch_version} on ROCm {hip}: AOTriton's fused attention backward can fault inside context "
+            f"parallelism (fixed in torch {'.'.join(map(str, ROCM_CP_TORCH))}); `make preflight` tries one step on "
+            f"this GPU, and where its row passes, {ROCM_CP_ENV}=1 runs it")
+
+
+def ring_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """``course_sdpa`` with K/V repeated to the query's heads: grouped heads (``enable_gqa``, which the fused GPU
+    kernels take since torch 2.5) would travel into torch's context-parallel ring, whose sharding rules and tests
+    cover equal heads only. Repeated, the ring runs the path torch tests; each rank sends n_rep× the K/V bytes."""
+    n_rep = query.shape[1] // key.shape[1]
+    return course_sdpa(module, query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), *args, **kwargs)
 
 
 def llama(seed: int = 0, device: torch.device | str = "cpu"):
-    """The course's tiny Llama for torch's context parallel: the course's attention (``course_sdpa``), no mask.
+    """The course's tiny Llama for torch's context parallel: the course's attention, heads repeated (``ring_sdpa``),
+    no mask.
 
     A rank's positions under the zig-zag split jump (chunk r, then chunk 2N-1-r), and transformers reads a jump in
     ``position_ids`` as the start of a packed sequence: it would build a block mask that cuts attention at the jump
@@ -78,7 +107,7 @@ def llama(seed: int = 0, device: torch.device | str = "cpu"):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(IMPLEMENTATION, course_sdpa)
+    AttentionInterface.register(IMPLEMENTATION, ring_sdpa)
     AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
     return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed).to(device)
 
