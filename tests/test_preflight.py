@@ -31,7 +31,8 @@ CPU_ROWS = ["version: python", "version: torch", "version: transformers", "versi
             "attention: course_sdpa bf16 on cpu", "attention: course_sdpa bf16 + document mask on cpu",
             "collectives: gloo, 2 CPU ranks", "DeepSpeed ops for CPU ranks (comm op, CPU Adam)"]
 GPU_ROWS = ["GPUs", "GPU stack", "collectives: nccl, GPU ranks", "DeepSpeed ops for GPU ranks (CPU Adam)",
-            "DeepSpeed ops for GPU ranks (fused Adam)"]
+            "DeepSpeed ops for GPU ranks (fused Adam)", "context parallelism: torch's, one GPU step",
+            "GPU allocator: reserve, cache, release"]
 OPTIONAL_ROWS = ["FP8 matmul: torch._scaled_mm float8_e4m3fn on cpu", "FP8 training: torchao on cpu",
                  "4-bit: bitsandbytes NF4 matmul on cpu"]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
@@ -161,3 +162,31 @@ def test_the_collectives_row_runs_every_collective_the_course_runs(nprocs):
     ran = ["all-reduce", "all-gather", "reduce-scatter", "all-to-all"] + (["send-recv"] if nprocs > 1 else [])
     assert all(f"{op} " in row.detail and " ms" in row.detail for op in ran), row.detail
     assert ("send-recv" in row.detail) == (nprocs > 1) and ("needs two ranks" in row.detail) == (nprocs == 1)
+
+
+CP_HELD = {"gap": 3e-7, "zigzag": True, "seconds": 4.2}
+
+
+@pytest.mark.parametrize("gate, returned, result, status", [
+    (None, True, CP_HELD, "pass"),  # a CUDA machine, or ROCm with a fixed torch: it runs, and held
+    (None, True, {**CP_HELD, "gap": 0.2}, "FAIL"),  # runs, but not loss for loss: notebook 14 would record a miss
+    (None, False, None, "FAIL"),  # the kernel faulted with the gate open: 14 would lose its ranks
+    ("torch 2.14 on ROCm 7.1: ...", False, None, "absent"),  # gated off, and the probe faulted: the gate is right
+    ("torch 2.14 on ROCm 7.1: ...", True, CP_HELD, "pass"),  # gated off, yet it ran here: the row says how to open it
+])
+def test_the_context_parallel_row_reads_the_gate_and_the_one_gpu_step(gate, returned, result, status):
+    row = preflight.cp_row(gate, returned, result, "Memory access fault by GPU node-2")
+    assert row.status == status, row
+    assert ("Memory access fault" in row.detail) == (not returned)
+    assert (preflight.cp_torch.ROCM_CP_ENV in row.fix) == (gate is not None and status == "pass")
+    assert status == "pass" and gate is None or row.fix, row
+
+
+@pytest.mark.parametrize("returned_mib, status", [(0, "pass"), (256, "FAIL")])
+def test_the_allocator_row_passes_when_freed_blocks_are_cached_then_released(returned_mib, status):
+    mib = 1 << 20
+    got = {"allocated": 256 * mib, "reserved": 256 * mib, "cached_after_free": 256 * mib,
+           "returned": returned_mib * mib, "allocate_ms": 0.3, "empty_cache_ms": 0.1,
+           "conf": "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True'"}
+    row = preflight.allocator_row(got)
+    assert row.status == status and "expandable_segments" in row.detail, row

@@ -57,7 +57,8 @@ from course_lib.device import (backend_for, default_device, gpu_architecture, gp
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
 from course_lib.distributed import rank_device
 from course_lib.instruct import packed_attention_mask
-from course_lib.launch import CPU_ONLY_ENV, WorkerError, extensions_dir, launch
+from course_lib.launch import CPU_ONLY_ENV, WorkerError, extensions_dir, launch, on_ranks
+from course_lib.parallel import cp_torch, cp_train
 
 PASS, FAIL, ABSENT, NO_GPU, SKIPPED = "pass", "FAIL", "absent", "no GPU", "skipped"
 STATUSES = (PASS, FAIL, ABSENT, NO_GPU, SKIPPED)
@@ -407,6 +408,91 @@ def check_collectives(quick: bool = False) -> list[Row]:
     return [gpu, collective_row("cpu", 2)]
 
 
+# ------------------------------------------------------------------ torch's context parallelism and the allocator
+
+def cp_probe(steps: int = 2) -> dict:
+    """torch's ``context_parallel`` on one GPU rank (a ring of one: the swapped fused kernels, forward and backward,
+    and the split), past ``cp_torch.support``'s version gate, against the one-process reference."""
+    start = time.perf_counter()
+    run = on_ranks(cp_torch.train_llama, 1, "cuda", timeout=240, steps=steps, force=True)[0]
+    reference = cp_train.reference_llama_losses(steps, seq=cp_torch.seq_for(1))
+    gap = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference))
+    return {"gap": gap, "zigzag": run["zigzag"], "seconds": time.perf_counter() - start}
+
+
+def cp_row(gate: str | None, returned: bool, result: dict | None, out: str) -> Row:
+    """The context-parallelism row from the gate's verdict (``cp_torch.support``) and the probe's outcome."""
+    check = "context parallelism: torch's, one GPU step"
+    held = returned and result["gap"] < 1e-4 and result["zigzag"]
+    ran = (f"a step forward and backward held loss for loss (gap {result['gap']:.1e}), {result['seconds']:.1f} s"
+           if returned else f"the step did not finish: {out[-300:]}")
+    if gate is None:
+        return Row(check, PASS if held else FAIL, ran, "" if held else
+                   "notebook 14's torch context parallel would stop its ranks here: run "
+                   "`python -m pytest tests/test_cp.py` on this machine and report the row")
+    if held:
+        return Row(check, PASS, f"{ran}, though the version gate says: {gate}",
+                   f"set {cp_torch.ROCM_CP_ENV}=1 in the workshop's environment to run it in notebook 14")
+    return Row(check, ABSENT, f"gated off ({gate}), and rightly: {ran}",
+               "notebook 14 records torch's context parallel as not measured here; a newer torch fixes it")
+
+
+def check_context_parallel(quick: bool = False) -> list[Row]:
+    """torch's context parallelism, one GPU step in a process of its own (a kernel fault loses only this row)."""
+    if quick:
+        return [Row("context parallelism: torch's, one GPU step", SKIPPED, "--quick starts no ranks")]
+    if not torch.cuda.is_available():
+        return [Row("context parallelism: torch's, one GPU step", NO_GPU, "torch's context parallel runs on GPUs")]
+    gate = cp_torch.support("cuda")
+    return [cp_row(gate, *run_probe("cp_probe()", timeout=300))]
+
+
+def allocator_probe(mib: int = 256) -> dict:
+    """The caching allocator on GPU 0: ``mib`` MiB allocated, freed (kept in the cache), then handed back by
+    ``empty_cache``; the times of each, and the settings this process was given."""
+    device, times = torch.device("cuda", 0), {}
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
+    start = time.perf_counter()
+    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    times["allocate_ms"] = (time.perf_counter() - start) * 1e3
+    held, allocated = torch.cuda.memory_reserved(device) - base, x.numel()
+    del x
+    cached = torch.cuda.memory_reserved(device) - base
+    start = time.perf_counter()
+    torch.cuda.empty_cache()
+    times["empty_cache_ms"] = (time.perf_counter() - start) * 1e3
+    return {"allocated": allocated, "reserved": held, "cached_after_free": cached,
+            "returned": torch.cuda.memory_reserved(device) - base, "conf": cp_train.alloc_conf(), **times}
+
+
+def allocator_row(got: dict) -> Row:
+    """Whether the allocator holds what it allocated, keeps freed blocks and returns them on ``empty_cache``: the
+    behaviour the course's memory meters (allocated peaks, reserved peaks) assume."""
+    check = "GPU allocator: reserve, cache, release"
+    mib = got["allocated"] >> 20
+    n = got["allocated"]
+    ok = got["reserved"] >= n and got["cached_after_free"] >= n and got["returned"] < n
+    detail = (f"{mib} MiB: reserved {got['reserved'] >> 20} MiB, cached after free {got['cached_after_free'] >> 20} "
+              f"MiB, after empty_cache {got['returned'] >> 20} MiB; allocate {got['allocate_ms']:.1f} ms, empty_cache "
+              f"{got['empty_cache_ms']:.1f} ms; {got['conf']}")
+    return Row(check, PASS if ok else FAIL, detail, "" if ok else
+               "the allocator settings above change what the course's memory tables measure: unset them, or "
+               "read notebook 04's meter with them in mind")
+
+
+def check_allocator() -> list[Row]:
+    """The GPU's caching allocator, in a process of its own (a fresh allocator: nothing cached before)."""
+    if not torch.cuda.is_available():
+        return [Row("GPU allocator: reserve, cache, release", NO_GPU, "the caching allocator serves GPUs")]
+    returned, got, out = run_probe("allocator_probe()", timeout=120)
+    if not returned:
+        return [Row("GPU allocator: reserve, cache, release", FAIL, out[-400:],
+                    "check the GPU (nvidia-smi / rocm-smi)")]
+    return [allocator_row(got)]
+
+
 # ------------------------------------------------------------------ probes in processes of their own
 
 def run_probe(call: str, env: dict[str, str] | None = None, timeout: float = 240) -> tuple[bool, object, str]:
@@ -563,6 +649,7 @@ def run_checks(quick: bool = False, floors: dict[str, str] | None = None,
         ("versions", lambda: check_versions(floors)), ("GPUs", check_devices), ("system", check_system),
         ("attention", check_attention), ("FP8 and 4-bit", lambda: check_fp8_and_4bit(quick)),
         ("collectives", lambda: check_collectives(quick)), ("DeepSpeed ops", lambda: check_deepspeed_ops(quick)),
+        ("context parallelism", lambda: check_context_parallel(quick)), ("allocator", check_allocator),
     ]
     rows: list[Row] = []
     for name, check in checks:

@@ -274,7 +274,7 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
             if peak is not None and peak > budget:  # it fit only because the allocator went past the budget
                 raise RuntimeError(f"a step of {int(factor * longest)} tokens peaked at {peak / 2**30:.1f} GiB, past "
                                    f"the {budget / 2**30:.1f} GiB budget: this allocator does not hold "
-                                   f"set_per_process_memory_fraction ({_alloc_conf()}); run without "
+                                   f"set_per_process_memory_fraction ({alloc_conf()}); run without "
                                    "expandable_segments")
             ran_out[factor] = peak is None
     finally:
@@ -285,8 +285,8 @@ def measure_longest_sequence(preset: str = "1b", *, budget_gb: float = 16.0, pro
             "fixed": peaks[min(probes)] - per_token * min(probes), "longest": longest, "ran_out": ran_out}
 
 
-def _alloc_conf() -> str:
-    """The allocator settings this process was given, under the names torch reads here (ROCm reads
+def alloc_conf() -> str:
+    """The GPU allocator's settings this process was given, under the names torch reads here (ROCm reads
     PYTORCH_HIP_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF; PYTORCH_ALLOC_CONF serves both)."""
     names = ["PYTORCH_HIP_ALLOC_CONF"] if torch.version.hip else []
     names += ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
