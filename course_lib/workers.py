@@ -68,6 +68,10 @@ def main(argv: list[str]) -> int:
     stacks = open(out / f"rank{rank}.stacks", "w")  # open as long as this rank runs: faulthandler writes to its fd
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     try:
+        if not (out / "kwargs.json").is_file():  # every rank reads the same file: all stop here, none waits
+            raise FileNotFoundError(f"{out / 'kwargs.json'} is missing: it holds {target}'s keyword arguments as a "
+                                    "JSON object ({} for its defaults); `python -m course_lib.apps.cluster ... "
+                                    "--kwargs` writes it in the job script, course_lib.launch before it starts ranks")
         init_process_group()
         module, _, name = target.partition(":")
         sys.path.insert(0, os.getcwd())  # a module the notebook wrote with %%writefile

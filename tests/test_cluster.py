@@ -57,9 +57,10 @@ def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
 
 
 def test_deepspeed_sbatch_renders_hostfile_form():
-    text = cluster.deepspeed_sbatch(["-m", "course_lib.workers", "x:y"], nodes=2, gpus_per_node=8)
+    text = cluster.deepspeed_sbatch(["-m", "course_lib.workers", "x:y", "/shared/run1"], nodes=2, gpus_per_node=8)
     assert 'deepspeed --hostfile "$hostfile" --num_nodes 2 --num_gpus 8' in text
-    assert "--module course_lib.workers x:y" in text
+    assert "--module course_lib.workers x:y /shared/run1" in text
+    assert "printf '%s\\n' '{}' > /shared/run1/kwargs.json" in text, "no --kwargs: the function's defaults"
     assert "slots=8" in text and "{{" not in text
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
@@ -71,6 +72,11 @@ def test_deepspeed_sbatch_renders_hostfile_form():
     ({"port": 80}, "port=80"), ({"job_name": "a b"}, "job_name="), ({"cpus_per_task": -1}, "cpus_per_task"),
     ({"command": []}, "command="), ({"command": "train.py"}, "command="), ({"command": ["-m"]}, "'-m' must"),
     ({"command": ["--nproc-per-node=8", "train.py"]}, "must start with a script"),
+    ({"command": ["-m", "course_lib.workers", "x:y"]}, "MODULE:FUNCTION OUT_DIR"),
+    ({"command": ["-m", "course_lib.workers", "x", "/out"]}, "MODULE:FUNCTION OUT_DIR"),
+    ({"command": ["-m", "course_lib.workers", "x:y", "/out"], "kwargs": "{steps: 2}"}, "not JSON"),
+    ({"command": ["-m", "course_lib.workers", "x:y", "/out"], "kwargs": "[2]"}, "JSON object"),
+    ({"kwargs": '{"steps": 2}'}, "kwargs is for a course_lib.workers command"),
 ])
 def test_bad_parameters_are_refused_with_a_clear_message(kw, message):
     args = {"command": ["train.py"], **kw}
@@ -99,8 +105,8 @@ import os
 import torch
 import torch.distributed as dist
 
-def report():
-    t = torch.tensor([float(dist.get_rank() + 1)])
+def report(scale=1.0):
+    t = torch.tensor([float(dist.get_rank() + 1) * scale])
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
             "master": os.environ["MASTER_ADDR"], "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
@@ -109,17 +115,16 @@ def report():
 
 def test_torchrun_sbatch_runs_real_torchrun_ranks_through_the_rendezvous(tmp_path):
     """The generated script itself, run by bash on one 'node' with 2 CPU ranks: srun and scontrol are
-    stand-ins, torchrun and course_lib.workers are real, and the ranks meet at the c10d rendezvous."""
+    stand-ins, torchrun and course_lib.workers are real, and the ranks meet at the c10d rendezvous. The worker's
+    keyword arguments reach it through the OUT_DIR/kwargs.json the script writes (OUT_DIR not made beforehand)."""
     stubs = tmp_path / "stubs"
     _stub(stubs, "srun", STUB_SRUN)
     _stub(stubs, "scontrol", STUB_SCONTROL)
     (tmp_path / "probe.py").write_text(PROBE)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "kwargs.json").write_text("{}")
+    out = tmp_path / "run 1"
     port = free_port()
     script = cluster.torchrun_sbatch(["-m", "course_lib.workers", "probe:report", str(out)], nodes=1,
-                                     gpus_per_node=2, port=port, partition="debug", time="5")
+                                     gpus_per_node=2, port=port, partition="debug", time="5", kwargs='{"scale": 2}')
     (tmp_path / "job.sbatch").write_text(script)
     env = _slurm_env(tmp_path, ["localhost"], stubs)
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -128,7 +133,7 @@ def test_torchrun_sbatch_runs_real_torchrun_ranks_through_the_rendezvous(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in results] == [0, 1]
-    assert all(r["world"] == 2 and r["sum"] == 3.0 and r["local_world"] == 2 for r in results)
+    assert all(r["world"] == 2 and r["sum"] == 6.0 and r["local_world"] == 2 for r in results), results
     assert all(r["master"] == "localhost" for r in results)
     calls = (tmp_path / "calls").read_text()
     assert f"--rdzv-endpoint=localhost:{port}" in calls and "--rdzv-id=4242" in calls
@@ -175,3 +180,52 @@ def test_hostfile_refuses_bad_input():
             cluster.hostfile(bad)
     with pytest.raises(ValueError, match="gpus_per_node"):
         cluster.hostfile(["a"], 0)
+
+
+def _numa_run(tmp_path: Path, form: str, gpus_on_node: str | None) -> list[str]:
+    """The launcher's arguments when the script runs with stand-in launchers and numactl, on a node with
+    ``gpus_on_node`` GPUs (SLURM_GPUS_ON_NODE; None: SLURM set none, a CPU node)."""
+    stubs = tmp_path / "stubs"
+    for name, body in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("numactl", "exit 0\n"),
+                       ("torchrun", '[ "$1" = --help ] && { echo "  --numa-binding {node,socket}"; exit 0; }\n'
+                                    'printf "%s\\n" "$@" > "$SLURM_SUBMIT_DIR/launcher_args"\n'),
+                       ("deepspeed", 'printf "%s\\n" "$@" > "$SLURM_SUBMIT_DIR/launcher_args"\n')):
+        _stub(stubs, name, body)
+    render = cluster.torchrun_sbatch if form == "torchrun" else cluster.deepspeed_sbatch
+    (tmp_path / "job.sbatch").write_text(render(["train.py"], nodes=1, gpus_per_node=8))
+    env = _slurm_env(tmp_path, ["mi300x-001"], stubs)
+    env.pop("SLURM_GPUS_ON_NODE", None)
+    env.update({"SLURM_GPUS_ON_NODE": gpus_on_node} if gpus_on_node else {})
+    env["PYTORCH_HIP_ALLOC_CONF"] = "expandable_segments:True"
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return (tmp_path / "launcher_args").read_text().splitlines()
+
+
+@pytest.mark.parametrize("form, flag", [("torchrun", "--numa-binding=node"), ("deepspeed", "--bind_cores_to_rank")])
+@pytest.mark.parametrize("gpus_on_node", ["8", None])
+def test_ranks_are_bound_to_their_numa_node_where_the_node_has_gpus_and_numactl(tmp_path, form, flag, gpus_on_node):
+    """CPU Adam, offload's copies and the data loader run on a rank's CPU cores: bound near its GPU, they stay on
+    one socket. A CPU node (no GPUs for torch to place) is left unbound."""
+    args = _numa_run(tmp_path, form, gpus_on_node)
+    assert (flag in args) == (gpus_on_node is not None), args
+    assert args[-1] == "train.py"
+    if form == "deepspeed":
+        check = subprocess.run([sys.executable, "-c", "import sys\nfrom deepspeed.launcher.runner import parse_args\n"
+                                "a = parse_args(sys.argv[1:]); print(a.bind_cores_to_rank, a.user_script)", *args],
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stderr[-2000:]
+        assert check.stdout.split()[-2:] == [str(gpus_on_node is not None), "train.py"]
+        assert "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True" in (tmp_path / "deepspeed_env-4242").read_text(), \
+            "the allocator's settings reach the other nodes' ranks"
+
+
+def test_a_worker_without_its_kwargs_file_says_how_to_write_one(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "course_lib.workers", "json:dumps", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    error = (tmp_path / "rank0.error").read_text()
+    assert "kwargs.json" in error and "--kwargs" in error, error[-2000:]

@@ -10,17 +10,21 @@ Two forms, rendered from ``course_lib/apps/templates/``:
   on the first node, which reaches the others over ssh (pdsh).
 
     python -m course_lib.apps.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
+        --kwargs '{"steps": 20, "stage": 3}' \\
         -- -m course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1
     python -m course_lib.apps.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
 
 The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments
-(``deepspeed`` gets ``--module module``). Nothing here talks to a cluster: the scripts are text
-that ``sbatch`` takes; see docs/workshop.md, "Workshop: Docker images and clusters".
+(``deepspeed`` gets ``--module module``). A ``course_lib.workers`` command reads its function's keyword
+arguments from ``OUT_DIR/kwargs.json``: the script writes ``--kwargs`` there (``{}``, the defaults, without it).
+Each rank is bound to the CPUs near its GPU where the nodes have GPUs and ``numactl``. Nothing here talks to a
+cluster: the scripts are text that ``sbatch`` takes; see docs/workshop.md, "Workshop: Docker images and clusters".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import sys
@@ -47,6 +51,7 @@ class Job:
     job_name: str = "course"
     cpus_per_task: int = 0  # 0: 12 per GPU (an MI300X node has 8 GPUs and 96+ cores per socket pair)
     port: int = 29500
+    kwargs: str = ""  # a course_lib.workers function's keyword arguments, as a JSON object
 
     def __post_init__(self):
         validate(self)
@@ -86,6 +91,39 @@ def validate(job: Job) -> None:
     elif cmd[0].startswith("-"):
         raise ValueError(f"command={list(cmd)!r}: must start with a script (train.py) or '-m module', "
                          f"not the option {cmd[0]!r}")
+    _validate_worker(job)
+
+
+def _validate_worker(job: Job) -> None:
+    """A ``course_lib.workers`` command names ``MODULE:FUNCTION OUT_DIR``; ``kwargs`` is a JSON object, and only
+    such a command reads it."""
+    cmd, worker = job.command, job.command[:2] == ("-m", "course_lib.workers")
+    if worker and (len(cmd) != 4 or ":" not in cmd[2]):
+        raise ValueError(f"command={list(cmd)!r}: course_lib.workers takes MODULE:FUNCTION OUT_DIR, e.g. -m "
+                         "course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1")
+    if not isinstance(job.kwargs, str):
+        raise ValueError(f"kwargs={job.kwargs!r}: must be a JSON object as text, e.g. '{{\"steps\": 20}}'")
+    if job.kwargs:
+        try:
+            parsed = json.loads(job.kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"kwargs={job.kwargs!r}: not JSON ({err})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"kwargs={job.kwargs!r}: must be a JSON object of keyword arguments, e.g. "
+                             "'{\"steps\": 20}'")
+        if not worker:
+            raise ValueError("kwargs is for a course_lib.workers command (-m course_lib.workers MODULE:FUNCTION "
+                             f"OUT_DIR); pass {list(job.command)[:1]} its arguments after '--' instead")
+
+
+def _prepare(job: Job) -> str:
+    """The script's lines that write a course_lib.workers function's keyword arguments where its ranks read them."""
+    if job.command[:2] != ("-m", "course_lib.workers"):
+        return "# (no course_lib.workers command: nothing to prepare)"
+    out = shlex.quote(job.command[3])
+    kwargs = json.dumps(json.loads(job.kwargs or "{}"), sort_keys=True)
+    return (f"# course_lib.workers reads its function's keyword arguments from OUT_DIR/kwargs.json (a shared folder)\n"
+            f"mkdir -p {out} && printf '%s\\n' {shlex.quote(kwargs)} > {out}/kwargs.json")
 
 
 def _cpus(job: Job) -> int:
@@ -111,7 +149,7 @@ def render(form: str, job: Job) -> str:
     values = {
         "nodes": job.nodes, "gpus_per_node": job.gpus_per_node, "partition": job.partition,
         "time": job.time, "job_name": job.job_name, "cpus_per_task": _cpus(job), "port": job.port,
-        "command": _command(job, form),
+        "command": _command(job, form), "prepare": _prepare(job),
     }
     text = template(form)
     missing = sorted(set(_PLACEHOLDER.findall(text)) - set(values))
@@ -166,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         usage="%(prog)s {torchrun,deepspeed} [options] -- SCRIPT [ARGS...] | -- -m MODULE [ARGS...]")
     parser.add_argument("form", choices=FORMS)
     defaults = {f.name: f.default for f in fields(Job) if f.name != "command"}  # Job states them once
+    helps = {"kwargs": "a course_lib.workers function's keyword arguments, a JSON object: the script writes them "
+                       "to OUT_DIR/kwargs.json"}
     for name, default in defaults.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=helps.get(name))
     parser.add_argument("-o", "--output", type=Path, help="write the script here instead of printing it")
     args = parser.parse_args(argv)
     if not command:
