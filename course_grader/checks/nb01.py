@@ -22,14 +22,16 @@ def tensor(x):
 
 
 # ---------------------------------------------------------------- DynamicLossScaler
-def trajectory(scaler, injections: dict, steps: int = 12, through_train_step: bool = False, clip=None) -> list:
-    """A small classifier trained on ``scaler`` with the loss multiplied by ``injections[step]`` (inf, nan) at some
-    steps: ``[(scale, [weights])]`` after every step, as plain data."""
-    torch.manual_seed(0)
+def trajectory(scaler, injections: dict, steps: int = 12, through_train_step: bool = False, clip=None,
+               seed: int = 0) -> list:
+    """A small classifier (its weights from ``seed``, its inputs from ``seed + 1``) trained on ``scaler`` with the
+    loss multiplied by ``injections[step]`` (inf, nan) at some steps: ``[(scale, [weights])]`` after every step, as
+    plain data."""
+    torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     m[0].bias.requires_grad_(False)  # a parameter without a gradient: unscale_ must skip it
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 3
+    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed + 1)), torch.arange(8) % 3
     trace = []
     for i in range(steps):
         f = injections.get(i, 1.0)

@@ -4,10 +4,11 @@ history, a margin and zeros."""
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
-from course_grader.checks import register
+from course_grader.checks import case_seed, register
 from course_grader.checks.nb01 import tensor
 from course_grader.checks.nb02 import FP8_ANSWERS
 from course_grader.grading import forbid
@@ -18,9 +19,14 @@ FP8_DTYPES = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
 
 
 def stream() -> list:
-    """Eight 24x24 tensors whose amaxes jump past a history of 3 (x64, x300) and fall to zero once."""
-    g = torch.Generator().manual_seed(6)
-    return [torch.randn(24, 24, generator=g) * m for m in (1.0, 1.0, 64.0, 0.5, 0.0, 2.0, 300.0, 0.25)]
+    """Eight 24x24 tensors whose amaxes jump past a history of 3 (x16 to x128, then x200 to x1000) and fall to zero
+    once: values and jumps new to every grading (``case_seed``). The amaxes of two such normal draws (576 values each)
+    are within x2 of each other, so whatever the draw each jump takes x * scale 8 times or more past both formats'
+    largest value: saturation, or an inf or nan where the student's cast does not clamp."""
+    seed = case_seed("nb02", "fp8 stream")
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    jumps = (rng.uniform(16.0, 128.0), rng.uniform(200.0, 1000.0))
+    return [torch.randn(24, 24, generator=g) * m for m in (1.0, 1.0, jumps[0], 0.5, 0.0, 2.0, jumps[1], 0.25)]
 
 
 def probe_fp8(ns: dict) -> dict:

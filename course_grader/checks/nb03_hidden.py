@@ -3,21 +3,28 @@ nothing, and micro_step_context with one micro-batch, three, and a model without
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from course_grader.checks import number, register
+from course_grader.checks import case_seed, number, register
 from course_grader.grading import max_rel_diff
-from course_grader.checks.nb03 import (STEPS, SYNC, TOKEN_STEPS, accumulate_with, big_batch, cnn_case, judge_refusal,
-                                    masked_batch, one_round, refusal, setup_shape, sync_case, token_case, whole_batch,
-                                    world_of_one)
+from course_grader.checks.nb03 import (STEPS, SYNC, TOKEN_STEPS, accumulate_with, big_batch, judge_refusal,
+                                    masked_batch, one_round, refusal, sync_case, whole_batch, world_of_one)
 from course_grader.grading import forbid, grads, twin
+from course_lib.models import build_llama
 
 MICRO_BATCHES = (4, 16, 32)
 
 
+def accumulate_case():
+    """A SmallCNN of width 8 and 32 synthetic images, from a seed new to every grading (``case_seed``)."""
+    return sync_case(8, 32, case_seed("nb03", "accumulate"))
+
+
 def probe_accumulate(ns: dict) -> dict:
-    model, x, y = cnn_case()
-    # the model as the visible test left it (the student's function ran on it once): a copy of it starts each run
+    model, x, y = accumulate_case()
+    # the model after one run of the student's function, as the visible test leaves its own: a copy starts each run
     try:
         with forbid(*STEPS, namespace=ns):
             ns["accumulate_gradients"](model, x, y, micro_batch=8)
@@ -40,8 +47,8 @@ def probe_accumulate(ns: dict) -> dict:
 
 
 def judge_accumulate(got: dict) -> str:
-    _, x, _ = cnn_case()
-    ref = big_batch(*cnn_case())[0]
+    model, x, y = accumulate_case()
+    ref = big_batch(model, x, y)[0]
     for mb in MICRO_BATCHES:
         rows = got[str(mb)]["rows"]
         assert rows, f"micro_batch={mb}: no forward pass ran through the model"
@@ -57,13 +64,19 @@ register("test_accumulate_gradients_hidden", probe_accumulate, judge_accumulate)
 TOKEN_MICRO_BATCHES = (1, 2, 3, 6)
 
 
-def token_case2() -> dict:
-    """6 rows of 16 tokens: rows 0 and 1 score nothing at all, row 2 its last 13 labels."""
-    return masked_batch(6, 16, 5, {0: 16, 1: 16, 2: 3})
+def tokens_case():
+    """A tiny Llama (vocabulary 256) and 6 rows of 16 tokens, new to every grading (``case_seed``): the weights, the
+    tokens, which pair of rows (0-1, 2-3 or 4-5) scores nothing at all, so that micro-batches of 1 and of 2 rows
+    score nothing, and another row whose first labels, from 1 to 14 of them, are masked."""
+    seed = case_seed("nb03", "tokens")
+    rng = random.Random(seed)
+    empty = 2 * rng.randrange(3)
+    masks = {empty: 16, empty + 1: 16, rng.choice([r for r in range(6) if r // 2 != empty // 2]): rng.randint(1, 14)}
+    return build_llama("tiny", vocab_size=256, seed=seed), masked_batch(6, 16, seed, masks)
 
 
 def probe_tokens(ns: dict) -> dict:
-    lm, batch = token_case()[0], token_case2()
+    lm, batch = tokens_case()
     runs = {}
     for mb in TOKEN_MICRO_BATCHES:
         m2 = twin(lm)
@@ -83,7 +96,7 @@ def probe_tokens(ns: dict) -> dict:
 
 
 def judge_tokens(got: dict) -> str:
-    ref, want = whole_batch(token_case()[0], token_case2())
+    ref, want = whole_batch(*tokens_case())
     for mb in TOKEN_MICRO_BATCHES:
         run = got["runs"][str(mb)]
         assert all(torch.isfinite(g).all() for g in run["grads"].values()), f"micro_batch={mb}: nan"
@@ -100,9 +113,16 @@ def judge_tokens(got: dict) -> str:
 register("test_accumulate_tokens_hidden", probe_tokens, judge_tokens)
 
 
+def sync_shape() -> dict:
+    """The CNN's width (a multiple of its GroupNorm's 8 groups), the batch (3 micro-batches of 2 to 8 rows) and the
+    seed: new to every grading (``case_seed``)."""
+    seed = case_seed("nb03", "micro_step_context")
+    rng = random.Random(seed)
+    return {"width": rng.choice((8, 16, 24, 32)), "batch": 3 * rng.randint(2, 8), "seed": seed}
+
+
 def probe_sync(ns: dict) -> dict:
-    shape = setup_shape(ns)
-    model, x, y = sync_case(**shape)
+    model, x, y = sync_case(**sync_shape())
     with world_of_one():
         one, three = accumulate_with(ns, model, x, y, 1)[0], accumulate_with(ns, model, x, y, 3)[0]
     plain, contexts = twin(model), []
@@ -114,11 +134,11 @@ def probe_sync(ns: dict) -> dict:
             break
         with ctx:
             pass
-    return {**shape, "one": one, "three": three, "contexts": contexts}
+    return {"one": one, "three": three, "contexts": contexts}
 
 
 def judge_sync(got: dict) -> str:
-    rounds = one_round(*sync_case(got["width"], got["batch"], got["seed"]))
+    rounds = one_round(*sync_case(**sync_shape()))
     assert got["one"] == [rounds], "accum_steps=1: the only micro-batch must synchronise"
     assert got["three"] == [0, 0, rounds], \
         f"3 micro-batches: all-reduces per micro-batch {got['three']}, expected [0, 0, {rounds}]"

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from course_grader.checks import register, tensor_data
+from course_grader.checks import case_seed, register, tensor_data
 from course_grader.checks.nb04 import CHECKPOINTS, judge_block, probe_block
 from course_grader.grading import forbid, grads, max_rel_diff
 from course_lib.checkpointing import transformer_layers
@@ -27,19 +27,21 @@ class ScaledBlock(nn.Module):
         return self.out(torch.tanh(self.lin(h))) * scale
 
 
+# Every case's weights and input come from a seed new to every grading (``case_seed``).
 def frozen_input() -> tuple[nn.Module, torch.Tensor]:  # a frozen embedding's output: no input requires grad
-    torch.manual_seed(1)
+    torch.manual_seed(case_seed("nb04", "frozen input"))
     return ScaledBlock(), torch.randn(5, 8)
 
 
 def input_with_grad() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)  # where the first comparison's seed left the RNG
+    torch.manual_seed(case_seed("nb04", "keyword"))
     return ScaledBlock(), torch.randn(5, 8, requires_grad=True)
 
 
 def llama() -> tuple[nn.Module, torch.Tensor]:
-    lm = build_llama("tiny", num_hidden_layers=2, use_cache=False, seed=5)
-    return lm, torch.randint(0, lm.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    seed = case_seed("nb04", "llama")
+    lm = build_llama("tiny", num_hidden_layers=2, use_cache=False, seed=seed)
+    return lm, torch.randint(0, lm.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
 class Checkpointed(nn.Module):
@@ -87,25 +89,26 @@ register("test_checkpointed_inputs_hidden", probe_inputs, judge_inputs)
 
 
 # ---------------------------------------------------------------- checkpointed_rng_autocast_hidden
+# Every case's weights and input, and the seed of dropout's random numbers, are new to every grading (``case_seed``).
 def dropout_block() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(2)
+    torch.manual_seed(case_seed("nb04", "dropout block"))
     block = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 16)).train()
     return block, torch.randn(12, 16, requires_grad=True)
 
 
 def amp_block() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(3)
+    torch.manual_seed(case_seed("nb04", "bf16 block"))
     block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     return block, torch.randn(32, 64, requires_grad=True)
 
 
 def probe_rng_autocast(ns: dict) -> dict:
-    return {"dropout": probe_block(ns, *dropout_block(), seed=7, disturb_rng=True),
+    return {"dropout": probe_block(ns, *dropout_block(), seed=case_seed("nb04", "dropout rng"), disturb_rng=True),
             "bf16": probe_block(ns, *amp_block(), amp_dtype=torch.bfloat16)}
 
 
 def judge_rng_autocast(got: dict) -> str:
-    saved, gaps = judge_block(got["dropout"], *dropout_block(), seed=7)
+    saved, gaps = judge_block(got["dropout"], *dropout_block(), seed=case_seed("nb04", "dropout rng"))
     assert gaps["parameters"] < 1e-6 and gaps["input"] < 1e-6 and gaps["output"] < 1e-6, \
         f"dropout: the recomputation used other random numbers: {gaps}"
     assert saved <= 12 * 16 * 4, f"dropout block: {saved} bytes kept"

@@ -3,20 +3,25 @@ error in the iterable."""
 
 from __future__ import annotations
 
+import random
 from time import sleep
 
-from course_grader.checks import register
+from course_grader.checks import case_seed, register
 from course_grader.checks.nb05 import as_data, yours
 
 
 # ---------------------------------------------------------------- Prefetcher
-ITEMS = 8  # the iterable of the depth test
+def depth_case() -> dict:
+    """The depth test's sizes, new to every grading (``case_seed``): the iterable's items (8 to 12: past the deepest
+    queue's reach, so an unbounded queue shows), the depths (1, and 2 to 4) and a fractional depth to refuse."""
+    rng = random.Random(case_seed("nb05", "depth"))
+    return {"items": rng.randint(8, 12), "depths": (1, rng.randint(2, 4)), "fraction": rng.randint(1, 4) + 0.5}
 
 
 def probe_depth(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
+    Prefetcher, case = ns["Prefetcher"], depth_case()
 
-    def how_far_ahead(depth, n=ITEMS):
+    def how_far_ahead(depth, n=case["items"]):
         produced, ahead = [], []
 
         def counting():
@@ -36,21 +41,22 @@ def probe_depth(ns: dict) -> dict:
         return False
 
     out = {"ahead": {}}
-    for depth in (1, 3):
+    for depth in case["depths"]:
         out["ahead"][depth] = as_data(yours(ns, lambda: how_far_ahead(depth)))
-    out["rejects"] = bool(yours(ns, lambda: rejects(0))) and bool(yours(ns, lambda: rejects(1.5)))
+    out["rejects"] = bool(yours(ns, lambda: rejects(0))) and bool(yours(ns, lambda: rejects(case["fraction"])))
     return out
 
 
 def judge_depth(got: dict) -> str:
-    for depth in (1, 3):
-        ahead = got["ahead"][depth]
-        assert len(ahead) == ITEMS, f"depth={depth}: the loop got {len(ahead)} items of the iterable's {ITEMS}"
+    case = depth_case()
+    for depth in case["depths"]:
+        ahead, items = got["ahead"][depth], case["items"]
+        assert len(ahead) == items, f"depth={depth}: the loop got {len(ahead)} items of the iterable's {items}"
         assert max(ahead) <= depth + 1, (f"depth={depth}: the thread read {max(ahead)} items ahead of the loop; a "
                                          f"queue of {depth} slots allows {depth + 1} "
                                          "(a full queue and the item it holds)")
         assert max(ahead) >= depth, f"depth={depth}: the thread was never more than {max(ahead)} item(s) ahead"
-    assert got["rejects"], "depth=0 and depth=1.5 must raise ValueError"
+    assert got["rejects"], f"depth=0 and depth={case['fraction']} must raise ValueError"
     return "the thread runs depth items ahead and no further; a bad depth is refused"
 
 
@@ -61,18 +67,26 @@ class CorruptSample(Exception):
     pass
 
 
+def failure() -> dict:
+    """Where the iterable fails (after 1 to 5 items), with which message, and the queue's depth: new to every grading
+    (``case_seed``)."""
+    rng = random.Random(case_seed("nb05", "errors"))
+    at = rng.randint(1, 5)
+    return {"at": at, "message": f"sample {at} is corrupt (checksum {rng.getrandbits(32):08x})",
+            "depth": rng.randint(1, 3)}
+
+
 def probe_errors(ns: dict) -> dict:
-    Prefetcher = ns["Prefetcher"]
+    Prefetcher, case = ns["Prefetcher"], failure()
 
     def failing():
-        yield 0
-        yield 1
-        raise CorruptSample("sample 2 is corrupt")
+        yield from range(case["at"])
+        raise CorruptSample(case["message"])
 
     def read_until_error():
         got = []
         try:
-            for item in Prefetcher(failing(), depth=2):
+            for item in Prefetcher(failing(), depth=case["depth"]):
                 got.append(item)
         except CorruptSample as err:
             return got, str(err)
@@ -83,8 +97,10 @@ def probe_errors(ns: dict) -> dict:
 
 
 def judge_errors(got: dict) -> str:
-    assert got["got"] == [0, 1], f"the items before the failure come first, got {got['got']}"
-    assert got["error"] == "sample 2 is corrupt", "the iterable's exception must be raised in the loop"
+    case = failure()
+    assert got["got"] == list(range(case["at"])), \
+        f"the items before the failure come first: {list(range(case['at']))}, got {got['got']}"
+    assert got["error"] == case["message"], "the iterable's exception must be raised in the loop"
     return "the iterable's error reaches the loop, after the items before it"
 
 

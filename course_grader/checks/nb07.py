@@ -34,19 +34,20 @@ CAP = 0.004  # MiB: SmallCNN(width=8) fills 4 buckets under torch's rule, 7 unde
 KEEP = ("what", "async_op", "waited")  # what the judges read of an event
 
 
-def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed_by_rank: bool = False,
-                   frozen: bool = False) -> list:
-    """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n``: its
-    buckets (by name), each step's gradients after finish_gradient_synchronization and collectives, the weights."""
+def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed: int | None = None,
+                   frozen: bool = False, data_seed: int = 3) -> list:
+    """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n`` (the
+    images of ``data_seed``): its buckets (by name), each step's gradients after finish_gradient_synchronization and
+    collectives, the weights. ``seed``: rank r starts from the weights of ``seed + r``; None: each from cnn()'s."""
     space = student(ns, "BucketedDDP")
 
     def rank():
         r, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
-        x, y = synthetic_images(n * steps, seed=3).tensors
+        x, y = synthetic_images(n * steps, seed=data_seed).tensors
         logs = []
         with forbid(*BUCKETED_INIT, namespace=space):
-            mine = space["BucketedDDP"](cnn(frozen) if not seed_by_rank else seeded(r, frozen), bucket_cap_mb=cap)
+            mine = space["BucketedDDP"](cnn(frozen) if seed is None else seeded(seed + r, frozen), bucket_cap_mb=cap)
         names = {id(p): k for k, p in mine.module.named_parameters()}
         for p in mine.module.parameters():  # registered after the student's: marks the moment a gradient is in
             if p.requires_grad:
@@ -79,12 +80,13 @@ def seeded(seed: int, frozen: bool) -> torch.nn.Module:
     return m
 
 
-def reference_rank(n: int, steps: int, frozen: bool) -> bytes:
-    """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients."""
+def reference_rank(n: int, steps: int, frozen: bool, seed: int, data_seed: int) -> bytes:
+    """torch's DDP and one process on the global batch, step by step on the same data: each step's gradients. Both
+    start from the weights of ``seed`` (rank 0's: DDP broadcasts them)."""
     r, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    theirs, one = DDP(cnn(frozen)), cnn(frozen)
-    x, y = synthetic_images(n * steps, seed=3).tensors
+    theirs, one = DDP(seeded(seed, frozen)), seeded(seed, frozen)
+    x, y = synthetic_images(n * steps, seed=data_seed).tensors
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, one)]
     out = {"ddp": [], "one": []}
     for s in range(steps):
@@ -99,9 +101,10 @@ def reference_rank(n: int, steps: int, frozen: bool) -> bytes:
     return packed(out)
 
 
-@functools.lru_cache(maxsize=None)
-def reference_runs(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    runs = run_forked(reference_rank, nprocs, dict(n=n, steps=steps, frozen=frozen), timeout=15)
+@functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
+def reference_runs(nprocs: int, n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 3) -> list:
+    runs = run_forked(reference_rank, nprocs, dict(n=n, steps=steps, frozen=frozen, seed=seed, data_seed=data_seed),
+                      timeout=15)
     return [unpacked(run) for run in runs]
 
 
@@ -110,8 +113,9 @@ def needs_grad(frozen: bool = False) -> list[str]:
     return [k for k, p in cnn(frozen).named_parameters() if p.requires_grad]
 
 
-def check_bucketed(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False) -> None:
-    refs = reference_runs(nprocs, n, steps, frozen)
+def check_bucketed(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
+                   data_seed: int = 3) -> None:
+    refs = reference_runs(nprocs, n, steps, frozen, seed, data_seed)
     names = needs_grad(frozen)
     assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
     for r, (run, ref) in enumerate(zip(runs, refs)):

@@ -146,20 +146,20 @@ register("test_apply_fsdp", probe_wrap, judge_wrap)
 
 
 # ---------------------------------------------------------------- ShardedModule
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def frozen_mlp(frozen: bool) -> torch.nn.Module:
-    model = mlp()
+def frozen_mlp(frozen: bool, seed: int = 0) -> torch.nn.Module:
+    model = mlp(seed)
     if frozen:
         model[0].bias.requires_grad_(False)
     return model
 
 
-def batches(n: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
+def batches(n: int, steps: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     return torch.randn(n * steps, 6, generator=g), torch.randn(n * steps, 4, generator=g)
 
 
@@ -167,9 +167,11 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for p in params if p.requires_grad], lr=0.2, momentum=0.9)
 
 
-def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False) -> list:
-    """The student's ShardedModule around the small MLP on ``nprocs`` forked ranks, ``steps`` SGD steps of a global
-    batch of ``n``: per rank, each step's global loss and shard gradients, then the bytes held and the shard sizes."""
+def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
+               data_seed: int = 5) -> list:
+    """The student's ShardedModule around the small MLP (the weights of ``seed``) on ``nprocs`` forked ranks, ``steps``
+    SGD steps of a global batch of ``n`` (the data of ``data_seed``): per rank, each step's global loss and shard
+    gradients, then the bytes held and the shard sizes."""
     space = student(ns, "ShardedModule", "GatherParameter")
 
     def hand():
@@ -177,9 +179,9 @@ def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False) 
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*HAND, namespace=space):
-            mine = space["ShardedModule"](frozen_mlp(frozen))
+            mine = space["ShardedModule"](frozen_mlp(frozen, seed))
         opt = sgd(list(mine.shards))
-        x, y = batches(n, steps)
+        x, y = batches(n, steps, data_seed)
         out = {"losses": [], "grads": []}
         for s in range(steps):
             xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
@@ -208,12 +210,12 @@ def rank_piece(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return F.pad(t.reshape(-1), (0, n * world - t.numel()))[rank * n:(rank + 1) * n]
 
 
-@functools.lru_cache(maxsize=None)
-def one_process(n: int, steps: int, frozen: bool) -> tuple[list, list, list]:
+@functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
+def one_process(n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5) -> tuple[list, list, list]:
     """The MLP trained by one process on the whole batch: its parameters (name, numel, requires_grad), each step's
     loss, and each step's gradients (None where frozen)."""
-    ref = frozen_mlp(frozen)
-    opt, (x, y), losses, grads = sgd(ref.parameters()), batches(n, steps), [], []
+    ref = frozen_mlp(frozen, seed)
+    opt, (x, y), losses, grads = sgd(ref.parameters()), batches(n, steps, data_seed), [], []
     for s in range(steps):
         loss = F.mse_loss(ref(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n])
         loss.backward()
@@ -224,14 +226,14 @@ def one_process(n: int, steps: int, frozen: bool) -> tuple[list, list, list]:
     return [(name, p.numel(), p.requires_grad) for name, p in ref.named_parameters()], losses, grads
 
 
-def fully_shard_run(n: int, steps: int, frozen: bool) -> list:
+def fully_shard_run(n: int, steps: int, frozen: bool, seed: int, data_seed: int) -> list:
     """fully_shard's gradients of the same training, this rank's slice of each (None where frozen), per step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    theirs = frozen_mlp(frozen)
+    theirs = frozen_mlp(frozen, seed)
     fully_shard(theirs)
-    opt, (x, y), out = sgd(theirs.parameters()), batches(n, steps), []
+    opt, (x, y), out = sgd(theirs.parameters()), batches(n, steps, data_seed), []
     for s in range(steps):
         local = slice(rank * n // world, (rank + 1) * n // world)
         F.mse_loss(theirs(x[s * n:(s + 1) * n][local]), y[s * n:(s + 1) * n][local]).backward()
@@ -242,16 +244,18 @@ def fully_shard_run(n: int, steps: int, frozen: bool) -> list:
     return packed(out)
 
 
-@functools.lru_cache(maxsize=None)
-def fsdp_reference(nprocs: int, n: int, steps: int, frozen: bool) -> list:
-    runs = run_forked(fully_shard_run, nprocs, dict(n=n, steps=steps, frozen=frozen), timeout=120)
+@functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
+def fsdp_reference(nprocs: int, n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5) -> list:
+    runs = run_forked(fully_shard_run, nprocs, dict(n=n, steps=steps, frozen=frozen, seed=seed, data_seed=data_seed),
+                      timeout=120)
     return [unpacked(run) for run in runs]
 
 
-def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False) -> None:
+def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
+               data_seed: int = 5) -> None:
     """Each rank's shard gradients against its slice of one process's and of fully_shard's, and its losses."""
-    params, ref_losses, ref_grads = one_process(n, steps, frozen)
-    theirs = fsdp_reference(nprocs, n, steps, frozen)
+    params, ref_losses, ref_grads = one_process(n, steps, frozen, seed, data_seed)
+    theirs = fsdp_reference(nprocs, n, steps, frozen, seed, data_seed)
     assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
     for r, run in enumerate(runs):
         no_grad, bad_size, gaps = False, None, {"one": [], "fsdp": [], "loss": []}

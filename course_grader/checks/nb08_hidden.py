@@ -7,33 +7,41 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from course_grader.checks import number, register
-from course_grader.checks.nb08 import ESTIMATES, full_bytes, hand_probe, judge_hand as judge_ranks, student, tokens
+from course_grader.checks import case_seed, number, register
+from course_grader.checks.nb08 import ESTIMATES, full_bytes, hand_probe, judge_hand as judge_ranks, student
 from course_grader.grading import forbid
+from course_lib.data import lm_batch
 from course_lib.launch import run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama
 from course_lib.parallel import fsdp
 
 # ---------------------------------------------------------------- shard_state_bytes
-P = 1_000_000
-EXPECT = {("full", 8, None): (0.5e6, 0.5e6, 0.5e6, 1e6), ("grad_op", 8, None): (0.5e6, 4e6, 0.5e6, 1e6),
-          ("no_shard", 8, None): (4e6, 4e6, 4e6, 8e6), ("hybrid", 8, 4): (1e6, 1e6, 1e6, 2e6),
-          ("hybrid", 8, 8): (0.5e6, 0.5e6, 0.5e6, 1e6), ("full", 1, None): (4e6, 4e6, 4e6, 8e6)}
+# (strategy, world size, shard size): the bytes per parameter of each part, on each rank
+EXPECT = {("full", 8, None): (0.5, 0.5, 0.5, 1), ("grad_op", 8, None): (0.5, 4, 0.5, 1),
+          ("no_shard", 8, None): (4, 4, 4, 8), ("hybrid", 8, 4): (1, 1, 1, 2),
+          ("hybrid", 8, 8): (0.5, 0.5, 0.5, 1), ("full", 1, None): (4, 4, 4, 8)}
 KEYS = ("weights", "weights_in_backward", "gradients", "optimizer states")
 
 
+def n_params() -> int:
+    """The model's parameter count, new to every grading (``case_seed``): a multiple of 8, so every share is whole."""
+    return 8 * (100_000 + case_seed("nb08", "parameter count") % 1_000_000)
+
+
 def probe_bytes(ns: dict) -> list:
-    out = []
+    out, p = [], n_params()
     for s, w, ss in EXPECT:
         with forbid(*ESTIMATES, namespace=ns):
-            got = ns["shard_state_bytes"](P, w, s, shard_size=ss)
+            got = ns["shard_state_bytes"](p, w, s, shard_size=ss)
         out.append({k: number(got[k]) for k in (*KEYS, "total")})
     return out
 
 
 def judge_bytes(got: list) -> str:
-    for ((s, w, ss), (wt, wb, g, o)), mine in zip(EXPECT.items(), got, strict=True):
+    p = n_params()
+    for ((s, w, ss), per_param), mine in zip(EXPECT.items(), got, strict=True):
+        wt, wb, g, o = (b * p for b in per_param)
         for k, v in zip(KEYS, (wt, wb, g, o)):
             assert isinstance(mine[k], (int, float)), \
                 f"{s}, world {w}, shard_size {ss}: {k} should be a number, not {mine[k]}"
@@ -48,17 +56,23 @@ register("test_shard_state_bytes_hidden", probe_bytes, judge_bytes)
 
 
 # ---------------------------------------------------------------- apply_fsdp
+def reshard_seed() -> int:
+    """The Llama's weights and the batch: new to every grading (``case_seed``)."""
+    return case_seed("nb08", "reshard")
+
+
 def probe_reshard(ns: dict) -> dict:
     """On 2 forked ranks (rank 0's view): how many blocks held full weights at once, whether each block's weights
     are sharded between forward and backward with and without resharding, and the placements on a 2-D mesh."""
-    space, batch = student(ns, "apply_fsdp"), tokens()
+    space, seed = student(ns, "apply_fsdp"), reshard_seed()
+    batch = lm_batch(0, 4, 16, 512, seed=seed)
 
     def reshard():
         world = dist.get_world_size()
         out = {"gathered": []}
         for flag in (True, False):
             with forbid(fsdp.shard_model, namespace=space):
-                m = space["apply_fsdp"](build_llama("tiny", seed=0), init_device_mesh("cpu", (world,)),
+                m = space["apply_fsdp"](build_llama("tiny", seed=seed), init_device_mesh("cpu", (world,)),
                                         reshard_after_forward=flag)
             def count(*a):
                 out["gathered"].append(sum(not isinstance(layer.self_attn.q_proj.weight, DTensor)
@@ -71,7 +85,7 @@ def probe_reshard(ns: dict) -> dict:
             for h in hooks:
                 h.remove()
         with forbid(fsdp.shard_model, namespace=space):
-            m2 = space["apply_fsdp"](build_llama("tiny", seed=0),
+            m2 = space["apply_fsdp"](build_llama("tiny", seed=seed),
                                      init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
         out["2d"] = all(p.placements == (Replicate(), Shard(0))
                         for layer in m2.model.layers for p in layer.parameters())
@@ -82,7 +96,7 @@ def probe_reshard(ns: dict) -> dict:
 
 
 def judge_reshard(o: dict) -> str:
-    layers = build_llama("tiny", seed=0).model.layers
+    layers = build_llama("tiny", seed=reshard_seed()).model.layers
     n_params = sum(1 for layer in layers for _ in layer.parameters())
     assert o["gathered"], "no block's forward ran"
     assert len(o["gathered"]) == len(layers), \
@@ -100,12 +114,17 @@ register("test_apply_fsdp_hidden", probe_reshard, judge_reshard)
 
 
 # ---------------------------------------------------------------- ShardedModule
+def hand_case() -> dict:
+    """The MLP's weights' and the batches' seeds, new to every grading (``case_seed``)."""
+    return {"seed": case_seed("nb08", "hand weights"), "data_seed": case_seed("nb08", "hand data")}
+
+
 def judge_hand(runs: list) -> str:
-    judge_ranks(runs, "3 ranks, a frozen bias", 3, 12, 4, True)
+    judge_ranks(runs, "3 ranks, a frozen bias", 3, 12, 4, True, **hand_case())
     total = full_bytes()
     for run in runs:
         assert run["held"] <= total / 3 + 4 * 4, f"3 ranks: a rank holds {run['held']} bytes of a {total}-byte model"
     return "3 ranks, padding, a frozen bias, 4 steps, and 1/3 of the bytes"
 
 
-register("test_ShardedModule_hidden", lambda ns: hand_probe(ns, 3, 12, 4, True), judge_hand)
+register("test_ShardedModule_hidden", lambda ns: hand_probe(ns, 3, 12, 4, True, **hand_case()), judge_hand)

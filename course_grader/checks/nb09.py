@@ -39,8 +39,8 @@ OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
-def cnn(frozen: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
+def cnn(frozen: bool, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     model = SmallCNN(width=8)
     if frozen:
         model.head.bias.requires_grad_(False)
@@ -58,8 +58,8 @@ def halving(optimizer) -> torch.optim.lr_scheduler.StepLR:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def images(n: int, steps: int):
-    return synthetic_images(n * steps, seed=2).tensors
+def images(n: int, steps: int, seed: int = 2):
+    return synthetic_images(n * steps, seed=seed).tensors
 
 
 def state_bytes(optimizer) -> int:
@@ -75,13 +75,13 @@ def checkpoint(*states) -> bytes:
 
 
 def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False,
-                  resume_at: int | None = None) -> list:
-    """The student's ShardedOptimizer over a SmallCNN (no DDP: it averages the gradients itself) in two groups with
-    StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n``: per rank, the weights after each
-    step, the bytes of optimizer state, whether .grad was cleared and what the first step sent. ``resume_at=k``: a
-    fresh model and optimizer load the checkpoint of step k (model, this rank's optimizer state, scheduler, through
-    a file's bytes) and take the remaining steps: their final weights, or what the optimizer's load_state_dict
-    raised and whether its shards require grad."""
+                  resume_at: int | None = None, seed: int = 0, data_seed: int = 2) -> list:
+    """The student's ShardedOptimizer over a SmallCNN (the weights of ``seed``; no DDP: it averages the gradients
+    itself) in two groups with StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n`` (the
+    images of ``data_seed``): per rank, the weights after each step, the bytes of optimizer state, whether .grad was
+    cleared and what the first step sent. ``resume_at=k``: a fresh model and optimizer load the checkpoint of step k
+    (model, this rank's optimizer state, scheduler, through a file's bytes) and take the remaining steps: their final
+    weights, or what the optimizer's load_state_dict raised and whether its shards require grad."""
     space = student(ns, "ShardedOptimizer")
 
     def build(model):
@@ -90,7 +90,7 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
         return opt, halving(opt)
 
     def train(model, opt, sched, rank, world_size, todo, record=None):
-        x, y = images(n, steps)
+        x, y = images(n, steps, data_seed)
         for s in todo:
             xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
             F.cross_entropy(model(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
@@ -109,7 +109,7 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
         rank, world_size = dist.get_rank(), dist.get_world_size()
         warnings.filterwarnings("ignore", category=FutureWarning)  # this rank only: torch deprecates some collectives
         torch.set_num_threads(1)
-        model = cnn(frozen)
+        model = cnn(frozen, seed)
         opt, sched = build(model)
         record = {"weights": []}
         train(model, opt, sched, rank, world_size, range(steps), record)
@@ -117,7 +117,7 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
                "sent": record["sent"], "param_grads_cleared": all(p.grad is None for p in model.parameters())}
         if resume_at is not None:
             model_state, opt_state, sched_state = torch.load(io.BytesIO(record["saved"]), weights_only=False)
-            again = cnn(frozen)
+            again = cnn(frozen, seed)
             again.load_state_dict(model_state)
             opt2, sched2 = build(again)
             with forbid(*SHARDED, namespace=space):
@@ -135,23 +135,25 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
     return [unpacked(r) for r in run_forked(run, nprocs, timeout=30)]
 
 
-@functools.lru_cache(maxsize=None)
-def one_process(n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> tuple[list, int, int]:
+@functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
+def one_process(n: int, steps: int, opt_name: str, kw: tuple, frozen: bool, seed: int = 0,
+                data_seed: int = 2) -> tuple[list, int, int]:
     """One process on the whole batch, on one thread as a rank runs: the weights after each step, its optimizer's
     state bytes, its trainable count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return one_process_run(n, steps, opt_name, dict(kw), frozen)
+        return one_process_run(n, steps, opt_name, dict(kw), frozen, seed, data_seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool) -> tuple[list, int, int]:
-    model = cnn(frozen)
+def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool, seed: int,
+                    data_seed: int) -> tuple[list, int, int]:
+    model = cnn(frozen, seed)
     opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
     sched = halving(opt)
-    (x, y), weights = images(n, steps), []
+    (x, y), weights = images(n, steps, data_seed), []
     for s in range(steps):
         F.cross_entropy(model(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n]).backward()
         opt.step()
@@ -161,16 +163,16 @@ def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool) -
     return weights, state_bytes(opt), sum(1 for p in model.parameters() if p.requires_grad)
 
 
-def whole_run(n, steps, opt_name, kw, frozen):
+def whole_run(n, steps, opt_name, kw, frozen, seed, data_seed):
     """DDP with a whole optimizer on every rank: this rank's weights after each step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    model = cnn(frozen)
+    model = cnn(frozen, seed)
     net = DDP(model)
     opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
     sched = halving(opt)
-    (x, y), weights = images(n, steps), []
+    (x, y), weights = images(n, steps, data_seed), []
     for s in range(steps):
         xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
         F.cross_entropy(net(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
@@ -181,20 +183,21 @@ def whole_run(n, steps, opt_name, kw, frozen):
     return packed(weights)
 
 
-@functools.lru_cache(maxsize=None)
-def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool) -> list:
-    runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen),
-                      timeout=120)
+@functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
+def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool, seed: int = 0,
+              data_seed: int = 2) -> list:
+    runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen,
+                                              seed=seed, data_seed=data_seed), timeout=120)
     return [unpacked(r) for r in runs]
 
 
 def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, steps: int, opt_name: str, kw: dict,
-                  frozen: bool = False) -> None:
+                  frozen: bool = False, seed: int = 0, data_seed: int = 2) -> None:
     key = tuple(sorted(kw.items()))
     if against == "one process":
-        refs = [one_process(n, steps, opt_name, key, frozen)[0]] * nprocs
+        refs = [one_process(n, steps, opt_name, key, frozen, seed, data_seed)[0]] * nprocs
     else:
-        refs = ddp_whole(nprocs, n, steps, opt_name, key, frozen)
+        refs = ddp_whole(nprocs, n, steps, opt_name, key, frozen, seed, data_seed)
     assert len(runs) == nprocs
     for r, run in enumerate(runs):
         for s in range(steps):

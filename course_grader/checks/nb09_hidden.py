@@ -6,12 +6,13 @@ a batch that does not divide."""
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from course_grader.checks import number, packed, register, student, unpacked
+from course_grader.checks import case_seed, number, packed, register, student, unpacked
 from course_lib.parallel import deepspeed_engine
 from course_grader.checks.nb09 import (ADAMW, SGD, SHARDED, cnn, finite_numbers, judge_resumed, judge_sharded,
                                     judge_traffic, my_config, one_process, sharded_probe, trains)
@@ -21,23 +22,33 @@ from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
 
 # no clipping: a contract of its own
-ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, seed=0, clip_norm=0.0)
+ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, clip_norm=0.0)
+
+
+def zero_seed() -> int:
+    """The weights and batches of the run beside DeepSpeed's stage 1: new to every grading (``case_seed``)."""
+    return case_seed("nb09", "zero train")
+
+
+def sharded_case(name: str) -> dict:
+    """The SmallCNN's weights' and the images' seeds of a case, new to every grading (``case_seed``)."""
+    return {"seed": case_seed("nb09", name, "weights"), "data_seed": case_seed("nb09", name, "data")}
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
 def probe_sharded(ns: dict) -> dict:
-    space = student(ns, "ShardedOptimizer")
+    space, seed = student(ns, "ShardedOptimizer"), zero_seed()  # an int here: a spawned rank has no grading seed
 
     def yours_in_zero_train():
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*SHARDED, namespace=space):
             run = deepspeed_engine.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
-                ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW)
+                ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW, seed=seed)
         return packed([number(v) for v in run["losses"]])
 
-    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0),
-            "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True),
+    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0, **sharded_case("sgd")),
+            "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True, **sharded_case("adamw")),
             "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0]),
             "bf16": probe_bf16(space)}
 
@@ -46,19 +57,27 @@ def probe_sharded(ns: dict) -> dict:
 BF16 = dict(steps=6, lr=1e-3, rows=4)
 
 
-def bf16_case(rank: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+def bf16_seeds() -> dict:
+    """The bf16 layer's weights' seed and its batches' (rank r's: ``data_seed + r``), new to every grading."""
+    return {"seed": case_seed("nb09", "bf16 weights"), "data_seed": case_seed("nb09", "bf16 data")}
+
+
+def bf16_case(rank: int, seed: int, data_seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
     """A bf16 linear layer, the same on every rank, and rank's batch: multiples of 1/8 up to 1, 4 rows, so every
-    gradient of ``layer(x).sum()`` is exact in bf16 (sums of x's rows; the row count) and the same at every step."""
-    torch.manual_seed(0)
+    gradient of ``layer(x).sum()`` is exact in bf16 (sums of x's rows; the row count) and the same at every step,
+    whatever the seeds."""
+    torch.manual_seed(seed)
     layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
-    g = torch.Generator().manual_seed(10 + rank)
+    g = torch.Generator().manual_seed(data_seed + rank)
     return layer, torch.randint(0, 9, (BF16["rows"], 16), generator=g).to(torch.bfloat16) / 8
 
 
 def probe_bf16(space: dict) -> list:
+    seeds = bf16_seeds()  # ints here: a spawned rank has no grading seed
+
     def run():
         torch.set_num_threads(1)
-        layer, x = bf16_case(dist.get_rank())
+        layer, x = bf16_case(dist.get_rank(), **seeds)
         with forbid(*SHARDED, namespace=space):
             opt = space["ShardedOptimizer"](layer.parameters(), torch.optim.SGD, lr=BF16["lr"])
         calls = []
@@ -76,12 +95,12 @@ def probe_bf16(space: dict) -> list:
 def bf16_reference() -> dict:
     """What ZeRO with fp32 masters gives: each step the master (the bf16 start, in fp32) moves by lr times the two
     ranks' average gradient; the bf16 weights are its rounding."""
-    grads = []
+    grads, seeds = [], bf16_seeds()
     for rank in range(2):
-        layer, x = bf16_case(rank)
+        layer, x = bf16_case(rank, **seeds)
         layer(x).sum().backward()
         grads.append({k: p.grad for k, p in layer.named_parameters()})
-    layer, _ = bf16_case(0)
+    layer, _ = bf16_case(0, **seeds)
     out = {}
     for k, p in layer.named_parameters():
         master, average = p.detach().float(), ((grads[0][k] + grads[1][k]) / 2).float()
@@ -114,20 +133,21 @@ def judge_bf16(runs: list) -> None:
                 "must be a float32 copy (the master), stepped in float32, and the model's weights its rounding")
 
 
-@functools.lru_cache(maxsize=None)
-def deepspeed_stage1() -> dict:
-    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, stage=1)[0]
+@functools.lru_cache(maxsize=4)  # bounded: the seed is new to every grading
+def deepspeed_stage1(seed: int) -> dict:
+    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, seed=seed, stage=1)[0]
 
 
 def judge_sharded_hidden(got: dict) -> str:
     label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
-    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True)
-    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True)
+    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
+    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
     judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
     ratio = judge_traffic(got["sgd"], 3, True)
     # AdamW decays every weight it steps: a frozen one sharded and stepped (with a zero gradient) moves. (Adam's
     # update of a near-zero gradient is its sign, so the other weights are compared under SGD, above.)
-    start = cnn(True).head.bias.detach()
+    start = cnn(True, sharded_case("adamw")["seed"]).head.bias.detach()
+    # the state's bytes and the trainable count are the model's shapes': any weights' run tells them
     _, full, n_params = one_process(24, 3, ADAMW[0], tuple(sorted(ADAMW[1].items())), True)
     assert len(got["adamw"]) == 3, f"{len(got['adamw'])} ranks' runs with AdamW, expected 3"
     for r, run in enumerate(got["adamw"]):
@@ -141,7 +161,7 @@ def judge_sharded_hidden(got: dict) -> str:
         assert abs(held / full - 1 / 3) <= 8 * 2 * n_params / full, \
             f"a rank holds {held / full:.3f} of the state on 3 ranks, of a model with a frozen bias"
     judge_bf16(got["bf16"])
-    ds = deepspeed_stage1()
+    ds = deepspeed_stage1(zero_seed())
     assert len(got["zero_train"]) == len(ds["losses"]), \
         f"zero_train ran {len(got['zero_train'])} steps with your optimizer, expected {len(ds['losses'])}"
     assert worst(abs(a - b) / b for a, b in zip(got["zero_train"], ds["losses"])) < 1e-5, \
@@ -155,24 +175,37 @@ register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
 
 
 # ---------------------------------------------------------------- make_ds_config
-SPLITS = ((64, 8, 8), (256, 4, 8), (6, 3, 2))  # global batch, micro batch, world size
+def splits() -> tuple[list, tuple]:
+    """Three (global batch, micro batch, world size) that divide, one step without accumulation and two with, and
+    one global batch that is not a multiple of micro batch x world size: new to every grading (``case_seed``). Every
+    world size is 2 or more: a count that leaves the world out is wrong on each."""
+    rng = random.Random(case_seed("nb09", "config splits"))
+    out = []
+    for accum in (1, rng.randint(2, 8), rng.randint(2, 8)):
+        micro, world = rng.randint(1, 16), rng.randint(2, 8)
+        out.append((micro * accum * world, micro, world))
+    micro, world = rng.randint(1, 16), rng.randint(2, 8)
+    return out, (micro * world * rng.randint(1, 8) + rng.randint(1, micro * world - 1), micro, world)
 
 
 def probe_configs(ns: dict) -> dict:
-    splits = [my_config(ns, g, m, w, stage=1) for g, m, w in SPLITS]
+    divides, indivisible = splits()
+    made = [my_config(ns, g, m, w, stage=1) for g, m, w in divides]
+    # DeepSpeed trains on the offload config on 2 processes: its sizes are the ones that run here, fixed
     offload = my_config(ns, 16, 4, 2, stage=3, offload_optimizer=True)
     try:
-        my_config(ns, 30, 4, 2, stage=2)
+        my_config(ns, *indivisible, stage=2)
     except ValueError as err:
         refused = {"raised": "ValueError", "message": str(err)}
     else:
         refused = None
-    return {"splits": splits, "offload": offload, "refused": refused}
+    return {"splits": made, "offload": offload, "refused": refused}
 
 
 def judge_configs(got: dict) -> str:
-    assert len(got["splits"]) == len(SPLITS), f"{len(got['splits'])} configs for the {len(SPLITS)} splits"
-    for (g, m, w), c in zip(SPLITS, got["splits"]):
+    divides, indivisible = splits()
+    assert len(got["splits"]) == len(divides), f"{len(got['splits'])} configs for the {len(divides)} splits"
+    for (g, m, w), c in zip(divides, got["splits"]):
         finite_numbers(c, f"the config of global_batch={g}, micro_batch={m}, world_size={w}")
         assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"]) == (g, m), \
             (f"global_batch={g}, micro_batch={m}, world_size={w}: train_batch_size {c['train_batch_size']} and "
@@ -184,7 +217,8 @@ def judge_configs(got: dict) -> str:
     assert c["zero_optimization"]["stage"] == 3
     assert c["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert trains(c, 2)["global_steps"] == 2
-    assert got["refused"] is not None, "30 is not a multiple of 4 x 2: expected ValueError"
+    g, m, w = indivisible
+    assert got["refused"] is not None, f"{g} is not a multiple of {m} x {w}: expected ValueError"
     assert "global_batch" in got["refused"]["message"]
     return "other splits, offload, and a batch that does not divide"
 

@@ -20,8 +20,8 @@ from course_lib.parallel import offload
 OFFLOADED = (offload.OffloadedAdamW,)  # course_lib's, out of reach
 
 
-def tiny_model(dtype: torch.dtype, frozen: bool, device="cpu") -> torch.nn.Sequential:
-    torch.manual_seed(0)
+def tiny_model(dtype: torch.dtype, frozen: bool, device="cpu", seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4),
                                 torch.nn.Linear(4, 4)).to(device, dtype)  # the last layer: unused on request
     if frozen:
@@ -73,18 +73,19 @@ def twin_grads(twin: torch.nn.Module, loss) -> list:
 
 
 @one_thread
-def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False, unused: bool = False) -> dict:
-    """The student's OffloadedAdamW on the small model in ``dtype`` on the notebook's device, ``steps`` steps: per
-    step the gradients a twin without hooks computed (what the reference AdamW replays), how many gradients the model
-    held as each one was complete in backward, which it still held after backward, and what landed in the masters;
-    then the masters, the parameters and AdamW's states."""
+def offload_probe(ns: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False, unused: bool = False,
+                  seed: int = 0, data_seed: int = 1) -> dict:
+    """The student's OffloadedAdamW on the small model (the weights of ``seed``) in ``dtype`` on the notebook's device,
+    ``steps`` steps on the input of ``data_seed``: per step the gradients a twin without hooks computed (what the
+    reference AdamW replays), how many gradients the model held as each one was complete in backward, which it still
+    held after backward, and what landed in the masters; then the masters, the parameters and AdamW's states."""
     device, dtype = ns["device"], DTYPES[dtype_name]
-    model = tiny_model(dtype, frozen, device)
+    model = tiny_model(dtype, frozen, device, seed)
     twin = copy.deepcopy(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     with forbid(*OFFLOADED, namespace=ns):
         opt = ns["OffloadedAdamW"](model.parameters(), lr=lr, weight_decay=0.01, offload_device="cpu")
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(data_seed)).to(device, dtype)
     grads, held, kept, landed = [], [], [], []
     during = count_held(trainable)  # after the student's hooks
     for s in range(steps):
@@ -131,13 +132,25 @@ def judge_sent_down(got: dict) -> None:
                 assert gap < 1e-5, f"step {step}, master {i}: its .grad is {gap:.1e} (relative) from the gradient"
 
 
+def adamw_replay(grads: list, params: list, lr: float) -> list:
+    """fp32 copies of ``params`` stepped by torch's AdamW (weight decay 0.01) with each step's ``grads``."""
+    ref = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.01)
+    for step in grads:
+        for r, g in zip(ref, step):
+            r.grad = g
+        opt.step()
+    return ref
+
+
 def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: bool = False,
-                  unused: bool = False) -> list:
-    """The masters against torch's AdamW replaying the same gradients on fp32 copies; returns the starting weights."""
+                  unused: bool = False, seed: int = 0) -> list:
+    """The masters against torch's AdamW replaying the same gradients on fp32 copies, from the weights of ``seed``;
+    returns the starting weights."""
     dtype = DTYPES[dtype_name]
-    start = [p.detach().clone() for p in tiny_model(dtype, frozen).parameters()]
-    ref = [p.detach().float().clone() for p in tiny_model(dtype, frozen).parameters() if p.requires_grad]
-    n = len(ref)
+    start = [p.detach().clone() for p in tiny_model(dtype, frozen, seed=seed).parameters()]
+    trained = [p for p in tiny_model(dtype, frozen, seed=seed).parameters() if p.requires_grad]
+    n = len(trained)
     assert len(got["trainable"]) == n, f"{len(got['trainable'])} trainable parameters after step(), the model has {n}"
     assert len(got["grads"]) == len(got["held"]) == len(got["kept"]) == len(got["landed"]) == steps, \
         f"{len(got['landed'])} steps' gradients in the masters, expected {steps}"
@@ -152,11 +165,7 @@ def judge_offload(got: dict, dtype_name: str, lr: float, steps: int, frozen: boo
     with_grads = n - (2 if unused else 0)  # the unused layer's weight and bias get no gradient, so no AdamW state
     assert len(got["states"]) >= with_grads, \
         f"AdamW holds state for {len(got['states'])} masters, but {with_grads} got a gradient in every step"
-    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.01)
-    for grads in got["grads"]:
-        for r, g in zip(ref, grads):
-            r.grad = g
-        ref_opt.step()
+    ref = adamw_replay(got["grads"], trained, lr)
     masters, trainable = got["masters"], got["trainable"]
     assert len(masters) == len(trainable), f"{len(masters)} masters for {len(trainable)} trainable parameters"
     judge_sent_down(got)

@@ -32,23 +32,24 @@ PAIR = ("ColumnParallelLinear", "RowParallelLinear")
 
 
 # ---------------------------------------------------------------- tensor_parallel_pair
-def mlp(d: int = 8, h: int = 16, bias: bool = True) -> nn.Sequential:
-    torch.manual_seed(0)
+def mlp(d: int = 8, h: int = 16, bias: bool = True, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, h, bias=bias), nn.GELU(), nn.Linear(h, d, bias=bias))
 
 
-def mlp_input(d: int) -> torch.Tensor:
-    return torch.randn(6, d, generator=torch.Generator().manual_seed(1))
+def mlp_input(d: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(6, d, generator=torch.Generator().manual_seed(seed))
 
 
-def tp_rank(d: int, h: int, bias: bool, ns: dict) -> dict:
-    """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's;
-    their output, the gradients of every weight (this rank's slice) and of the input, and the collectives."""
+def tp_rank(d: int, h: int, bias: bool, ns: dict, seed: int = 0, data_seed: int = 1) -> dict:
+    """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's
+    (the weights of ``seed``, the input of ``data_seed``); their output, the gradients of every weight (this rank's
+    slice) and of the input, and the collectives."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    ref = mlp(d, h, bias)
+    ref = mlp(d, h, bias, seed)
     mine = copy.deepcopy(ref)
-    x = mlp_input(d).requires_grad_(True)
+    x = mlp_input(d, data_seed).requires_grad_(True)
     with forbid(*TP_ANSWERS, namespace=ns):
         mine[2], mine[4] = ns["ColumnParallelLinear"](ref[2]), ns["RowParallelLinear"](ref[4])
         with CollectiveBytes() as comm:
@@ -65,14 +66,14 @@ def tp_rank(d: int, h: int, bias: bool, ns: dict) -> dict:
                    "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
 
 
-def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool) -> list:
-    return in_ranks(ns, PAIR, tp_rank, world, d=d, h=h, bias=bias)
+def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool, seed: int = 0, data_seed: int = 1) -> list:
+    return in_ranks(ns, PAIR, tp_rank, world, d=d, h=h, bias=bias, seed=seed, data_seed=data_seed)
 
 
-def reference(d: int, h: int, bias: bool) -> tuple[torch.Tensor, dict]:
+def reference(d: int, h: int, bias: bool, seed: int = 0, data_seed: int = 1) -> tuple[torch.Tensor, dict]:
     """The unsplit MLP's output and its full gradients, in one process."""
-    ref = mlp(d, h, bias)
-    x = mlp_input(d).requires_grad_(True)
+    ref = mlp(d, h, bias, seed)
+    x = mlp_input(d, data_seed).requires_grad_(True)
     out = ref(x)
     out.pow(2).sum().backward()
     grads = {"first layer": ref[0].weight.grad, "column weight": ref[2].weight.grad, "row weight": ref[4].weight.grad,
@@ -91,8 +92,9 @@ def rank_slice(name: str, g: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     return g
 
 
-def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool) -> None:
-    want, full = reference(d, h, bias)
+def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool, seed: int = 0,
+             data_seed: int = 1) -> None:
+    want, full = reference(d, h, bias, seed, data_seed)
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered, expected {world}"
     n = h // world
     for r, run in enumerate(runs):
@@ -266,13 +268,13 @@ class CountedStage(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-def pipeline_stages(p: int, counter: "InFlight | None" = None) -> list:
-    torch.manual_seed(0)
+def pipeline_stages(p: int, counter: "InFlight | None" = None, seed: int = 0) -> list:
+    torch.manual_seed(seed)
     return [CountedStage(counter or InFlight()) for _ in range(p)]
 
 
-def micro_batches(m: int) -> list:
-    g = torch.Generator().manual_seed(1)
+def micro_batches(m: int, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
     return [(torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)) for _ in range(m)]
 
 
@@ -306,14 +308,15 @@ class InFlight:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def pipeline_rank(orders: list, ns: dict) -> bytes:
-    """One rank of the student's ``run_1f1b`` on its stage, following ``orders[rank]``: the losses and peak it
-    reports, the in-flight peak measured beside it, and its stage's gradients."""
+def pipeline_rank(orders: list, ns: dict, seed: int = 0, data_seed: int = 1) -> bytes:
+    """One rank of the student's ``run_1f1b`` on its stage (the weights of ``seed``), following ``orders[rank]`` on
+    the micro-batches of ``data_seed``: the losses and peak it reports, the in-flight peak measured beside it, and its
+    stage's gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     counter = InFlight()
-    stage, data = pipeline_stages(world, counter)[rank], micro_batches(len(orders[rank]) // 2)
+    stage, data = pipeline_stages(world, counter, seed)[rank], micro_batches(len(orders[rank]) // 2, data_seed)
     counter.keep |= {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *(t for pair in data for t in pair)]}
     order = [tuple(a) for a in orders[rank]]  # a right order, given: this exercise is the executor, not the order
     with forbid(*PIPE_ANSWERS, namespace=ns), counter.hooks():
@@ -324,22 +327,22 @@ def pipeline_rank(orders: list, ns: dict) -> bytes:
                          "grads": [tensor_data(q.grad) for q in (stage.linear.weight, stage.linear.bias)]}))
 
 
-def pipeline_runs(ns: dict, orders: list) -> dict:
+def pipeline_runs(ns: dict, orders: list, seed: int = 0, data_seed: int = 1) -> dict:
     """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
     space = student(ns, "run_1f1b")
     try:
-        runs = run_forked(functools.partial(pipeline_rank, ns=space), len(orders), dict(orders=orders),
-                          timeout=PIPE_TIMEOUT)
+        runs = run_forked(functools.partial(pipeline_rank, ns=space), len(orders),
+                          dict(orders=orders, seed=seed, data_seed=data_seed), timeout=PIPE_TIMEOUT)
     except TimeoutError:
         return {"timeout": PIPE_TIMEOUT}
     return {"ranks": [unpacked(run) for run in runs]}
 
 
-def one_process(p: int, m: int) -> tuple[list, list]:
+def one_process(p: int, m: int, seed: int = 0, data_seed: int = 1) -> tuple[list, list]:
     """The same stages run one after the other in one process: each micro-batch's loss, and every stage's
     (weight, bias) gradients of the mean loss."""
-    stages, losses = pipeline_stages(p), []
-    for x, y in micro_batches(m):
+    stages, losses = pipeline_stages(p, seed=seed), []
+    for x, y in micro_batches(m, data_seed):
         h = x
         for stage in stages:
             h = stage(h)
@@ -358,9 +361,9 @@ def ran_to_the_end(got: dict, label: str) -> list:
     return got["ranks"]
 
 
-def judge_gradients(got: dict, p: int, m: int, label: str) -> None:
+def judge_gradients(got: dict, p: int, m: int, label: str, seed: int = 0, data_seed: int = 1) -> None:
     ranks = ran_to_the_end(got, label)
-    losses, grads = one_process(p, m)
+    losses, grads = one_process(p, m, seed, data_seed)
     assert len(ranks) == p, f"{label}: {len(ranks)} ranks answered, expected {p}"
     got_losses = ranks[-1]["losses"]
     assert isinstance(got_losses, list) and len(got_losses) == m and all(isinstance(x, float) for x in got_losses), (

@@ -5,15 +5,22 @@ micro-batches than stages, and following GPipe's order."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import course_lib.parallel.schedules as schedules
-from course_grader.checks import in_ranks, packed, register, tensor_data
+from course_grader.checks import case_seed, in_ranks, packed, register, tensor_data
 from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, first_difference, judge_activations, judge_gradients,
                                     judge_orders, judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
 from course_grader.grading import forbid
+
+
+def seeds(name: str) -> dict:
+    """A case's weights' and inputs' seeds, new to every grading (``case_seed``)."""
+    return {"seed": case_seed("nb13", name, "weights"), "data_seed": case_seed("nb13", name, "data")}
 
 
 # ---------------------------------------------------------------- tensor_parallel_pair
@@ -30,39 +37,42 @@ def bad_size_rank(ns: dict) -> bytes:
     return packed(out)
 
 
-def branch_gradient(rank: int) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+def branch_gradient(rank: int, seed: int) -> torch.Tensor:
+    """The gradient rank ``rank`` sends into ``CopyToTP(x) + x``: ``seed + rank``'s, different on each rank."""
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + rank))
 
 
-def branch_rank(ns: dict) -> bytes:
+def branch_rank(ns: dict, seed: int, data_seed: int) -> bytes:
     """``CopyToTP(x) + x`` backward: autograd hands the one gradient of the sum to both branches, so a backward that
     sums it over the ranks in place changes the other branch's too. The input's gradient on this rank."""
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(data_seed)).requires_grad_()
     with forbid(*TP_ANSWERS, namespace=ns):
-        (ns["CopyToTP"].apply(x) + x).backward(branch_gradient(dist.get_rank()))
+        (ns["CopyToTP"].apply(x) + x).backward(branch_gradient(dist.get_rank(), seed))
     return packed(tensor_data(x.grad))
 
 
 def probe_pair(ns: dict) -> dict:
     def strip(runs):
         return [{k: run[k] for k in ("output", "grads")} for run in runs]
-    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True)), "no bias": strip(tp_runs(ns, 2, 6, 12, False)),
+    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True, **seeds("4 ranks"))),
+            "no bias": strip(tp_runs(ns, 2, 6, 12, False, **seeds("no bias"))),
             "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0],
-            "branch": in_ranks(ns, ("CopyToTP",), branch_rank, 2)}
+            "branch": in_ranks(ns, ("CopyToTP",), branch_rank, 2, **seeds("branch"))}
 
 
 def judge_pair(got: dict) -> str:
-    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True)
-    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False)
+    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True, **seeds("4 ranks"))
+    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False, **seeds("no bias"))
     assert len(got["bad size"]) == 2, f"{len(got['bad size'])} results for the 2 layers of 6 features over 4 ranks"
     for name, msg in zip(("ColumnParallelLinear", "RowParallelLinear"), got["bad size"]):
         assert msg, f"{name}: 6 features over 4 ranks must raise ValueError"
-    total = branch_gradient(0) + branch_gradient(1)
+    seed = seeds("branch")["seed"]
+    total = branch_gradient(0, seed) + branch_gradient(1, seed)
     assert len(got["branch"]) == 2, f"{len(got['branch'])} ranks answered CopyToTP(x) + x, expected 2"
     for r, grad in enumerate(got["branch"]):
         assert isinstance(grad, torch.Tensor) and grad.shape == total.shape, \
             f"CopyToTP(x) + x, rank {r}: the input's gradient is {grad!r:.80}"
-        gap = float((grad - (total + branch_gradient(r))).abs().max())
+        gap = float((grad - (total + branch_gradient(r, seed))).abs().max())
         assert gap < 1e-5, (f"CopyToTP(x) + x, rank {r}: the input's gradient is off by {gap:.1e}: it must be the sum "
                             "over the ranks (through CopyToTP) plus this rank's own (around it); sum a copy of the "
                             "incoming gradient, not the gradient itself, which autograd also hands to the other branch")
@@ -72,15 +82,22 @@ def judge_pair(got: dict) -> str:
 register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)
 
 # ---------------------------------------------------------------- one_f_one_b_order
-SHAPES = ((3, 5), (4, 2), (5, 1), (3, 9), (1, 3))
+def shapes() -> tuple:
+    """(stages, micro-batches): more micro-batches than stages, fewer, and many, new to every grading (``case_seed``);
+    and the edges, one micro-batch and one stage."""
+    rng = random.Random(case_seed("nb13", "order shapes"))
+    more, fewer, many = rng.randint(2, 5), rng.randint(3, 6), rng.randint(2, 4)
+    return ((more, rng.randint(more + 1, 2 * more)), (fewer, rng.randint(1, fewer - 1)),
+            (many, rng.randint(3 * many, 4 * many)), (5, 1), (1, 3))
 
 
 def probe_order(ns: dict) -> dict:
-    return {"shapes": orders(ns, SHAPES), "3,3": order_of(ns, 3, 3)}
+    # p=3, m=3 is compared with the order torch ran on 3 real ranks, measured once: fixed
+    return {"shapes": orders(ns, shapes()), "3,3": order_of(ns, 3, 3)}
 
 
 def judge_order(got: dict) -> str:
-    judge_orders(got["shapes"], SHAPES)
+    judge_orders(got["shapes"], shapes())
     differs = first_difference(as_order(got["3,3"]), ran(3, 3, 3, 6))
     assert differs is None, f"p=3, m=3: your order is not the one torch's Schedule1F1B ran: {differs}"
     return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
@@ -110,7 +127,7 @@ RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2)
 def probe_runs(ns: dict) -> dict:
     got = {}
     for label, plan in RUNS.items():
-        got[label] = run = pipeline_runs(ns, plan)
+        got[label] = run = pipeline_runs(ns, plan, **seeds(label))
         if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
             break
     return got
@@ -118,7 +135,7 @@ def probe_runs(ns: dict) -> dict:
 
 def judge_runs(got: dict) -> str:
     for label, plan in RUNS.items():
-        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label)
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label, **seeds(label))
         judge_activations(got[label], plan, label)
     return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
 

@@ -92,14 +92,14 @@ def qkv(seq: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(B, H, seq, D, generator=g) for _ in range(3)]
 
 
-def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
-    """One rank: the student's ring_forward on its part of the sequence (padded where seq does not divide), the
-    bytes it moved, the scores its ``cp.block_attention`` calls computed (in blocks of local x local) and the order
-    it ran (``cp.RingLog``'s events as one line: "send recv attend wait wait ...")."""
+def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict, seed: int = 0) -> bytes:
+    """One rank: the student's ring_forward on its part of the sequence (``qkv(seq, seed)``, padded where seq does not
+    divide), the bytes it moved, the scores its ``cp.block_attention`` calls computed (in blocks of local x local) and
+    the order it ran (``cp.RingLog``'s events as one line: "send recv attend wait wait ...")."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq))
+    q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq, seed))
     try:
         with cp_train.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
             with CollectiveBytes() as comm, cp.RingLog() as log:
@@ -112,27 +112,27 @@ def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict) -> bytes:
     return packed(plain(got))
 
 
-def ring_runs(ns: dict, world: int, seq: int, causal: bool, zigzag: bool = False) -> list:
-    return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal, zigzag=zigzag)
+def ring_runs(ns: dict, world: int, seq: int, causal: bool, zigzag: bool = False, seed: int = 0) -> list:
+    return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal, zigzag=zigzag, seed=seed)
 
 
-def reference(seq: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(seq: int, causal: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the whole sequence in one process, float64: output and log-sum-exp."""
-    q, k, v = (t.double() for t in qkv(seq))
+    q, k, v = (t.double() for t in qkv(seq, seed))
     s = (q @ k.transpose(-2, -1)) * D ** -0.5
     if causal:
         s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
     return (torch.softmax(s, -1) @ v).float(), torch.logsumexp(s, -1).float()
 
 
-def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = False) -> None:
+def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = False, seed: int = 0) -> None:
     label = f"{world} ranks, {seq} tokens, causal={causal}{', zig-zag' if zigzag else ''}"
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
     for r, run in enumerate(runs):
         assert "raised" not in run, f"{label}, rank {r}: your ring raised {run.get('raised')}"
         assert isinstance(run["out"], torch.Tensor) and isinstance(run["lse"], torch.Tensor), \
             f"{label}, rank {r}: ring_forward must return (out, lse) tensors, got {run['out']}, {run['lse']}"
-    out, lse = reference(seq, causal)
+    out, lse = reference(seq, causal, seed)
     got = cp.merge_sequence([run["out"] for run in runs], seq, zigzag=zigzag)
     assert got.shape == out.shape, f"{label}: the ranks' outputs make {tuple(got.shape)}, expected {tuple(out.shape)}"
     gap = float((got - out).abs().max())
@@ -249,19 +249,20 @@ def sizes_of(world: int) -> list[int]:
     return [5 + 2 * r for r in range(world)]  # every rank a different number of tokens: the split sizes differ
 
 
-def ep_data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+def ep_data(world: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     n = sum(sizes_of(world))
     return torch.randn(n, EP_D, generator=g), torch.randn(n, EP_D, generator=g)  # tokens, the loss's weights
 
 
-def ep_rank(n_experts: int, factor, ns: dict) -> bytes:
-    """One rank: the layer's experts spread over the ranks with the student's capacity rule, dispatch and combine."""
+def ep_rank(n_experts: int, factor, ns: dict, seed: int = 0, data_seed: int = 1) -> bytes:
+    """One rank: the layer's experts (the weights of ``seed``) spread over the ranks with the student's capacity rule,
+    dispatch and combine, on its tokens of ``ep_data(world, data_seed)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
-    x, w = ep_data(world)
+    moe = ep.MoE(EP_D, n_experts, TOP_K, factor, seed=seed)
+    x, w = ep_data(world, data_seed)
     start = sum(sizes_of(world)[:rank])
     x, w = (t[start:start + sizes_of(world)[rank]] for t in (x, w))
     x.requires_grad_()
@@ -279,8 +280,9 @@ def ep_rank(n_experts: int, factor, ns: dict) -> bytes:
     return packed(plain(got))
 
 
-def ep_runs(ns: dict, world: int, n_experts: int, factor) -> list:
-    return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, n_experts=n_experts, factor=factor)
+def ep_runs(ns: dict, world: int, n_experts: int, factor, seed: int = 0, data_seed: int = 1) -> list:
+    return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, n_experts=n_experts, factor=factor, seed=seed,
+                    data_seed=data_seed)
 
 
 # The capacity rule's answers on the visible test's groups of tokens, (queue of experts, cap) -> which choices are
@@ -299,11 +301,11 @@ def visible_keep(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor
     return torch.tensor([c == "1" for c in VISIBLE_KEPT[(tuple(expert.tolist()), cap)]])
 
 
-def ep_reference(world: int, n_experts: int, factor, keep=None) -> dict:
+def ep_reference(world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1) -> dict:
     """One process, the same groups of tokens: output, input and parameter gradients, drops, and each rank's bytes.
     ``keep``: the capacity rule (default ``ep.within_capacity``, the grader's)."""
-    moe = ep.MoE(EP_D, n_experts, TOP_K, factor)
-    x, w = ep_data(world)
+    moe = ep.MoE(EP_D, n_experts, TOP_K, factor, seed=seed)
+    x, w = ep_data(world, data_seed)
     x.requires_grad_()
     out = moe(x, groups=sizes_of(world), keep=keep)
     ((out * w).sum() + AUX * moe.aux_loss).backward()
@@ -318,12 +320,12 @@ def ep_reference(world: int, n_experts: int, factor, keep=None) -> dict:
             "grads": {n: p.grad for n, p in moe.named_parameters()}}
 
 
-def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None) -> None:
+def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1) -> None:
     label = f"{world} ranks, {n_experts} experts, capacity factor {factor}"
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
     for r, run in enumerate(runs):
         assert "raised" not in run, f"{label}, rank {r}: your code raised {run.get('raised')}"
-    want = ep_reference(world, n_experts, factor, keep)
+    want = ep_reference(world, n_experts, factor, keep, seed, data_seed)
     for name in ("out", "dx"):
         parts = [run[name] for run in runs]
         assert all(isinstance(p, torch.Tensor) for p in parts), f"{label}: {name} is not a tensor on every rank"
