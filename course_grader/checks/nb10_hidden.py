@@ -73,11 +73,13 @@ def probe_offload(ns: dict) -> dict:
 def judge_offload_hidden(got: dict) -> str:
     start = judge_offload(got["small_lr"], "bfloat16", 1e-4, 30, seed=seeds("small lr")["seed"])
     moved = sum((p != s).float().mean().item() for p, s in zip(got["small_lr"]["model"], start)) / len(start)
-    # the share fp32 AdamW's rounding moves depends on the weights (0.8 to 1 of them); bf16 steps move about 0.2
+    # the share fp32 AdamW's rounding moves depends on the weights (0.8 to 1 of them); bf16 steps move about 0.2. The
+    # gradients replayed are the run's own, so the floor stands apart from them: gradients that move nothing pass no
+    # run that lost its small updates
     fp32 = adamw_replay(got["small_lr"]["grads"], start, 1e-4)
     want = sum((r.to(s.dtype) != s).float().mean().item() for r, s in zip(fp32, start)) / len(start)
-    assert moved > want - 0.05, (f"only {moved:.0%} of the bf16 weights moved with lr 1e-4, where fp32 AdamW on the "
-                                 f"same gradients moves {want:.0%}: the small updates were lost")
+    assert moved > max(want - 0.05, 0.7), (f"only {moved:.0%} of the bf16 weights moved with lr 1e-4, where fp32 "
+                                           f"AdamW on the same gradients moves {want:.0%}: the small updates were lost")
     judge_offload(got["fp32"], "float32", 1e-3, 3, seed=seeds("fp32")["seed"])
     start = judge_offload(got["frozen"], "bfloat16", 1e-3, 3, frozen=True, unused=True, seed=seeds("frozen")["seed"])
     model = got["frozen"]["model"]
