@@ -40,10 +40,9 @@ from course_lib.train import fit, train_step, worker_result
 
 SEQ = 32  # tokens, at least: torch's load balancer cuts 2N equal chunks (seq_for rounds up to them)
 IMPLEMENTATION = "course_torch_cp"
-# ROCm: AOTriton's fused attention backward can fault inside context parallelism (pytorch issue 168445,
-# ROCm/aotriton issue 236; the fix, pytorch PR 197208, is in the releases from 2.15 on) and its memory-efficient
-# kernel in fp32 misses torch's own tolerance (pytorch issue 168446). Below that release the course does not run it,
-# unless the preflight's "context parallelism" row ran it on this machine and the host says so in ROCM_CP_ENV.
+# ROCm: below 2.15, AOTriton's fused attention backward can fault inside context parallelism, and its memory-efficient
+# kernel in fp32 misses torch's own tolerance. Below that release the course does not run it, unless the preflight's
+# "context parallelism" row ran it on this machine and the host says so in ROCM_CP_ENV.
 ROCM_CP_TORCH = (2, 15)
 ROCM_CP_ENV = "COURSE_ROCM_TORCH_CP"
 
