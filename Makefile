@@ -22,7 +22,7 @@ ASSIGNMENT ?= 03_gradient_accumulation
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export TORCH_EXTENSIONS_DIR
 
-.PHONY: setup hub ops preflight node-emulation floor course test test-full lab release release-check grade clean docker-rocm docker-cuda student-edition student-path
+.PHONY: setup hub ops preflight node-emulation floor course test test-full lab release release-check grade clean docker-rocm docker-cuda student-edition student-path images-check
 
 # An existing torch (a ROCm or CUDA build, as in the workshop images) is kept: the venv sees the
 # interpreter's packages and a constraints file pins torch to the version found, so pip never
@@ -164,6 +164,12 @@ docker-rocm:
 docker-cuda:
 	docker build -f docker/Dockerfile.cuda --target student -t scaling-pytorch-course:cuda .
 	docker build -f docker/Dockerfile.cuda --target grader -t scaling-pytorch-course:cuda-grader .
+
+# Both targets of both Dockerfiles built FROM stand-ins for the vendor bases (a CPU torch where each vendor keeps its
+# torch), with podman, and run: the student image's lab validates a notebook in headless Chromium, the grader image
+# grades a submission (docker/images_check.sh says what; docker/README.md how long). Root on Debian: it installs podman.
+images-check: $(VENV)/.installed
+	bash docker/images_check.sh
 
 clean:
 	rm -rf runs release autograded feedback gradebook.db grades.csv build

@@ -10,7 +10,11 @@ base image whose torch the course's libraries refuse fails the build, not the wo
 - accelerate allows FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)`` raises below accelerate's minimum);
 - DeepSpeed's ops load (``--deepspeed-ops``); with ``--prebuilt`` they must be the ones compiled into the install
   for the accelerator in use (DeepSpeed records it), not a JIT build on the first GPU that needs them;
-- torch is built for the GPU stack that ``--gpu`` names (rocm or cuda).
+- torch is built for the GPU stack that ``--gpu`` names (rocm or cuda);
+- the optional packages that ``--packages`` names (torchao, bitsandbytes) import and run: the course's own probes,
+  the ones its preflight and notebooks decide from (``course_lib.fp8_compute.torchao_fp8_runs``: one step of torchao's
+  float8 training; ``course_lib.qlora.bitsandbytes_4bit_runs``: NF4 quantise, dequantise, ``matmul_4bit`` forward and
+  backward), on ``--device`` (default: the GPU where torch sees one, else the CPU, as at build time).
 
 ``--torch-version V`` decides as if the installed torch distribution reported version V. transformers and
 accelerate read torch's version from its distribution metadata (``importlib.metadata``), not from
@@ -18,6 +22,7 @@ accelerate read torch's version from its distribution metadata (``importlib.meta
 code decides about V (tests/test_docker.py feeds it the images' torch versions, which this machine lacks).
 
     python docker/check_image.py [--gpu rocm|cuda] [--deepspeed-ops cpu_adam,fused_adam] [--prebuilt]
+                                 [--packages torchao,bitsandbytes] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -144,6 +149,30 @@ def check_gpu_build(gpu: str) -> tuple[bool, str]:
     return False, f"torch {torch.__version__} is not a {gpu} build: the base image's torch was replaced or is CPU-only"
 
 
+# the optional packages --packages can name: (module, probe, what of the course needs it). Each probe returns None
+# when the package runs on the device, else why not with the install command; the course's preflight calls the same.
+PACKAGE_PROBES = {
+    "torchao": ("course_lib.fp8_compute", "torchao_fp8_runs", "notebook 02's FP8 training"),
+    "bitsandbytes": ("course_lib.qlora", "bitsandbytes_4bit_runs", "notebook 12's QLoRA comparison"),
+}
+
+
+def default_device() -> str:
+    """The GPU where torch sees one (ROCm's too is "cuda"), else the CPU (an image's build has no GPU)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_package(name: str, device: str) -> tuple[bool, str]:
+    """Whether the optional package ``name`` imports and runs on ``device`` (the course's own probe of it)."""
+    module, probe, needed_by = PACKAGE_PROBES[name]
+    why = getattr(importlib.import_module(module), probe)(device)
+    if why:
+        return False, f"{why} ({needed_by} shows it 'absent')"
+    return True, f"{name} {importlib.metadata.version(name)} imports and runs on {device} ({needed_by})"
+
+
 def run_checks(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     """Every check, in order: (name, passed, what it found or what to change)."""
     python_floor, torch_floor = read_floors(args.pyproject)
@@ -154,6 +183,8 @@ def run_checks(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         checks.append(("deepspeed", lambda: check_deepspeed_ops(ops, args.prebuilt)))
     if args.gpu:
         checks.append((args.gpu, lambda: check_gpu_build(args.gpu)))
+    for name in (p for p in args.packages.split(",") if p):
+        checks.append((name, lambda name=name: check_package(name, args.device or default_device())))
     results = []
     for name, check in checks:
         try:
@@ -161,6 +192,13 @@ def run_checks(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         except Exception as e:  # a check that cannot even run is a failed check, reported like the others
             results.append((name, False, f"{type(e).__name__}: {e}"))
     return results
+
+
+def _packages(value: str) -> str:
+    unknown = [p for p in value.split(",") if p and p not in PACKAGE_PROBES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no check for {', '.join(unknown)}: choose from {', '.join(PACKAGE_PROBES)}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated DeepSpeed ops that must load ('' skips)")
     parser.add_argument("--prebuilt", action="store_true", help="the ops must be compiled into DeepSpeed's install")
     parser.add_argument("--gpu", choices=("rocm", "cuda"), help="torch must be built for this GPU stack")
+    parser.add_argument("--packages", default="", type=_packages,
+                        help="comma-separated optional packages that must import and run "
+                             f"({', '.join(PACKAGE_PROBES)})")
+    parser.add_argument("--device", help="where --packages run (default: cuda where torch sees a GPU, else cpu)")
     args = parser.parse_args(argv)
     if args.torch_version:
         pretend_torch_version(args.torch_version)

@@ -3,7 +3,7 @@
 # folder that outlives the container, and the GPU flags of its platform.
 #
 #   docker/run.sh rocm|cuda [--instructor] [--port 8888] [--work DIR] [--name NAME] [--image IMAGE]
-#                           [--shm-size 64G] [--gpus 0,1] [--dry-run] [-- EXTRA DOCKER RUN ARGS]
+#                           [--shm-size 64G] [--gpus 0,1 | --no-gpus] [--dry-run] [-- EXTRA DOCKER RUN ARGS]
 #
 # A student gets the student image (scaling-pytorch-course:rocm or :cuda: the student edition, no solutions/ or
 # tests/); --instructor gets the grader image (scaling-pytorch-course:rocm-grader or :cuda-grader, the whole
@@ -19,10 +19,12 @@
 # the i-th GPU node of the KFD topology (its drm_render_minor gives /dev/dri/renderD<minor>), the order
 # rocm-smi and HIP use; with no topology (not a ROCm host) GPU i is assumed to be renderD(128+i).
 # KFD_TOPOLOGY (default /sys/class/kfd/kfd/topology/nodes) and DRI_DIR (default /dev/dri, where the render group
-# is read from) point run.sh at another host layout; the tests use them.
+# is read from) point run.sh at another host layout; the tests use them. CONTAINER_ENGINE=podman runs podman instead
+# of docker. --no-gpus gives no GPU device, group or NVIDIA flag (--ipc private and --shm-size stay): for an image
+# built FROM a stand-in base on a machine with no GPU (docker/images_check.sh), never for a workshop.
 set -euo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "run.sh: $*" >&2; exit 2; }
 
 [ $# -ge 1 ] || usage 2
@@ -30,7 +32,9 @@ platform="$1"; shift
 case "$platform" in rocm|cuda) ;; -h|--help) usage 0 ;; *) die "first argument must be rocm or cuda, not '$platform'" ;; esac
 
 port=8888; work="$PWD/workshop-work"; name=""; image=""
-shm=64G; role=student; dry=0; extra=(); gpus=""
+shm=64G; role=student; dry=0; extra=(); gpus=""; no_gpus=0
+engine="${CONTAINER_ENGINE:-docker}"
+case "$engine" in docker|podman) ;; *) die "CONTAINER_ENGINE=$engine: use docker or podman" ;; esac
 dri="${DRI_DIR:-/dev/dri}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,6 +45,7 @@ while [ $# -gt 0 ]; do
     --image) image="${2:?--image needs a value}"; shift ;;
     --shm-size) shm="${2:?--shm-size needs a value}"; shift ;;
     --gpus) gpus="${2:?--gpus needs a list of GPU indices, e.g. 0,1}"; shift ;;
+    --no-gpus) no_gpus=1 ;;
     --dry-run) dry=1 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage 0 ;;
@@ -58,6 +63,7 @@ fi
 case "$shm" in *[0-9]*) ;; *) die "--shm-size $shm: give a size such as 16G" ;; esac
 case "$port" in ''|*[!0-9]*) die "--port $port is not a port number" ;; esac
 [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--port $port is out of range 1-65535"
+[ "$no_gpus" = 0 ] || [ -z "$gpus" ] || die "--gpus and --no-gpus: give one of them"
 gpu_list=()
 if [ -n "$gpus" ]; then
   [[ "$gpus" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus $gpus: give GPU indices separated by commas, e.g. --gpus 0,1"
@@ -95,7 +101,7 @@ if [ -z "${JUPYTER_TOKEN:-}" ]; then
 fi
 export JUPYTER_TOKEN
 
-cmd=(docker run --rm -d --name "$name" -p "$port:8888"
+cmd=("$engine" run --rm -d --name "$name" -p "$port:8888"
      -e JUPYTER_TOKEN -e COURSE_ROLE="$role"
      -v "$work:/home/student/work")
 visible=""
@@ -107,7 +113,10 @@ visible=""
 # makes its segments there (NCCL's troubleshooting guide: "--shm-size=1g --ulimit memlock=-1" in Docker).
 # All of a student's ranks run in their one container, so they share that /dev/shm. It is a tmpfs limit, not a
 # reservation: pages count against the container's memory only when written.
-if [ "$platform" = rocm ]; then
+if [ "$no_gpus" = 1 ]; then
+  # no GPU on this machine (a stand-in image): no device, group or NVIDIA flag; the container's own shared memory stays
+  cmd+=(--ipc private --shm-size "$shm")
+elif [ "$platform" = rocm ]; then
   # /dev/kfd: ROCm's compute interface, one for all GPUs. /dev/dri: the GPUs' render nodes (renderD*), one per GPU;
   # with --gpus only the chosen ones (ROCm's "Running ROCm Docker containers", rocm.docs.amd.com).
   cmd+=(--device /dev/kfd)
@@ -156,4 +165,4 @@ fi
 "${cmd[@]}"
 echo "JupyterLab ($role, $image): http://localhost:$port/lab?token=$JUPYTER_TOKEN"
 echo "work folder: $work (mounted at /home/student/work; it survives the container)"
-echo "logs: docker logs -f $name    stop: docker stop $name"
+echo "logs: $engine logs -f $name    stop: $engine stop $name"

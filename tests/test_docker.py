@@ -112,6 +112,25 @@ def copies(stage: Stage) -> list[tuple[str | None, list[str], str]]:
     return out
 
 
+# a step that needs the vendor's GPU torch or toolchain, as the Dockerfiles write it: the stand-in build
+# (STANDIN_BASE=1, docker/images_check.sh) says what it skips and may run a CPU substitute; the workshop's runs REAL
+STANDIN = re.compile(r'if \[ "\$\{STANDIN_BASE\}" = 1 \]; then echo "STANDIN_BASE=1: SKIPPED ([^"]*)";'
+                     r'(.*?) else (.*); fi')
+
+
+def standin_branches(run: str) -> tuple[str, str, str] | None:
+    """(what the stand-in build skips, what it runs instead, what the workshop's build runs) of a RUN, or None."""
+    m = STANDIN.search(" ".join(run.split()))
+    return (m.group(1), m.group(2).strip(), m.group(3).strip()) if m else None
+
+
+def real_path(run: str) -> str:
+    """A RUN as the workshop's build (STANDIN_BASE=0) runs it: each stand-in conditional replaced by its else branch."""
+    run = " ".join(run.split())
+    m = STANDIN.search(run)
+    return run if m is None else run[:m.start()] + m.group(3).strip() + run[m.end():]
+
+
 def base_image(dockerfile: Path) -> str:
     """The vendor image the Dockerfile's stages start FROM (one for all), with the global ARG defaults filled in."""
     ins = instructions(dockerfile)
@@ -233,12 +252,13 @@ def test_dockerfile_keeps_torch_installs_the_course_and_runs_as_non_root(dockerf
     # with no GPU at build time DeepSpeed picks its CPU accelerator and compiles CPU ops unless told otherwise
     assert re.search(r"DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1[^&]*\bpip install\b[^&]*deepspeed==", runs), \
         "DeepSpeed's GPU ops are built for its cuda accelerator (ROCm's too)"
-    # the last build step checks what the course needs, the GPU ops loading from the prebuilt install
+    # the last build step checks what the course needs, the GPU ops loading from the prebuilt install (the workshop's
+    # path: STANDIN_BASE=0, the default)
     gpu = "rocm" if dockerfile.name.endswith("rocm") else "cuda"
-    run_steps = [a for i, a in ins if i == "RUN"]
+    run_steps = [real_path(a) for i, a in ins if i == "RUN"]
     check = run_steps[-2]  # after everything is installed; the last RUN only makes the user
     assert re.fullmatch(rf"DS_ACCELERATOR=cuda \.venv/bin/python docker/check_image\.py --gpu {gpu} "
-                        r"--deepspeed-ops cpu_adam,fused_adam --prebuilt", check), check
+                        r"--deepspeed-ops cpu_adam,fused_adam --prebuilt --packages torchao,bitsandbytes", check), check
     assert "make ops" in run_steps[-3], "the check runs after DeepSpeed's ops are built"
     # a base whose python3 is a venv (rocm/primus) would hide its torch from .venv without this, before make setup
     assert re.search(r"python3 -m venv --system-site-packages \.venv\s+&&\s+python3 docker/inherit_base_packages\.py "
@@ -851,3 +871,158 @@ def test_run_sh_gpus_gives_a_container_only_its_gpus(tmp_path, monkeypatch):
             proc = _run_sh(platform, *bad, tmp=tmp_path)
             assert proc.returncode == 2 and message in proc.stderr, (platform, bad, proc.stderr)
             assert not proc.stdout, "no docker command for bad input"
+
+
+# --- the stand-in build (docker/images_check.sh, `make images-check`) and the optional packages --------------------
+
+# what each Dockerfile's stand-in build may skip: the steps that need the vendor's GPU torch or toolchain, no other
+STANDIN_SKIPS = {
+    "cuda": ["the check that torch is a cuda build", "DeepSpeed's GPU ops", "check_image.py's GPU checks"],
+    "rocm": ["the check that torch is a rocm build", "bitsandbytes' HIP build", "DeepSpeed's GPU ops",
+             "check_image.py's GPU checks"],
+}
+# what only a GPU build has: none of it may run on the stand-in's path
+GPU_ONLY = (r"torch\.version\.(cuda|hip)", r"DS_BUILD_\w+=1", r"DS_ACCELERATOR=cuda", r"--gpu\b", r"--prebuilt",
+            r"fused_adam", r"COMPUTE_BACKEND=hip")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_stand_in_build_skips_only_the_named_gpu_steps(dockerfile):
+    flavour = dockerfile.name.rsplit(".", 1)[1]
+    base = next(s for s in stages(dockerfile) if s.name == "base")
+    assert ("ARG", "STANDIN_BASE=0") in base.instructions, "the workshop's path is the default"
+    for stage in stages(dockerfile):
+        if stage.name != "base":
+            assert "STANDIN_BASE" not in " ".join(a for _, a in stage.instructions), f"stage {stage.name} changes"
+    runs = [a for w, a in base.instructions if w == "RUN"]
+    skips = []
+    for run in runs:
+        if "STANDIN_BASE" not in run:
+            continue
+        assert run.count("STANDIN_BASE=1: SKIPPED") == 1, f"one skip per step, said out loud: {run}"
+        what, instead, real = standin_branches(run)
+        skips.append(what)
+        assert any(re.search(g, real) for g in GPU_ONLY), f"the stand-in skips {what!r}, which needs no GPU: {real}"
+        for gpu_only in GPU_ONLY:
+            assert not re.search(gpu_only, instead), f"the stand-in's path runs {gpu_only} ({what})"
+        # what the step does besides the skipped part runs on both paths: the conditional is all that differs
+        rest = STANDIN.sub("", " ".join(run.split()))
+        assert "STANDIN_BASE" not in rest
+    assert len(skips) == len(STANDIN_SKIPS[flavour]) and all(
+        w.startswith(name) for w, name in zip(skips, STANDIN_SKIPS[flavour])), \
+        f"{dockerfile.name} skips {skips}, expected exactly {STANDIN_SKIPS[flavour]}"
+    unconditional = " ".join(STANDIN.sub("", " ".join(r.split())) for r in runs)
+    for both in ("make setup", "make ops", "diff /tmp/torch-before /tmp/torch-after", "useradd", '"torchao>=0.18"'):
+        assert both in unconditional, f"{both!r} must run on the stand-in's path too"
+    # the stand-in still checks everything but the GPU: floors, transformers, FSDP2, the CPU op, both packages
+    check = standin_branches(runs[-2])
+    # (its ops JIT-load, with the venv's ninja, as start-lab.sh's PATH gives the kernels)
+    assert check and check[1] == ('DS_ACCELERATOR=cpu PATH="/opt/course/.venv/bin:${PATH}" .venv/bin/python docker/'
+                                  "check_image.py --deepspeed-ops cpu_adam --packages torchao,bitsandbytes;"), check
+
+
+def _bitsandbytes_versions(text: str) -> set[str]:
+    return set(re.findall(r"bitsandbytes(?:==|>=|/archive/refs/tags/)(\d+\.\d+\.\d+)", text))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_both_images_install_torchao_and_a_bitsandbytes_with_blocksize_64_nf4(dockerfile):
+    from packaging.version import Version
+
+    steps = [a for w, a in next(s for s in stages(dockerfile) if s.name == "base").instructions if w == "RUN"]
+    runs, real = " ".join(steps), " ".join(real_path(r) for r in steps)
+    assert '"torchao>=0.18"' in real, "torchao 0.18 is the first built for torch >= 2.11 (course_lib.fp8_compute)"
+    versions = _bitsandbytes_versions(runs)
+    # 0.49.2: the first release whose 4-bit kernels take blocksize 64 (NF4's, QLoRA's) on CDNA's 64-wide wavefronts
+    assert len(versions) == 1 and Version(versions.pop()) >= Version("0.49.2"), _bitsandbytes_versions(runs)
+    if dockerfile.name.endswith("rocm"):
+        # PyPI's wheel has no library for the base's ROCm major: compiled for the image's GPUs, from the release source
+        assert re.search(r'CMAKE_ARGS="-DCOMPUTE_BACKEND=hip -DBNB_ROCM_ARCH=\$\{ROCM_ARCH\}"', real)
+    assert "--packages torchao,bitsandbytes" in real_path(steps[-2]), "the build's last check runs both"
+
+
+def test_check_image_runs_the_optional_packages_or_says_they_are_absent():
+    """bitsandbytes is in this venv (its CPU library runs NF4); torchao is not (the tests keep it beside the venv)."""
+    proc = check_image("--deepspeed-ops", "", "--packages", "bitsandbytes,torchao", "--device", "cpu")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert verdicts(proc)["bitsandbytes"] == "ok" and verdicts(proc)["torchao"] == "FAIL", proc.stdout
+    assert "imports and runs on cpu (notebook 12's QLoRA comparison)" in proc.stdout
+    assert "torchao is not installed: pip install torchao" in proc.stdout
+    assert "notebook 02's FP8 training shows it 'absent'" in proc.stdout
+    bad = check_image("--packages", "apex")
+    assert bad.returncode == 2 and "no check for apex" in bad.stderr
+
+
+def test_make_images_check_runs_the_stand_in_build_of_both_targets_of_both_dockerfiles():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^\.PHONY:.*\bimages-check\b", makefile, re.M)
+    assert re.search(r"^images-check:.*\n\tbash docker/images_check\.sh$", makefile, re.M)
+    script = (DOCKER / "images_check.sh").read_text()
+    assert 'FLAVOURS="${IMAGES_CHECK_FLAVOURS:-cuda rocm}"' in script
+    assert "--build-arg STANDIN_BASE=1" in script and '--target "$target"' in script
+    for flavour in ("cuda", "rocm"):
+        assert (DOCKER / f"Dockerfile.{flavour}").exists()
+    for target in ("student", "grader"):
+        assert re.search(rf'step "build-\$flavour-{target}" build "\$flavour" {target}', script)
+    # the stand-ins keep each vendor's layout: torch in the system Python (NGC, its pip constraints) or /opt/venv
+    ngc = (DOCKER / "standin" / "Containerfile.ngc").read_text()
+    primus = (DOCKER / "standin" / "Containerfile.primus").read_text()
+    assert "ENV PIP_CONSTRAINT=/etc/pip/constraint.txt" in ngc and "python3 -m pip install" in ngc
+    assert "python3 -m venv /opt/venv" in primus and "PATH=/opt/venv/bin:" in primus
+    # the student's container runs through run.sh, with podman and no GPU flags
+    assert "CONTAINER_ENGINE=podman" in script and "docker/run.sh \"$flavour\" --no-gpus" in script
+    proc = subprocess.run([shutil.which("shellcheck", path=str(BIN)) or "shellcheck", "--severity=info",
+                           str(DOCKER / "images_check.sh")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_run_sh_no_gpus_and_podman(tmp_path):
+    argv = _run_sh_argv("rocm", "--no-gpus", tmp=tmp_path, CONTAINER_ENGINE="podman")
+    assert argv[:2] == ["podman", "run"]
+    assert not _flag_values(argv, "--device") and not _flag_values(argv, "--group-add") and "--gpus" not in argv
+    assert _flag_values(argv, "--ipc") == ["private"] and _flag_values(argv, "--shm-size") == ["64G"]
+    argv = _run_sh_argv("cuda", "--no-gpus", tmp=tmp_path)
+    assert argv[0] == "docker" and "--gpus" not in argv and "--ulimit" not in argv
+    assert _run_sh("cuda", "--no-gpus", "--gpus", "0", tmp=tmp_path).returncode == 2
+    proc = subprocess.run(["bash", str(DOCKER / "run.sh"), "cuda", "--dry-run", "--work", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, "CONTAINER_ENGINE": "lxc"})
+    assert proc.returncode == 2 and "CONTAINER_ENGINE=lxc" in proc.stderr
+
+
+def _docker_archive(dest: Path, layers: dict[str, Path]) -> Path:
+    """A `podman save --format docker-archive` stand-in: one layer tar per folder, whose files go under opt/course/."""
+    import tarfile
+
+    with tarfile.open(dest, "w") as archive:
+        for name, folder in layers.items():
+            layer = dest.parent / f"{name}.tar"
+            with tarfile.open(layer, "w") as t:
+                t.add(folder, arcname="opt/course")
+            archive.add(layer, arcname=f"{name}.tar")
+        manifest = dest.parent / "manifest.json"
+        manifest.write_text(json.dumps([{"Layers": [f"{n}.tar" for n in layers]}]))
+        archive.add(manifest, arcname="manifest.json")
+    return dest
+
+
+def test_images_check_finds_instructor_files_in_any_layer_of_the_student_image(student_edition, tmp_path):
+    """docker/images_check.py scan-student, on a saved image made here: the student edition passes; a layer that held
+    solutions/ or the instructor's course_lib (even one a later layer replaced) fails, naming the file."""
+    scan = [sys.executable, str(DOCKER / "images_check.py"), "scan-student"]
+    good = _docker_archive(tmp_path / "good.tar", {"edition": student_edition})
+    proc = subprocess.run(scan, stdin=good.open("rb"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok: no layer" in proc.stdout, proc.stdout + proc.stderr
+    leaky = tmp_path / "leaky"
+    leaky.mkdir()
+    (leaky / "solutions" / "00_orientation").mkdir(parents=True)
+    (leaky / "solutions" / "00_orientation" / "00_orientation.ipynb").write_text("{}")
+    ref, _ = next(iter(graded_references(ROOT).items()))
+    module = ref.rsplit(".", 1)[0].replace(".", "/")
+    (leaky / "course_lib" / Path(module).parent).mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "course_lib" / f"{module}.py", leaky / "course_lib" / f"{module}.py")
+    (tmp_path / "bad").mkdir()
+    bad = _docker_archive(tmp_path / "bad" / "bad.tar", {"leaky": leaky, "edition": student_edition})
+    proc = subprocess.run(scan, stdin=bad.open("rb"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert "opt/course/solutions/00_orientation/00_orientation.ipynb: an instructor's file" in proc.stdout
+    assert f"course_lib.{ref} is the graded reference, not its stub" in proc.stdout
