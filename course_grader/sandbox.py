@@ -233,14 +233,22 @@ DEVICES_WRITE = ["/dev/null", "/dev/shm", "/dev/kfd", "/dev/dri", *glob.glob("/d
 
 def installation(edition_cache: str) -> list[str]:
     """The Python installation a grading process runs (the venv and the Python it was made from), less the folder
-    of student-edition builds when it lies inside the venv: an older build may predate a graded reference's stub."""
+    of student-edition builds when it lies inside the venv: an older build may predate a graded reference's stub.
+    Also every site-packages on ``sys.path`` outside those prefixes (a venv made by a Python that is itself a venv
+    sees its maker's packages through a .pth: rocm/primus keeps torch in /opt/venv) and ROCm's installation, which
+    a ROCm torch loads its libraries and kernels from as it runs (/opt/rocm*)."""
     read, cache = [], os.path.realpath(edition_cache)
-    for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}):
+    prefixes = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    for prefix in prefixes:
         if os.path.dirname(cache) == prefix:
             read += [os.path.join(prefix, e) for e in os.listdir(prefix) if os.path.join(prefix, e) != cache]
         else:
             read.append(prefix)
-    return read
+    inside = lambda path: any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)  # noqa: E731
+    for entry in map(os.path.realpath, sys.path):
+        if os.path.basename(entry) in ("site-packages", "dist-packages") and not inside(entry) and entry not in read:
+            read.append(entry)
+    return read + sorted(os.path.realpath(p) for p in glob.glob("/opt/rocm*") if os.path.isdir(p))
 
 
 def allow_lists(writable: list[str], scratch: str, readable: list[str], edition_cache: str, edition_path: str,

@@ -163,6 +163,20 @@ def test_where_shared_memory_cannot_be_private_what_a_grading_left_is_removed(tm
     assert os.listdir(tmp_path) == ["before"]
 
 
+def test_the_installation_includes_a_making_venv_s_packages_but_not_other_path_entries(tmp_path, monkeypatch):
+    """A venv made by a Python that is itself a venv (rocm/primus's /opt/venv, which holds torch) sees its maker's
+    site-packages through a .pth: the fence lets the grading process read it, or torch's dependencies fail to load
+    there. A path entry that is no site-packages (an editable install's source tree) is not added."""
+    maker = tmp_path / "opt-venv" / "lib" / "python3.12" / "site-packages"
+    source = tmp_path / "course"
+    maker.mkdir(parents=True)
+    source.mkdir()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(maker), str(source)])
+    read = sandbox.installation(str(tmp_path / "editions"))
+    assert str(maker) in read and str(source) not in read
+    assert os.path.realpath(sys.prefix) in read
+
+
 def test_handled_rights_follow_the_kernels_abi():
     assert sandbox.handled_rights(1) == (1 << 13) - 1
     assert sandbox.handled_rights(2) & sandbox.REFER and not sandbox.handled_rights(2) & sandbox.TRUNCATE
