@@ -36,11 +36,12 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from course_grader import audit, checks, grading, sandbox
+from course_grader import audit, checks, grading, peer, sandbox
 from course_lib import launch
 
 # What the probes, forbid and the results' way out rely on beyond course_lib and torch's top level: a cell that
@@ -67,6 +68,7 @@ def _alarm(signum, frame):
 
 
 CLOCK = {"fd": None}  # the job's pipe to the server, where each cell and probe says it started
+PEER_PORTS: dict[str, list[int]] = {}  # check name -> its peer's ports, for the job this fork runs
 
 
 def start_clock(seconds: int) -> None:
@@ -144,6 +146,8 @@ def run_probes(names: list[str], namespace: dict, seconds: int, frozen: tuple[di
     for name in names:
         restore(frozen)
         checks.GRADING_SEED = seed  # after restore, whose snapshot holds the default: the grader's, not the cells'
+        checks.PORTS.clear()
+        checks.PORTS.update(PEER_PORTS)  # where the grader's own ranks listen (``peers``), as the server said
         start_clock(seconds)
         try:
             out[name] = {"data": checks.plain(checks.REGISTRY[name].probe(namespace))}
@@ -218,6 +222,7 @@ def run_job(job: dict, frozen: tuple[dict, list, list], forbidden: dict[int, tup
     """One submission: its cells in a fresh namespace, then the probes; the data to ``job["out"]``."""
     namespace = {"__name__": "__main__", "display": print}
     CLOCK["fd"] = job["report_fd"]
+    PEER_PORTS.update(job.get("ports", {}))
     guard(job, frozen, forbidden)
     cell_errors = run_cells(job["cells"], namespace, job["seconds"])
     results = run_probes(job["names"], namespace, job["seconds"], frozen, int(job.get("seed", 0)))
@@ -324,6 +329,21 @@ def watch(pid: int, job: dict, reports_r: int) -> bytearray:
     return reported
 
 
+def peers(job: dict) -> dict[str, peer.Running]:
+    """The grader's own ranks of the job's checks that have one, forked from this server before the job's fork (so
+    never from a process that ran student code), their records in ``job["wires"]``, which the job cannot reach; their
+    ports go into the job (``job["ports"]``). Each waits for its ranks as long as the whole job may run: its probe
+    starts after the job's cells and the probes before it."""
+    started = {}
+    for name in job["names"]:
+        entry = checks.REGISTRY.get(name)
+        if entry is not None and entry.peer is not None and job.get("wires"):
+            started[name] = peer.start(entry.peer, Path(job["wires"]) / f"{name}.pt", int(job.get("seed", 0)),
+                                       job["limit"])
+    job["ports"] = {name: running.ports for name, running in started.items()}
+    return started
+
+
 def serve(modules: list[str]) -> None:
     """Load once, then grade one submission per line of stdin (a job file) in a fork of this process, each fork
     fenced to its own scratch folder before any of its code runs; answer each line with one line when it is done:
@@ -342,6 +362,7 @@ def serve(modules: list[str]) -> None:
         shm_before = None if private_shm else set(os.listdir("/dev/shm"))
         reports_r, reports_w = os.pipe()
         job["report_fd"] = reports_w
+        ranks = peers(job)
         pid = os.fork()
         if pid == 0:
             os.close(reports_r)
@@ -350,6 +371,8 @@ def serve(modules: list[str]) -> None:
         reported = watch(pid, job, reports_r)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)  # the ranks it left in its group
+        for running in ranks.values():  # each has saved its record; one still waiting for the job's ranks is killed
+            running.finish(wait=2.0)
         reap_leftovers()
         if shm_before is not None:
             sandbox.clear_shm(shm_before)

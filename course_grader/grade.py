@@ -21,12 +21,13 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from course_grader import checks, edition, sandbox
+from course_grader import checks, edition, peer, sandbox
 
 CALL = re.compile(r"""^\s*check\(\s*["'](\w+)["']""", re.MULTILINE)
 
@@ -145,12 +146,14 @@ class Server:
         """Run ``cells`` then the probes of ``names`` in a fenced fork, the hidden cases built from ``seed``
         (``checks.case_seed``); returns what it wrote (plain data only)."""
         scratch = Path(sandbox.scratch_folder())
+        wires = Path(tempfile.mkdtemp(prefix="course-wire-"))  # the peers' records: outside the fence's lists
         try:
             read, write = sandbox.allow_lists([], str(scratch), [], str(edition.grading_cache()), self.edition,
                                               [str(p) for p in edition.packages()])
             job = {"cells": cells, "names": names, "seconds": seconds, "seed": int(seed),
                    "out": str(scratch / "out.pt"), "log": str(scratch / "log.txt"), "scratch": str(scratch),
                    "fence": fence, "read": read, "write": write, "limit": seconds * (len(cells) + len(names)) + 60,
+                   "wires": str(wires),
                    "env": {k: v for k, v in sandbox.grading_env({}, str(scratch), self.edition).items()
                            if k != "PYTHONPATH"}}
             (scratch / "job.json").write_text(json.dumps(job))
@@ -169,9 +172,15 @@ class Server:
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 out = {"results": {}, "cell_errors": [f"the grading process wrote no results ({type(err).__name__}); "
                                                       f"its last output:\n{tail}"]}
+            checks.load_all()  # which checks have a peer
+            for name, result in out["results"].items():  # what the grading process wrote under "wire" is dropped
+                if isinstance(result, dict):
+                    result["wire"] = peer.read(wires / f"{name}.pt") if name in checks.REGISTRY and \
+                        checks.REGISTRY[name].peer else None
             return {**out, "reports": reports}
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(wires, ignore_errors=True)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -213,7 +222,8 @@ def judge(name: str, result: dict | None, cell_errors: list[str], seed: int = 0)
         return Verdict(False, f"{name}: {why}{context}")
     try:
         with checks.grading_seed(seed):
-            return Verdict(True, str(checks.REGISTRY[name].judge(validated(result["data"]))))
+            wire = validated(result.get("wire") or [])  # the grader's own rank's record, where the check has one
+            return Verdict(True, str(checks.REGISTRY[name].verdict(validated(result["data"]), wire)))
     except Malformed as err:
         return Verdict(False, f"{name}: the data your code gave back is not plain data a test can read ({err})")
     except AssertionError as err:

@@ -363,7 +363,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, timeout: float = 60) -> list:
+def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, timeout: float = 60,
+               join: tuple[int, int] | None = None) -> list:
     """Fork ``nprocs`` copies of this process; each runs ``fn(**kwargs)`` in a CPU (gloo) group.
 
     ``launch``'s worker contract: a rank learns its place from ``torch.distributed`` (``dist.get_rank()``,
@@ -372,6 +373,10 @@ def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, tim
     Returns the ranks' return values (picklable) in rank order. A rank that raises ends the run and its
     traceback is raised here as ``WorkerError``; when ``fn`` runs past ``timeout`` (counted from the moment
     every rank has joined the group) every rank is killed and ``TimeoutError`` is raised.
+
+    ``join=(port, before)``: the group's rendezvous is hosted by another process, rank 0 of it, on 127.0.0.1:``port``
+    (a ``TCPStore``), with ``before`` ranks of its own; these ``nprocs`` ranks are ranks ``before`` to
+    ``before + nprocs - 1`` of a world of ``before + nprocs``. (A grader's ranks join a student's this way.)
     """
     check_world(nprocs, "cpu")
     if dist.is_initialized():  # the forked ranks would inherit it and could not start their own
@@ -380,9 +385,9 @@ def run_forked(fn: Callable, nprocs: int = 2, kwargs: dict | None = None, *, tim
     log = rank_log()
     before = log.stat().st_size if log.exists() else 0
     try:
-        for attempt in range(3):
+        for attempt in range(1 if join else 3):
             try:
-                return _run_forked_once(fn, nprocs, kwargs or {}, timeout, backend_for("cpu"))
+                return _run_forked_once(fn, nprocs, kwargs or {}, timeout, backend_for("cpu"), join)
             except _SetupFailed as err:  # the rendezvous itself failed (a port taken meanwhile): try a new port
                 last = err
         raise WorkerError(f"the process group could not be set up three times: {last}")
@@ -445,7 +450,8 @@ class _SetupFailed(RuntimeError):
     pass
 
 
-def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, backend: str) -> list:
+def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, backend: str,
+                     join: tuple[int, int] | None = None) -> list:
     import multiprocessing as mp
 
     spawned = not fork_is_safe()
@@ -454,10 +460,10 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
         shipped = by_value((fn, kwargs))  # a notebook's function too, and one among the kwargs
     else:
         shipped = (fn, kwargs)
-    port, queue = free_port(), ctx.SimpleQueue()
+    (port, before), queue = join or (free_port(), 0), ctx.SimpleQueue()
     # daemon=True stops the ranks when this process exits normally; _forked_rank covers a kill (SIGKILL)
-    procs = [ctx.Process(target=_forked_rank, daemon=True,
-                         args=(shipped, rank, nprocs, port, backend, queue, os.getpid(), spawned, RANK_GUARD))
+    procs = [ctx.Process(target=_forked_rank, daemon=True, args=(shipped, before + rank, before + nprocs, port, backend,
+                                                                 queue, os.getpid(), spawned, RANK_GUARD))
              for rank in range(nprocs)]
     with _environment(CPU_ONLY_ENV):  # a spawned rank's Python starts with this process's environment
         for p in procs:
@@ -481,7 +487,7 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
                 continue
             if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
                 bad = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
-                raise WorkerError(f"rank {bad} died with exit code {procs[bad].exitcode} before returning")
+                raise WorkerError(f"rank {before + bad} died with exit code {procs[bad].exitcode} before returning")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run_forked passed timeout={timeout} s; ranks still running were killed")
             time.sleep(0.01)
@@ -490,7 +496,7 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-    return [got[r] for r in range(nprocs)]
+    return [got[before + r] for r in range(nprocs)]
 
 
 @contextlib.contextmanager

@@ -158,15 +158,16 @@ def contiguous(data: Any) -> bool:
     return all(node.is_contiguous() for _, node in nodes(data) if isinstance(node, torch.Tensor))
 
 
-def accepted(name: str, data: Any) -> list[str]:
+def accepted(name: str, data: Any, wire: list | None = None) -> list[str]:
     """The mutants of check ``name``'s passing ``data`` that the grader takes: a refused family's that its judge
-    passes, a layout rewrite that reaches the judge other than as the original's data."""
+    passes, a layout rewrite that reaches the judge other than as the original's data. ``wire``: what the check's
+    peer recorded in the same grading (the grader's own, never rewritten)."""
     from course_grader import grade
 
     out = []
     for what, family, mutated in mutants(data):
         if family.refused:
-            if grade.judge(name, {"data": mutated}, []).passed:
+            if grade.judge(name, {"data": mutated, "wire": wire}, []).passed:
                 out.append(what)
             continue
         try:

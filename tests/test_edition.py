@@ -43,6 +43,15 @@ KEPT = {
         "ZeRO run (and the size sweep) launches with; one dict key matches the exercise's, whose arithmetic and "
         "errors are graded by behaviour",
 }
+# Exercises whose solution lines may match a visible check's peer (course_grader.peer): the grader's own rank plays
+# the contract's side of the student's collectives, in the student's own test too, so the visible check holds it.
+# Only that check's file is excused.
+PEER_SIDE = {
+    ("07_ddp_reducer", "BucketedDDP"):
+        ("course_grader/checks/nb07.py", "rank 0 (the grader's) broadcasts its weights as wrapping does, the "
+         "contract's one line, then all-reduces torch's buckets after its backward; it has neither the hooks, nor "
+         "the async launches, nor the unused-parameter error the exercise is graded on"),
+}
 # Idioms any training code writes; a match on one of them gives no exercise away.
 COMMON = {
     "for p in model.parameters():",
@@ -166,6 +175,8 @@ class Hit:
     @property
     def kept(self) -> bool:
         s = self.secret
+        if s.kind == "solution" and PEER_SIDE.get((s.assignment, s.exercise), ("",))[0] == self.file:
+            return True
         return s.kind == "solution" and (s.assignment, s.exercise) in KEPT and self.file.startswith("course_lib/")
 
     def __str__(self) -> str:

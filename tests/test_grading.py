@@ -142,7 +142,7 @@ def test_judges_refuse_mutated_data(assignment, reference):
     for name, result in results.items():
         verdict = grade.judge(name, result, [])
         assert verdict.passed, f"{name}: the reference's own data fails its judge: {verdict.message}"
-        taken = fuzzing.accepted(name, result["data"])
+        taken = fuzzing.accepted(name, result["data"], result.get("wire"))
         if taken:
             accepted[name] = taken[:5] + ([f"... {len(taken) - 5} more"] if len(taken) > 5 else [])
     assert not accepted, f"{assignment}: judges that pass rewritten data (judge: rewrites): {accepted}"

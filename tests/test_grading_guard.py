@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,52 @@ def test_hidden_cases_come_from_each_gradings_secret_seed():
     with checks.grading_seed(11):
         eleven = checks.case_seed("sampler")
     assert eleven != checks.case_seed("sampler") and checks.GRADING_SEED == 0  # the block's seed, then the default
+
+
+def test_the_grader_s_own_rank_records_where_the_student_s_process_cannot_reach(server, tmp_path, monkeypatch):
+    """07's buckets check: its rank 0 is the grader's (course_grader.peer), forked from the server before the job,
+    and records what reached it in a folder outside the fence. A cell that lists that folder or writes a record into
+    it is refused; the record the judge reads is rank 0's: the reference solution passes on it, and the same data
+    with the record emptied or with another sum in it fails."""
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from solved import solution
+
+    wires, real = tmp_path / "wires", tempfile.mkdtemp
+    wires.mkdir()
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix=None, **kw: str(wires) if prefix == "course-wire-"
+                        else real(prefix=prefix, **kw))
+    name = "test_BucketedDDP_buckets"
+    reach = (f"import os\nfound = os.listdir({str(wires)!r})\n",
+             f"open({str(wires / (name + '.pt'))!r}, 'wb').write(b'forged')\n")
+    cells = ["import torch\nimport torch.distributed as dist\nimport functools\n",
+             solution("07_ddp_reducer", "BucketedDDP"), *reach]
+    out = server.run(cells, [name], seconds=30)
+    assert [e.split(":")[1].strip() for e in out["cell_errors"]] == ["PermissionError", "PermissionError"], out
+    result = out["results"][name]
+    events = [e["what"] for e in result["wire"]]
+    assert events[:3] == ["round", "broadcast", "reached"] and events[-1] == "done", events
+    assert grade.judge(name, result, []).passed, grade.judge(name, result, []).message
+    assert not grade.judge(name, {**result, "wire": []}, []).passed
+    forged = [{**e, "sum": e["sum"] * 1.01} if e["what"] == "arrived" else e for e in result["wire"]]
+    assert "another sum" in grade.judge(name, {**result, "wire": forged}, []).message
+
+
+def test_the_grader_s_rank_waits_for_its_probe_as_long_as_the_job_may_run(server):
+    """The grader's rank starts before the job and its probe runs after the submission's cells: cells that together
+    take longer than one cell's limit must not leave the probe without its rank 0."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from solved import solution
+
+    name = "test_BucketedDDP_buckets"
+    cells = ["import time\ntime.sleep(7)\n", "import time\ntime.sleep(7)\n",
+             "import torch\nimport torch.distributed as dist\nimport functools\n",
+             solution("07_ddp_reducer", "BucketedDDP")]
+    out = server.run(cells, [name], seconds=10)
+    assert not out["cell_errors"], out["cell_errors"]
+    verdict = grade.judge(name, out["results"][name], [])
+    assert verdict.passed, verdict.message

@@ -140,6 +140,43 @@ def test_run_forked_runs_a_function_defined_here_and_reports_failures():
         run_forked(broken, 2, timeout=30)
 
 
+def _host_rank_0(ports, world: int) -> None:
+    """Rank 0 of a group of ``world``, hosting its rendezvous on a port of its own, as a grader's rank does."""
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ports.put(store.port)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0, world_size=world)
+    total = torch.tensor([100.0])
+    dist.all_reduce(total)
+    ports.put(float(total))
+    dist.destroy_process_group()
+
+
+def test_run_forked_joins_a_group_another_process_hosts():
+    """join=(port, 1): the forked ranks are ranks 1 and 2 of a world of 3 whose rank 0, and its store, live in
+    another process; their results come back in their order, and their collectives reach rank 0."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ports = ctx.SimpleQueue()
+    host = ctx.Process(target=_host_rank_0, args=(ports, 3), daemon=True)
+    host.start()
+    try:
+        def rank():
+            t = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(t)
+            return dist.get_rank(), dist.get_world_size(), float(t)
+
+        got = run_forked(rank, 2, timeout=30, join=(ports.get(), 1))
+        assert got == [(1, 3, 103.0), (2, 3, 103.0)]
+        assert ports.get() == 103.0, "rank 0's all-reduce did not see the joined ranks' values"
+    finally:
+        host.join(10)
+        if host.is_alive():
+            host.kill()
+
+
 def test_step_batches_shard_every_epoch_once_and_reshuffle_the_next():
     """ddp, zero and the fine-tune CLI read their data through step_batches: ranks split each epoch exactly."""
     from torch.utils.data import TensorDataset

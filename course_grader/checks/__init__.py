@@ -29,9 +29,12 @@ from typing import Any, Callable
 
 import torch
 
+from course_grader.peer import Peer, running
 from course_lib.launch import run_forked, ships_by_value
 
 REGISTRY: dict[str, "Check"] = {}
+# check name -> the ports of its peer's rounds, while its probe runs (set by check() and by the grading process)
+PORTS: dict[str, list[int]] = {}
 # The seed of the grading under way: the grader draws one per submission (``grade.grade``) and sets it in the
 # process that runs the probes and around its own judges, so the hidden cases built from it (``case_seed``) are new
 # at every grading and outputs learned from an earlier one answer nothing. 0 in a notebook's own kernel.
@@ -40,19 +43,35 @@ GRADING_SEED = 0
 
 @dataclass(frozen=True)
 class Check:
-    """One graded test: ``probe(namespace) -> data`` beside the student's code, ``judge(data) -> str`` in the grader."""
+    """One graded test: ``probe(namespace) -> data`` beside the student's code, ``judge(data) -> str`` in the grader.
+    With a ``peer`` (``course_grader.peer``), the grader's own rank joins the probe's ranks and the judge reads what
+    it recorded too: ``judge(data, wire)``."""
 
     name: str
     probe: Callable[[dict], Any]
-    judge: Callable[[Any], str]
+    judge: Callable[..., str]
+    peer: Peer | None = None
+
+    def verdict(self, data: Any, wire: list | None) -> str:
+        """The judge's message on the probe's ``data`` (and the peer's ``wire``, for a check with a peer)."""
+        return self.judge(data, wire or []) if self.peer else self.judge(data)
 
 
-def register(name: str, probe: Callable[[dict], Any], judge: Callable[[Any], str]) -> Check:
-    """Make ``probe`` and ``judge`` the check of the test cell whose grade_id is ``name``."""
+def register(name: str, probe: Callable[[dict], Any], judge: Callable[..., str], peer: Peer | None = None) -> Check:
+    """Make ``probe`` and ``judge`` the check of the test cell whose grade_id is ``name`` (with the grader's own rank
+    ``peer``, where the probe's ranks join one)."""
     if name in REGISTRY and REGISTRY[name].probe.__module__ != probe.__module__:
         raise ValueError(f"two checks are named {name!r}: each test cell's grade_id names one")
-    REGISTRY[name] = Check(name, probe, judge)
+    REGISTRY[name] = Check(name, probe, judge, peer)
     return REGISTRY[name]
+
+
+def peer_port(name: str, round: int = 0) -> int:
+    """The port on which check ``name``'s peer hosts round ``round``'s group: the probe's ranks join it there."""
+    if name not in PORTS:
+        raise RuntimeError(f"{name} grades what reaches the grader's own rank, and none was started: run it with "
+                           f"check({name!r}, globals())")
+    return PORTS[name][round]
 
 
 def case_seed(*parts) -> int:
@@ -210,9 +229,10 @@ def check(name: str, namespace: dict) -> None:
         raise KeyError(f"no check named {name!r} in this edition of course_lib (hidden tests run when you are graded)")
     entry = REGISTRY[name]
     try:
-        data = entry.probe(namespace)
+        with running(name, entry.peer) as wire:
+            data = entry.probe(namespace)
     except NotImplementedError as err:  # an exercise this test calls is still the release's stub: say which
         if unwritten(err) is None:
             raise
         raise AssertionError(f"{name}: {not_written(unwritten(err))}") from None
-    print(entry.judge(plain(data)))
+    print(entry.verdict(plain(data), wire))

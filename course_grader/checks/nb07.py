@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course_grader.checks import outcome, packed, register, student, unpacked
+from course_grader.checks import outcome, packed, peer_port, register, student, unpacked
+from course_grader.peer import Peer, Wire
 from course_grader.checks.nb06 import cnn
 from course_grader.grading import forbid, grads, max_rel_diff, params
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
-from course_lib.launch import run_forked
+from course_lib.launch import WorkerError, run_forked
 from course_lib.models import SmallCNN
 from course_lib.parallel import ddp
 
@@ -35,10 +37,12 @@ KEEP = ("what", "async_op", "waited")  # what the judges read of an event
 
 
 def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed: int | None = None,
-                   frozen: bool = False, data_seed: int = 3) -> list:
+                   frozen: bool = False, data_seed: int = 3, join: int | None = None, gate: bool = False) -> list:
     """Per rank, the student's BucketedDDP trained ``steps`` SGD steps on its part of a global batch of ``n`` (the
     images of ``data_seed``): its buckets (by name), each step's gradients after finish_gradient_synchronization and
-    collectives, the weights. ``seed``: rank r starts from the weights of ``seed + r``; None: each from cnn()'s."""
+    collectives, the weights. ``seed``: rank r starts from the weights of ``seed + r``; None: each from cnn()'s.
+    ``join``: the port of the grader's rank 0 (``peer_port``), whose group these ranks join as ranks 1 to ``nprocs``;
+    ``gate``: the model's first block waits on rank 0 in backward (``Gate``)."""
     space = student(ns, "BucketedDDP")
 
     def rank():
@@ -46,8 +50,11 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed: 
         torch.set_num_threads(1)
         x, y = synthetic_images(n * steps, seed=data_seed).tensors
         logs = []
+        model = cnn(frozen) if seed is None else seeded(seed + r, frozen)
+        if gate:
+            model.features[0].register_forward_hook(lambda module, args, out: Gate.apply(out))
         with forbid(*BUCKETED_INIT, namespace=space):
-            mine = space["BucketedDDP"](cnn(frozen) if seed is None else seeded(seed + r, frozen), bucket_cap_mb=cap)
+            mine = space["BucketedDDP"](model, bucket_cap_mb=cap)
         names = {id(p): k for k, p in mine.module.named_parameters()}
         for p in mine.module.parameters():  # registered after the student's: marks the moment a gradient is in
             if p.requires_grad:
@@ -69,7 +76,12 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed: 
         out["weights"] = params(mine.module)
         return packed(out)
 
-    return [unpacked(run) for run in run_forked(rank, nprocs, timeout=15)]
+    if join is None:
+        return [unpacked(run) for run in run_forked(rank, nprocs, timeout=15)]
+    try:
+        return [unpacked(run) for run in run_forked(rank, nprocs, timeout=10, join=(join, 1))]
+    except (TimeoutError, WorkerError) as err:  # a rank that never finished: the grader's rank saw where it stopped
+        return [{"stopped": str(err)[-300:]}]
 
 
 def seeded(seed: int, frozen: bool) -> torch.nn.Module:
@@ -114,11 +126,12 @@ def needs_grad(frozen: bool = False) -> list[str]:
 
 
 def check_bucketed(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
-                   data_seed: int = 3) -> None:
+                   data_seed: int = 3, first: int = 0) -> None:
+    """The student's ranks ``first`` to ``nprocs - 1`` (``runs``) against torch's DDP on ``nprocs`` ranks."""
     refs = reference_runs(nprocs, n, steps, frozen, seed, data_seed)
     names = needs_grad(frozen)
-    assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
-    for r, (run, ref) in enumerate(zip(runs, refs)):
+    assert len(runs) == nprocs - first, f"{label}: results from {len(runs)} ranks, expected {nprocs - first}"
+    for r, (run, ref) in enumerate(zip(runs, refs[first:]), start=first):
         flat = [k for bucket in run["buckets"] for k in bucket]
         assert set(flat) <= set(names), (f"{label}, rank {r}: {sorted(set(flat) - set(names))} in your buckets need "
                                          "no gradient: a frozen parameter has no gradient to bucket")
@@ -156,8 +169,142 @@ def judge_bucketed(runs: list) -> str:
 
 register("test_BucketedDDP", lambda ns: bucketed_probe(ns, 2, 16, 2, CAP), judge_bucketed)
 
-def probe_buckets(ns: dict) -> list:
-    return [{"buckets": run["buckets"], "events": run["events"]} for run in bucketed_probe(ns, 2, 16, 1, CAP)]
+# ---------------------------------------------------------------- what reaches the grader's rank 0
+# The buckets' checks run the student's ranks beside the grader's own rank 0 (``course_grader.peer``), which plays
+# the contract's side: DDP's broadcast, then each step torch's buckets, in torch's order, each one all-reduce of its
+# gradients flattened. What arrives there is the evidence: a bucket of another size stops gloo, other gradients
+# give another sum. ``Gate`` makes overlap evidence too: backward cannot finish the first block until rank 0 has
+# the first bucket's sum, and rank 0 all-reduces it only once backward has reached the first block.
+FIRST_BLOCK = "features.0."  # the parameters whose gradients come last in backward: after the gate
+
+
+class Gate(torch.autograd.Function):
+    """Identity forward. Backward, where the first block's gradient is about to be computed: tells rank 0 that
+    backward got here (a send), waits for its token (a receive, sent once the first bucket's sum has arrived there)
+    and scales the gradient by it, so the first block's gradients are right only after the first bucket has left."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.send(torch.ones(1), dst=0)
+        token = torch.zeros(1)
+        dist.recv(token, src=0)
+        return grad * token
+
+
+def play_ddp(wire: Wire, model: torch.nn.Module, n: int, steps: int, cap: float, data_seed: int, gate: bool) -> None:
+    """Rank 0's side of ``bucketed_probe`` (the grader's): broadcast its weights and buffers, then per step its
+    gradients on its part of the batch in torch's buckets (``torch_buckets``), one all-reduce each, in order, each
+    sum recorded as it arrives; with ``gate``, the first block's gradients times a token drawn now, sent to the
+    other ranks once the first bucket's sum is in, after every rank's backward has reached the gate."""
+    world = dist.get_world_size()
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0)
+    wire.record("broadcast")
+    x, y = synthetic_images(n * steps, seed=data_seed).tensors
+    named, buckets = dict(model.named_parameters()), torch_buckets(model, cap)
+    arrival: list[str] = []  # the gradients in the order backward gives them: the order the buckets fill in
+    for k, p in named.items():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda q, k=k: arrival.append(k))
+    if gate:  # the student's graph has a node here: so has this one (autograd's order follows the graph)
+        model.features[0].register_forward_hook(lambda module, args, out: out.view_as(out))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        arrival.clear()
+        F.cross_entropy(model(x[s * n:(s + 1) * n].chunk(world)[0]), y[s * n:(s + 1) * n].chunk(world)[0]).backward()
+        token = torch.tensor([1.5 + secrets.randbelow(1000) / 1000])
+        if gate:
+            for other in range(1, world):
+                dist.recv(torch.zeros(1), src=other)
+            wire.record("reached", step=s)
+            for k, p in named.items():
+                if k.startswith(FIRST_BLOCK):
+                    p.grad *= token
+        filled = sorted(range(len(buckets)), key=lambda i: max(arrival.index(k) for k in buckets[i]))
+        for i in filled:
+            names = buckets[i]
+            flat = torch.cat([named[k].grad.reshape(-1) for k in names])
+            wire.record("issued", step=s, bucket=i, numel=flat.numel())
+            dist.all_reduce(flat)
+            wire.record("arrived", step=s, bucket=i, sum=flat.clone())
+            if gate and i == filled[0]:
+                for other in range(1, world):
+                    dist.send(token, dst=other)
+                wire.record("token", step=s, value=float(token))
+            for k, g in zip(names, flat.split([named[k].numel() for k in names])):
+                named[k].grad.copy_(g.view_as(named[k].grad) / world)
+        opt.step()
+        opt.zero_grad()
+
+
+def check_wire(events: list, want: list[dict], buckets: list[list[str]], label: str, gate: bool = False) -> None:
+    """What reached rank 0 is the contract's: per step s, torch's ``buckets`` in order, bucket i's sum over the ranks
+    = ``want[s]`` (name -> the world's summed gradient) flattened, the first block's gradients times the step's
+    token where the gate ran."""
+    arrived = {(e["step"], e["bucket"]): e["sum"] for e in events if e["what"] == "arrived"}
+    tokens = {e["step"]: e["value"] for e in events if e["what"] == "token"}
+    for s, grads_s in enumerate(want):
+        for i, names in enumerate(buckets):
+            if (s, i) not in arrived:
+                raise AssertionError(f"{label}, step {s}: {stopped(events, s, buckets, gate)}")
+            scale = {k: tokens.get(s, 1.0) if gate and k.startswith(FIRST_BLOCK) else 1.0 for k in names}
+            expected = torch.cat([grads_s[k].reshape(-1) * scale[k] for k in names])
+            got = arrived[(s, i)]
+            diff = max_rel_diff({"b": got}, {"b": expected}) if got.shape == expected.shape else math.inf
+            assert diff < 1e-4, (f"{label}, step {s}: torch's bucket {i} ({names[0]} to {names[-1]}) arrived at the "
+                                 "grader's rank 0 as another sum than the ranks' gradients of those parameters, "
+                                 f"flattened in that order (max rel. diff {diff:.1e})")
+
+
+def stopped(events: list, s: int, buckets: list[list[str]], gate: bool) -> str:
+    """Why a bucket of step ``s`` never arrived at rank 0, from the last thing rank 0 did."""
+    if not any(e["what"] == "broadcast" for e in events):
+        return ("the grader's rank 0 broadcast its weights and buffers, as wrapping does, and your rank's collectives "
+                "did not match: broadcast every parameter, then every buffer, from rank 0 in __init__")
+    if gate and not any(e["what"] == "reached" and e["step"] == s for e in events):
+        return ("backward never reached the first block while rank 0 waited: your rank waited on an all-reduce "
+                "during backward (rank 0 all-reduces the first bucket only once backward is past it). Keep the "
+                "handles; wait in finish_gradient_synchronization")
+    issued = [e["bucket"] for e in events if e["what"] == "issued" and e["step"] == s]
+    arrived = {e["bucket"] for e in events if e["what"] == "arrived" and e["step"] == s}
+    stuck = next((i for i in issued if i not in arrived), issued[-1] if issued else 0)
+    names = buckets[stuck]
+    if gate and not arrived:
+        return (f"torch's first bucket to fill ({names[0]} to {names[-1]}) never reached rank 0 while backward went "
+                "on: the first block's gradients wait for it, so a bucket launched after backward never leaves. Fill "
+                "buckets in reverse order of module.parameters() and launch each one with dist.all_reduce(..., "
+                "async_op=True) from the hook that completes it")
+    return (f"rank 0 all-reduced torch's bucket {stuck} ({len(names)} parameters, {names[0]} to {names[-1]}) as it "
+            "filled, and your rank's collective there did not match it: another size, another collective, or none")
+
+
+def play_buckets(wire: Wire, round: int) -> None:
+    """Rank 0 of ``test_BucketedDDP_buckets``: cnn()'s weights, one step of 16 images, the cap ``CAP``, gated."""
+    play_ddp(wire, cnn(), 16, 1, CAP, 3, gate=True)
+
+
+def assigned_buckets(ns: dict, cap: float) -> list[list[str]]:
+    """The student's buckets of cnn() by name, built on a rank alone: the plainer message where the wire's differs."""
+    space = student(ns, "BucketedDDP")
+
+    def rank():
+        model = cnn()
+        names = {id(p): k for k, p in model.named_parameters()}
+        with forbid(*BUCKETED_INIT, namespace=space):
+            mine = space["BucketedDDP"](model, bucket_cap_mb=cap)
+        return [[names[id(p)] for p in bucket] for bucket in mine.buckets]
+
+    return run_forked(rank, 1, timeout=15)[0]
+
+
+def probe_buckets(ns: dict) -> dict:
+    runs = bucketed_probe(ns, 1, 16, 1, CAP, join=peer_port("test_BucketedDDP_buckets"), gate=True)
+    return {"assigned": assigned_buckets(ns, CAP),
+            "runs": [run if "stopped" in run else {"events": run["events"]} for run in runs]}
 
 
 def torch_buckets(model: torch.nn.Module, cap_mb: float) -> list[list[str]]:
@@ -198,11 +345,18 @@ def check_bucket_rule(buckets: list, model: torch.nn.Module, cap_mb: float, labe
     assert len(buckets) == len(torch_buckets(model, cap_mb)), f"{label}: not torch's buckets"
 
 
-def judge_buckets(runs: list) -> str:
-    assert len(runs) == 2, f"results from {len(runs)} ranks, expected 2"
-    for r, run in enumerate(runs):
-        check_bucket_rule(run["buckets"], cnn(), CAP, f"rank {r}, cap {CAP} MiB")
-        n_buckets = len(run["buckets"])
+def judge_buckets(got: dict, wire: list) -> str:
+    """The student's buckets by name (its own account: the plainer message), then the wire (rank 0's record, the
+    evidence: torch's buckets, their sums, the first one during backward), then its rank's log, for what the wire
+    cannot tell: every launch async, no wait before the last one."""
+    check_bucket_rule(got["assigned"], cnn(), CAP, f"cap {CAP} MiB")
+    ref = reference_runs(2, 16, 1, False)[0]["ddp"][0]
+    check_wire(wire, [{k: 2 * g for k, g in ref.items()}], torch_buckets(cnn(), CAP), f"cap {CAP} MiB", gate=True)
+    runs = got["runs"]
+    assert len(runs) == 1, f"results from {len(runs)} ranks, expected 1"
+    assert "stopped" not in runs[0], f"your rank stopped after its buckets had left: {runs[0]['stopped']}"
+    for r, run in enumerate(runs, start=1):
+        n_buckets = len(got["assigned"])
         assert len(run["events"]) == 1, f"rank {r}: {len(run['events'])} steps' collectives, expected 1"
         ev = run["events"][0]
         launches = [i for i, e in enumerate(ev) if e["what"] == "all_reduce"]
@@ -226,7 +380,7 @@ def judge_buckets(runs: list) -> str:
             "one has left")
 
 
-register("test_BucketedDDP_buckets", probe_buckets, judge_buckets)
+register("test_BucketedDDP_buckets", probe_buckets, judge_buckets, Peer(world=2, play=play_buckets))
 
 
 class Detour(torch.nn.Module):

@@ -30,6 +30,15 @@ BUCKETED_AFTER_BACKWARD = edit(BUCKETED, (HOOK_LAUNCH, ""), (  # right gradients
     "            if len(self.arrived[i]) == len(bucket):\n"
     "                flat = torch.cat([q.grad.reshape(-1) for q in bucket])\n"
     "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n"))
+# the same, and the rank's own log of its collectives rewritten so the first launch comes before the last gradient
+# (the log is the closure of the patched dist.all_reduce): the grader's rank 0 never gets the first bucket in time
+BUCKETED_AFTER_BACKWARD_FORGED = edit(BUCKETED_AFTER_BACKWARD, (
+    "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n",
+    "                self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n"
+    "        cells = [c.cell_contents for c in dist.all_reduce.__closure__ or ()]\n"
+    "        for log in [c for c in cells if hasattr(c, 'events')]:\n"
+    "            launches = [e for e in log.events if e['what'] == 'all_reduce']\n"
+    "            log.events[:] = launches[:1] + [e for e in log.events if e['what'] != 'all_reduce'] + launches[1:]\n"))
 # each bucket launched from its hook, and waited on right there: right gradients, backward held up at every bucket
 BUCKETED_WAITS_IN_THE_HOOK = edit(BUCKETED, (
     "                    self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))\n",
@@ -88,6 +97,7 @@ CASES = {
          dict(test_BucketedDDP=0, test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
         ("bucketed_after_backward", BUCKETED_AFTER_BACKWARD, dict(test_BucketedDDP_buckets=0)),
         ("bucketed_waits_in_the_hook", BUCKETED_WAITS_IN_THE_HOOK, dict(test_BucketedDDP_buckets=0)),
+        ("bucketed_after_backward_forged_log", BUCKETED_AFTER_BACKWARD_FORGED, dict(test_BucketedDDP_buckets=0)),
         # not reset after any step, so not after the error either: the unused test's next step fails too
         ("bucketed_counts_not_reset", BUCKETED_COUNTS_NOT_RESET,
          dict(test_BucketedDDP=0, test_BucketedDDP_unused=0, test_BucketedDDP_hidden=0)),
@@ -98,7 +108,8 @@ CASES = {
          dict(test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
         ("bucketed_before_the_cap", BUCKETED_BEFORE_THE_CAP,
          dict(test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
-        ("bucketed_no_broadcast", BUCKETED_NO_BROADCAST, dict(test_BucketedDDP_hidden=0)),
+        # rank 0 (the grader's, in the buckets' checks) broadcasts as wrapping does: a rank that does not cannot match
+        ("bucketed_no_broadcast", BUCKETED_NO_BROADCAST, dict(test_BucketedDDP_buckets=0, test_BucketedDDP_hidden=0)),
         ("calls_library_BucketedDDP", CALLS_LIBRARY_BUCKETED, {k: 0 for k in FULL}),
         ("calls_torch_ddp", CALLS_TORCH_DDP, {k: 0 for k in FULL}),
     ]},
