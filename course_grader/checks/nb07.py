@@ -216,8 +216,8 @@ def play_ddp(wire: Wire, model: torch.nn.Module, n: int, steps: int, cap: float,
     for s in range(steps):
         arrival.clear()
         F.cross_entropy(model(x[s * n:(s + 1) * n].chunk(world)[0]), y[s * n:(s + 1) * n].chunk(world)[0]).backward()
-        token = torch.tensor([1.5 + secrets.randbelow(1000) / 1000])
         if gate:
+            token = torch.tensor([1.5 + secrets.randbelow(1000) / 1000])
             for other in range(1, world):
                 dist.recv(torch.zeros(1), src=other)
             wire.record("reached", step=s)
