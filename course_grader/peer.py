@@ -57,6 +57,17 @@ class Wire:
         os.replace(part, self.path)
 
 
+def rounds(wire: list, n: int) -> list[list]:
+    """A peer's record (``wire``) cut into its ``n`` rounds' events; a round it never reached is an empty list."""
+    out: list[list] = []
+    for e in wire:
+        if e["what"] == "round":
+            out.append([])
+        elif out:
+            out[-1].append(e)
+    return (out + [[] for _ in range(n)])[:n]
+
+
 def read(path: Path) -> list:
     """A peer's record as plain data; [] where it recorded nothing."""
     try:
@@ -127,10 +138,14 @@ def start(peer: Peer, path: Path, seed: int, seconds: float, fork: bool = True) 
     process = ctx.Process(target=_serve, args=(peer, str(path), seed, seconds, theirs), daemon=True)
     process.start()
     theirs.close()
-    if not mine.poll(60):
+    try:
+        if not mine.poll(60):
+            raise EOFError
+        ports = mine.recv()
+    except EOFError:  # it never said where it listens, or it ended first (its pipe's end closed)
         process.kill()
-        raise RuntimeError(f"the grader's rank did not start; its log: {path}.log")
-    return Running(process, mine.recv(), Path(path))
+        raise RuntimeError(f"the grader's rank did not start; its log: {path}.log") from None
+    return Running(process, ports, Path(path))
 
 
 @contextlib.contextmanager

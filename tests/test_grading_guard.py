@@ -296,3 +296,15 @@ def test_the_grader_s_rank_waits_for_its_probe_as_long_as_the_job_may_run(server
     assert not out["cell_errors"], out["cell_errors"]
     verdict = grade.judge(name, out["results"][name], [])
     assert verdict.passed, verdict.message
+
+
+def test_a_peers_record_is_cut_into_its_rounds_and_a_round_never_reached_is_empty():
+    """A judge reads each wired round's events alone: a round that stopped early holds what it saw, and a round the
+    peer never reached (it was still waiting in an earlier one) is empty, so that round's judge says it never came."""
+    from course_grader.peer import rounds
+
+    wire = [{"what": "round", "index": 0}, {"what": "arrived", "step": 0}, {"what": "stopped", "message": "gone"},
+            {"what": "round", "index": 1}, {"what": "arrived", "step": 1}, {"what": "done"}]
+    assert rounds(wire, 3) == [[wire[1], wire[2]], [wire[4], wire[5]], []]
+    assert rounds(wire, 1) == [[wire[1], wire[2]]]
+    assert rounds([], 2) == [[], []]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from course_grader.checks import case_seed, peer_port, register
 from course_grader.checks.nb07 import (bucketed_probe, check_bucket_rule, check_bucketed, check_wire, play_ddp,
                                        reference_runs, seeded, torch_buckets)
-from course_grader.peer import Peer, Wire
+from course_grader.peer import Peer, Wire, rounds
 
 
 # ---------------------------------------------------------------- BucketedDDP
@@ -36,20 +36,9 @@ def probe_bucketed(ns: dict) -> list:
             bucketed_probe(ns, 3, 24, 3, cap, frozen=True, **bucketed_case()) for i, (cap, _) in enumerate(CAPS)]
 
 
-def rounds(wire: list) -> list[list]:
-    """The peer's record, one list per round."""
-    out: list[list] = []
-    for e in wire:
-        if e["what"] == "round":
-            out.append([])
-        elif out:
-            out[-1].append(e)
-    return out
-
-
 def judge_bucketed(got: list, wire: list) -> str:
     case = bucketed_case()
-    model, per_round = seeded(case["seed"], True), rounds(wire) + [[]] * len(CAPS)
+    model, per_round = seeded(case["seed"], True), rounds(wire, WIRED)
     want = [{k: 3 * g for k, g in step.items()} for step in reference_runs(3, 24, 3, True, **case)[0]["ddp"]]
     for i, ((cap, label), runs) in enumerate(zip(CAPS, got, strict=True)):
         if i < WIRED:

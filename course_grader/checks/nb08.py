@@ -1,5 +1,6 @@
 """Notebook 08's visible tests: the bytes per rank against a measured FSDP run, the block-by-block wrap on 2 ranks,
-and FSDP by hand (``ShardedModule``) on 2 ranks against one process and against ``fully_shard``.
+and FSDP by hand (``ShardedModule``) against one process and against ``fully_shard``, graded by what reaches the
+grader's own rank 0 (``play_hand``) beside the student's rank.
 
 The probes fork real CPU ranks (gloo) that run the student's code and send back plain data; the references that
 need ranks (the measured bytes, ``fully_shard``'s gradients) are forked by the judges, from course_lib's own code.
@@ -18,11 +19,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import course_lib.distributed as toolkit
-from course_grader.checks import number, packed, register, student, unpacked
+from course_grader.checks import case_seed, number, packed, peer_port, register, student, unpacked
 from course_grader.grading import forbid, worst
+from course_grader.peer import Peer, Wire
 from course_lib import memory
 from course_lib.data import lm_batch
-from course_lib.launch import on_ranks, run_forked
+from course_lib.launch import WorkerError, on_ranks, run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 from course_lib.parallel import fsdp
@@ -158,6 +160,20 @@ def frozen_mlp(frozen: bool, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def hand_mlp(frozen: bool, seed: int = 0, shift: tuple[int, int] | None = None) -> torch.nn.Module:
+    """``frozen_mlp(frozen, seed)``; with ``shift=(world, s)``, rank 0's slice of every parameter (its first
+    ceil(numel / world) values) moved by noise drawn from ``s``: the weights of a group whose rank 0 is the
+    grader's, which the student's ranks can learn only by gathering them."""
+    model = frozen_mlp(frozen, seed)
+    if shift is not None:
+        world, g = shift[0], torch.Generator().manual_seed(shift[1])
+        with torch.no_grad():
+            for p in model.parameters():
+                n = -(-p.numel() // world)
+                p.view(-1)[:n] += 0.5 * torch.randn(n, generator=g)
+    return model
+
+
 def batches(n: int, steps: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n * steps, 6, generator=g), torch.randn(n * steps, 4, generator=g)
@@ -168,10 +184,11 @@ def sgd(params) -> torch.optim.Optimizer:
 
 
 def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
-               data_seed: int = 5) -> list:
+               data_seed: int = 5, join: int | None = None) -> list:
     """The student's ShardedModule around the small MLP (the weights of ``seed``) on ``nprocs`` forked ranks, ``steps``
     SGD steps of a global batch of ``n`` (the data of ``data_seed``): per rank, each step's global loss and shard
-    gradients, then the bytes held and the shard sizes."""
+    gradients, then the bytes held and the shard sizes. ``join``: the port of the grader's rank 0 (``peer_port``),
+    whose group these ranks join as ranks 1 to ``nprocs`` (``play_hand`` is its side)."""
     space = student(ns, "ShardedModule", "GatherParameter")
 
     def hand():
@@ -201,7 +218,12 @@ def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False, 
         out["shard_sizes"] = [int(t.numel()) for t in mine.shards]
         return packed(out)
 
-    return [unpacked(run) for run in run_forked(hand, nprocs, timeout=30)]
+    if join is None:
+        return [unpacked(run) for run in run_forked(hand, nprocs, timeout=30)]
+    try:
+        return [unpacked(run) for run in run_forked(hand, nprocs, timeout=10, join=(join, 1))]
+    except (TimeoutError, WorkerError) as err:  # a rank that never finished: the grader's rank saw where it stopped
+        return [{"stopped": str(err)[-300:]}]
 
 
 def rank_piece(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -211,27 +233,31 @@ def rank_piece(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
-def one_process(n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5) -> tuple[list, list, list]:
-    """The MLP trained by one process on the whole batch: its parameters (name, numel, requires_grad), each step's
-    loss, and each step's gradients (None where frozen)."""
-    ref = frozen_mlp(frozen, seed)
+def one_process(n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5,
+                shift: tuple[int, int] | None = None) -> tuple[list, list, list, list]:
+    """The MLP (``hand_mlp``) trained by one process on the whole batch: its parameters (name, numel,
+    requires_grad), each step's loss, each step's gradients (None where frozen), and each step's weights before
+    it."""
+    ref = hand_mlp(frozen, seed, shift)
     opt, (x, y), losses, grads = sgd(ref.parameters()), batches(n, steps, data_seed), [], []
+    weights = []
     for s in range(steps):
+        weights.append([p.detach().clone() for p in ref.parameters()])
         loss = F.mse_loss(ref(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n])
         loss.backward()
         losses.append(float(loss.detach()))
         grads.append([None if p.grad is None else p.grad.detach().clone() for p in ref.parameters()])
         opt.step()
         opt.zero_grad()
-    return [(name, p.numel(), p.requires_grad) for name, p in ref.named_parameters()], losses, grads
+    return [(name, p.numel(), p.requires_grad) for name, p in ref.named_parameters()], losses, grads, weights
 
 
-def fully_shard_run(n: int, steps: int, frozen: bool, seed: int, data_seed: int) -> list:
+def fully_shard_run(n: int, steps: int, frozen: bool, seed: int, data_seed: int, shift: tuple | None) -> list:
     """fully_shard's gradients of the same training, this rank's slice of each (None where frozen), per step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    theirs = frozen_mlp(frozen, seed)
+    theirs = hand_mlp(frozen, seed, shift)
     fully_shard(theirs)
     opt, (x, y), out = sgd(theirs.parameters()), batches(n, steps, data_seed), []
     for s in range(steps):
@@ -245,19 +271,22 @@ def fully_shard_run(n: int, steps: int, frozen: bool, seed: int, data_seed: int)
 
 
 @functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
-def fsdp_reference(nprocs: int, n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5) -> list:
-    runs = run_forked(fully_shard_run, nprocs, dict(n=n, steps=steps, frozen=frozen, seed=seed, data_seed=data_seed),
-                      timeout=120)
+def fsdp_reference(nprocs: int, n: int, steps: int, frozen: bool, seed: int = 0, data_seed: int = 5,
+                   shift: tuple[int, int] | None = None) -> list:
+    runs = run_forked(fully_shard_run, nprocs, dict(n=n, steps=steps, frozen=frozen, seed=seed, data_seed=data_seed,
+                                                    shift=shift), timeout=120)
     return [unpacked(run) for run in runs]
 
 
 def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: bool = False, seed: int = 0,
-               data_seed: int = 5) -> None:
-    """Each rank's shard gradients against its slice of one process's and of fully_shard's, and its losses."""
-    params, ref_losses, ref_grads = one_process(n, steps, frozen, seed, data_seed)
-    theirs = fsdp_reference(nprocs, n, steps, frozen, seed, data_seed)
-    assert len(runs) == nprocs, f"{label}: results from {len(runs)} ranks, expected {nprocs}"
-    for r, run in enumerate(runs):
+               data_seed: int = 5, shift: tuple[int, int] | None = None, first: int = 0) -> None:
+    """Each of the student's ranks (``first`` to ``nprocs - 1``; rank 0 is the grader's where ``first`` is 1): its
+    shard gradients against its slice of one process's and of fully_shard's, and its losses."""
+    params, ref_losses, ref_grads, _ = one_process(n, steps, frozen, seed, data_seed, shift)
+    theirs = fsdp_reference(nprocs, n, steps, frozen, seed, data_seed, shift)
+    assert len(runs) == nprocs - first, f"{label}: results from {len(runs)} ranks, expected {nprocs - first}"
+    assert not any("stopped" in run for run in runs), f"{label}: your ranks stopped after rank 0 had its gradients"
+    for r, run in enumerate(runs, start=first):
         no_grad, bad_size, gaps = False, None, {"one": [], "fsdp": [], "loss": []}
         assert len(run["grads"]) == len(run["losses"]) == steps, \
             f"{label}, rank {r}: {len(run['grads'])} steps' gradients and {len(run['losses'])} losses, expected {steps}"
@@ -299,12 +328,139 @@ def judge_hand(runs: list, label: str, nprocs: int, n: int, steps: int, frozen: 
             assert gaps["loss"][s] < 1e-5, f"{label}, rank {r}, step {s}: the loss left one process's"
 
 
-def judge_hand_2(runs: list) -> str:
-    judge_hand(runs, "2 ranks", 2, 8, 3)
-    return "2 ranks: one process's gradients and losses, and fully_shard's gradients"
+# ---------------------------------------------------------------- ShardedModule, as the grader's rank 0 sees it
+# Rank 0 of a wired group is the grader's: it holds its slice of every parameter, moved by noise drawn at grading
+# (``hand_mlp``'s shift), so the student's ranks compute the right gradients only from the weights they gathered.
+# It plays the contract's collectives in the contract's order (per step: one all-gather per parameter, in
+# module.named_parameters() order; one reduce-scatter per trained parameter, in the order autograd reaches their
+# gathers; the test's all-reduce of the loss) and records what arrives: the student's ranks' slices of each
+# weight, the sum of their gradients' first slice, their losses. (On gloo a reduce-scatter is an all-reduce on the
+# wire: which of the two a rank called, the wire cannot tell.)
+class Reached(torch.autograd.Function):
+    """Identity; backward appends ``index`` to ``order``: where autograd reaches a parameter's gather."""
+
+    @staticmethod
+    def forward(ctx, x, index, order):
+        ctx.index, ctx.order = index, order
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.order.append(ctx.index)
+        return grad, None, None
 
 
-register("test_ShardedModule", lambda ns: hand_probe(ns, 2, 8, 3), judge_hand_2)
+def shift_seed(name: str) -> int:
+    """The seed of rank 0's shifted slices in check ``name``: new to every grading (``case_seed``)."""
+    return case_seed("nb08", name, "rank 0's weights")
+
+
+def play_hand(wire: Wire, n: int, steps: int, frozen: bool, seed: int, data_seed: int, shift: int) -> None:
+    """Rank 0's side of ``hand_probe``'s training (the grader's), its weights ``hand_mlp(frozen, seed, (world,
+    shift))``: each collective of the contract in turn, and what arrived."""
+    world = dist.get_world_size()
+    model = hand_mlp(frozen, seed, (world, shift))
+    named = [(name, p.shape, p.requires_grad) for name, p in model.named_parameters()]
+    shards = [rank_piece(p.detach(), 0, world).clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+    module, opt, (x, y) = model.to("meta"), sgd(shards), batches(n, steps, data_seed)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    for s in range(steps):
+        leaves, full, order = [], {}, []
+        for i, ((name, shape, trained), shard) in enumerate(zip(named, shards)):
+            got = shard.new_empty(shard.numel() * world)
+            dist.all_gather(list(got.split(shard.numel())), shard.detach())
+            wire.record("gathered", step=s, index=i, values=got.clone())
+            leaves.append(got[:shape.numel()].view(shape).clone().requires_grad_(trained))
+            full[name] = Reached.apply(leaves[-1], i, order) if trained else leaves[-1]
+        loss = F.mse_loss(torch.func.functional_call(module, full, (x[s * n:(s + 1) * n][:n // world],)),
+                          y[s * n:(s + 1) * n][:n // world])
+        loss.backward()
+        for i in order:
+            flat = F.pad(leaves[i].grad.reshape(-1), (0, shards[i].numel() * world - leaves[i].numel()))
+            mine = flat.new_empty(shards[i].numel())
+            scatter(mine, flat)
+            wire.record("reduced", step=s, index=i, values=mine.clone())
+            shards[i].grad = mine / world
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        wire.record("loss", step=s, sum=float(total))
+        opt.step()
+        opt.zero_grad()
+
+
+def check_hand_wire(events: list, label: str, world: int, n: int, steps: int, frozen: bool, seed: int,
+                    data_seed: int, shift: int) -> None:
+    """What reached the grader's rank 0 is one process's training from the same weights: per step, the other ranks'
+    slices of every weight (their shards, stepped), the sum over the ranks of the first slice of every trained
+    parameter's gradient (world x one process's), the losses' sum."""
+    params, losses, grads, weights = one_process(n, steps, frozen, seed, data_seed, (world, shift))
+    got = {(e["what"], e["step"], e.get("index")): e for e in events if e["what"] in ("gathered", "reduced", "loss")}
+    for s in range(steps):
+        for i, (name, numel, trained) in enumerate(params):
+            per = -(-numel // world)
+            if ("gathered", s, i) not in got:
+                raise AssertionError(f"{label}, step {s}: {hand_stopped(events, params, world, s, i)}")
+            want = F.pad(weights[s][i].reshape(-1), (0, per * world - numel))
+            values, scale = got["gathered", s, i]["values"], float(want.abs().max()) + 1e-12
+            assert values.shape == want.shape, f"{label}, step {s}: {name} gathered as {values.numel()} values"
+            for r in range(1, world):
+                gap = float((values[r * per:(r + 1) * per] - want[r * per:(r + 1) * per]).abs().max()) / scale
+                assert gap < 1e-5, (
+                    f"{label}, step {s}: rank {r}'s slice of {name}, as the grader's rank 0 gathered it, is not slice "
+                    f"{r} of the weights one process has there (max rel. diff {gap:.1e}): "
+                    + ("keep slice r of the flattened parameter, zero-padded to a multiple of the world size" if s == 0
+                       else "the shard's optimizer step went wrong: its gradient was not the average slice"))
+        for i, (name, numel, trained) in enumerate(params):
+            if not trained:
+                continue
+            if ("reduced", s, i) not in got:
+                raise AssertionError(f"{label}, step {s}: {hand_stopped(events, params, world, s, i)}")
+            want, values = world * rank_piece(grads[s][i], 0, world), got["reduced", s, i]["values"]
+            gap = (float((values - want).abs().max()) / (float(want.abs().max()) + 1e-12)
+                   if values.shape == want.shape else float("inf"))
+            assert gap < 1e-4, (
+                f"{label}, step {s}: the sum over the ranks of slice 0 of {name}'s gradient reached the grader's "
+                f"rank 0 as another sum than one process's gradient there (max rel. diff {gap:.1e}): each rank's "
+                "gradient comes from the gathered weights, rank 0's slice included, on its own part of the batch")
+        if ("loss", s, None) not in got:
+            raise AssertionError(f"{label}, step {s}: {hand_stopped(events, params, world, s, None)}")
+        loss_sum = got["loss", s, None]["sum"]
+        assert abs(loss_sum - world * losses[s]) <= 1e-5 * world * losses[s], \
+            f"{label}, step {s}: the ranks' losses sum to {loss_sum:.6g}, not {world} x one process's loss"
+
+
+def hand_stopped(events: list, params: list, world: int, s: int, i: int | None) -> str:
+    """Why rank 0 never saw step ``s``'s collective of parameter ``i`` (None: the loss's), from what it saw last."""
+    gathered = {e["index"] for e in events if e["what"] == "gathered" and e["step"] == s}
+    name, numel = (params[i][0], params[i][1]) if i is not None else ("the loss", 1)
+    per = -(-numel // world)
+    if i is not None and i not in gathered:
+        return (f"the grader's rank 0 all-gathered {name}'s slices ({per} values from each of {world} ranks), "
+                f"parameter {i + 1} of module.named_parameters(), and your rank's collective there did not match: "
+                "gather every parameter, in that order, with GatherParameter.apply before running the module")
+    if i is not None:
+        return (f"the grader's rank 0 reduce-scattered {name}'s gradient ({per * world} values, zero-padded; {per} to "
+                "each rank) where backward reached its gather, and your rank's collective there did not match: in "
+                "GatherParameter.backward, reduce-scatter the padded, flattened gradient")
+    return ("the test all-reduces each step's loss after backward, and rank 0's all-reduce met another collective of "
+            "your rank's: one beyond one all-gather per parameter and one reduce-scatter per trained parameter")
+
+
+def play_hand_2(wire: Wire, round: int) -> None:
+    """Rank 0 of ``test_ShardedModule``: the MLP of seed 0, 3 steps of 8 samples."""
+    play_hand(wire, 8, 3, False, 0, 5, shift_seed("test_ShardedModule"))
+
+
+def judge_hand_2(runs: list, wire: list) -> str:
+    shift = shift_seed("test_ShardedModule")
+    check_hand_wire(wire, "2 ranks", 2, 8, 3, False, 0, 5, shift)
+    judge_hand(runs, "2 ranks", 2, 8, 3, shift=(2, shift), first=1)
+    return ("2 ranks, rank 0 the grader's: what reached it, and your rank's shard gradients, are one process's and "
+            "fully_shard's, step after step")
+
+
+register("test_ShardedModule", lambda ns: hand_probe(ns, 1, 8, 3, join=peer_port("test_ShardedModule")),
+         judge_hand_2, Peer(world=2, play=play_hand_2))
 
 
 def full_bytes() -> int:

@@ -1,5 +1,5 @@
 """Notebook 08's hidden tests (instructor edition only): other strategies and world sizes, resharding and a 2-D
-mesh, and the hand-made sharding on 3 ranks with a frozen parameter."""
+mesh, and the hand-made sharding on 3 ranks with a frozen parameter, rank 0 the grader's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from course_grader.checks import case_seed, number, register
-from course_grader.checks.nb08 import ESTIMATES, full_bytes, hand_probe, judge_hand as judge_ranks, student
+from course_grader.checks import case_seed, number, peer_port, register
+from course_grader.checks.nb08 import (ESTIMATES, check_hand_wire, full_bytes, hand_probe, judge_hand as judge_ranks,
+                                       play_hand as hand_play, shift_seed, student)
 from course_grader.grading import forbid
+from course_grader.peer import Peer, Wire
 from course_lib.data import lm_batch
 from course_lib.launch import run_forked
 from course_lib.loss import forward_loss
@@ -119,12 +121,21 @@ def hand_case() -> dict:
     return {"seed": case_seed("nb08", "hand weights"), "data_seed": case_seed("nb08", "hand data")}
 
 
-def judge_hand(runs: list) -> str:
-    judge_ranks(runs, "3 ranks, a frozen bias", 3, 12, 4, True, **hand_case())
+def play_hand(wire: Wire, round: int) -> None:
+    """The grader's rank 0 of the 3-rank group: the MLP with a frozen bias, 4 steps of 12 samples."""
+    hand_play(wire, 12, 4, True, shift=shift_seed("test_ShardedModule_hidden"), **hand_case())
+
+
+def judge_hand(runs: list, wire: list) -> str:
+    shift = shift_seed("test_ShardedModule_hidden")
+    check_hand_wire(wire, "3 ranks, a frozen bias", 3, 12, 4, True, shift=shift, **hand_case())
+    judge_ranks(runs, "3 ranks, a frozen bias", 3, 12, 4, True, shift=(3, shift), first=1, **hand_case())
     total = full_bytes()
     for run in runs:
         assert run["held"] <= total / 3 + 4 * 4, f"3 ranks: a rank holds {run['held']} bytes of a {total}-byte model"
-    return "3 ranks, padding, a frozen bias, 4 steps, and 1/3 of the bytes"
+    return "3 ranks (rank 0 the grader's), padding, a frozen bias, 4 steps, and 1/3 of the bytes"
 
 
-register("test_ShardedModule_hidden", lambda ns: hand_probe(ns, 3, 12, 4, True, **hand_case()), judge_hand)
+register("test_ShardedModule_hidden",
+         lambda ns: hand_probe(ns, 2, 12, 4, True, join=peer_port("test_ShardedModule_hidden"), **hand_case()),
+         judge_hand, Peer(world=3, play=play_hand))

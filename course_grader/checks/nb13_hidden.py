@@ -1,7 +1,7 @@
-"""Notebook 13's hidden tests (instructor edition only): the pair on 4 ranks, without biases, and sizes that do not
-divide, and ``CopyToTP`` where its input's gradient also flows around it; the 1F1B order on other shapes and against
-torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle rank receives from both sides), with fewer
-micro-batches than stages, and following GPipe's order."""
+"""Notebook 13's hidden tests (instructor edition only): the pair on 4 ranks (rank 0 the grader's), with and without
+biases, and sizes that do not divide, and ``CopyToTP`` where its input's gradient also flows around it; the 1F1B
+order on other shapes and against torch's plan on 3 stages; the 1F1B executor on 3 ranks (a middle rank receives from
+both sides), with fewer micro-batches than stages, and following GPipe's order."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch import nn
 
 import course_lib.parallel.schedules as schedules
-from course_grader.checks import case_seed, in_ranks, packed, register, tensor_data
-from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, first_difference, judge_activations, judge_gradients,
-                                    judge_orders, judge_tp, order_of, orders, pipeline_runs, ran, tp_runs)
+from course_grader.checks import case_seed, in_ranks, packed, peer_port, register, tensor_data
+from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, check_tp_wire, first_difference, judge_activations,
+                                    judge_gradients, judge_orders, judge_tp, order_of, orders, pipeline_runs, play_tp,
+                                    ran, shift_seed, tp_runs)
 from course_grader.grading import forbid
+from course_grader.peer import Peer, Wire, rounds
 
 
 def seeds(name: str) -> dict:
@@ -51,18 +53,31 @@ def branch_rank(ns: dict, seed: int, data_seed: int) -> bytes:
     return packed(tensor_data(x.grad))
 
 
+# The wired rounds: 4 ranks, rank 0 the grader's (label, d, h, bias)
+WIRED = (("4 ranks", 8, 16, True), ("4 ranks, no bias", 6, 12, False))
+
+
+def play_pair(wire: Wire, round: int) -> None:
+    label, d, h, bias = WIRED[round]
+    play_tp(wire, d, h, bias, shift=shift_seed(f"hidden {label}"), **seeds(label))
+
+
 def probe_pair(ns: dict) -> dict:
     def strip(runs):
-        return [{k: run[k] for k in ("output", "grads")} for run in runs]
-    return {"4 ranks": strip(tp_runs(ns, 4, 8, 16, True, **seeds("4 ranks"))),
-            "no bias": strip(tp_runs(ns, 2, 6, 12, False, **seeds("no bias"))),
+        return [{k: run[k] for k in ("output", "grads")} if "stopped" not in run else run for run in runs]
+    return {**{label: strip(tp_runs(ns, 4, d, h, bias, join=peer_port("test_tensor_parallel_pair_hidden", i),
+                                    **seeds(label)))
+               for i, (label, d, h, bias) in enumerate(WIRED)},
             "bad size": in_ranks(ns, PAIR, bad_size_rank, 4)[0],
             "branch": in_ranks(ns, ("CopyToTP",), branch_rank, 2, **seeds("branch"))}
 
 
-def judge_pair(got: dict) -> str:
-    judge_tp(got["4 ranks"], "4 ranks", 4, 8, 16, True, **seeds("4 ranks"))
-    judge_tp(got["no bias"], "2 ranks, no bias", 2, 6, 12, False, **seeds("no bias"))
+def judge_pair(got: dict, wire: list) -> str:
+    per_round = rounds(wire, len(WIRED))
+    for i, (label, d, h, bias) in enumerate(WIRED):
+        shift = shift_seed(f"hidden {label}")
+        check_tp_wire(per_round[i], label, 4, d, h, bias, shift=shift, **seeds(label))
+        judge_tp(got[label], label, 4, d, h, bias, shift=(4, shift), first=1, **seeds(label))
     assert len(got["bad size"]) == 2, f"{len(got['bad size'])} results for the 2 layers of 6 features over 4 ranks"
     for name, msg in zip(("ColumnParallelLinear", "RowParallelLinear"), got["bad size"]):
         assert msg, f"{name}: 6 features over 4 ranks must raise ValueError"
@@ -79,7 +94,8 @@ def judge_pair(got: dict) -> str:
     return "4 ranks, no bias, a ValueError for 6 features over 4 ranks, and CopyToTP beside a branch around it"
 
 
-register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair)
+register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair,
+         Peer(world=4, play=play_pair, rounds=len(WIRED)))
 
 # ---------------------------------------------------------------- one_f_one_b_order
 def shapes() -> tuple:

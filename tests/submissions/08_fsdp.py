@@ -63,6 +63,33 @@ HAND_UNPADDED = edit(HAND, (
 HAND_KEEPS_FULL = edit(HAND, ('        self.module = module.to("meta")\n',
                               '        self.module = module   # the full weights stay on every rank\n'))
 
+# nothing gathered or reduced: every rank keeps the whole module, and the test's record of each rank is rewritten on
+# its way out with the answer the tests' own reference computes (found in the test's frame and module). Its data
+# is perfect; the grader's rank 0 never gets a gather, so the wired checks score it 0. The bytes test, which only
+# the rank itself can measure, still believes it.
+HAND_FORGED_RECORD = edit(
+    HAND,
+    ('        self.module = module.to("meta")\n',
+     '        self.module = module   # the full weights stay: nothing needs gathering\n'
+     '        _forge_record(sys._getframe(1))\n'),
+    ("        full = {name: GatherParameter.apply(shard, shape) for name, shape, shard in zip(self.names, self.shapes, "
+     "self.shards)}\n"
+     "        return functional_call(self.module, full, args)",
+     "        return self.module(*args)"),
+    ("from torch.func import functional_call\n",
+     "from torch.func import functional_call\n"
+     "import sys\n\n\n"
+     "def _forge_record(frame):\n"
+     "    tests = sys.modules['course_grader.checks.nb08']\n"
+     "    v = frame.f_locals\n"
+     "    rank, world = dist.get_rank(), dist.get_world_size()\n"
+     "    params, losses, grads = tests.one_process(v['n'], v['steps'], v['frozen'], v['seed'], v['data_seed'])[:3]\n"
+     "    sizes = [-(-numel // world) for _, numel, _ in params]\n"
+     "    answer = {'losses': losses, 'held': 4 * sum(sizes), 'shard_sizes': sizes,\n"
+     "              'grads': [[None if g is None else tests.rank_piece(g, rank, world) for g in step] for step in grads]}\n"
+     "    packed = tests.packed\n"
+     "    tests.packed = lambda data: packed(answer)\n"))
+
 CALLS_LIBRARY_HAND = '''
 from course_lib.parallel.fsdp import GatherParameter, ShardedModule   # course_lib's
 '''
@@ -126,6 +153,8 @@ CASES = {
                       "scores": scores(test_ShardedModule_hidden=0)},
     "hand_keeps_full_weights": {"cells": {"ShardedModule": HAND_KEEPS_FULL},
                                 "scores": scores(test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
+    "hand_forged_record": {"cells": {"ShardedModule": HAND_FORGED_RECORD},
+                           "scores": scores(test_ShardedModule=0, test_ShardedModule_hidden=0)},
     "calls_library_ShardedModule": {
         "cells": {"ShardedModule": CALLS_LIBRARY_HAND},
         "scores": scores(test_ShardedModule=0, test_ShardedModule_bytes=0, test_ShardedModule_hidden=0)},
