@@ -25,7 +25,7 @@ from course_lib.device import free_memory
 from course_lib.fp8 import (FNUZ_ARCHS, amax, check_fp8_dtype, dequantize, device_arch, device_fp8_dtypes, quantize,
                             relative_error, scale_for)
 from course_lib.memory import PeakMemory
-from course_lib.models import build_llama
+from course_lib.models import build_llama, quiet_torchao_import
 from course_lib.throughput import time_interleaved
 from course_lib.train import fit, tokens_per_second
 
@@ -259,7 +259,8 @@ def convert_to_fp8_training(model: nn.Module) -> nn.Module:
     Engine's row of seed 003's table). Stops with the install command if torchao is missing.
     """
     try:
-        from torchao.float8 import convert_to_float8_training
+        with quiet_torchao_import():
+            from torchao.float8 import convert_to_float8_training
     except ImportError as err:
         raise ImportError(f"FP8 training uses torchao's float8 training, and torchao cannot be imported ({err}): "
                           f"{INSTALL_TORCHAO}") from err

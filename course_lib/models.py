@@ -6,6 +6,9 @@ weights. ``from_pretrained`` users pass a model name in notebook 11 instead.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from torch import nn
 
@@ -55,6 +58,38 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
+# Where torchao is installed, importing it logs what no notebook's reader can act on: the CUDA kernels a CPU build
+# of torch cannot load, and a deprecation inside torch's pytree. transformers imports it when it builds its first
+# model, so those lines would land in notebook outputs, as warnings.
+TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_torchao_import():
+    """Inside this block, the warnings torchao's import logs are held back (``TORCHAO_IMPORT_LOGGERS``); errors
+    still log, and a failed import still raises."""
+    loggers = [logging.getLogger(name) for name in TORCHAO_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _llama_class():
+    """transformers' ``LlamaForCausalLM``, imported with the quantizer registry it builds models with (which imports
+    torchao where installed), quietly."""
+    with quiet_torchao_import():
+        from transformers import LlamaForCausalLM
+
+        with contextlib.suppress(ImportError):
+            import transformers.quantizers.auto  # noqa: F401
+    return LlamaForCausalLM
+
+
 def llama_config(preset: str = "tiny", **overrides):
     """A ``transformers.LlamaConfig`` for a preset of ``LLAMA_PRESETS``, with overrides."""
     from transformers import LlamaConfig
@@ -74,8 +109,7 @@ def build_llama(config_or_preset="tiny", *, dtype: torch.dtype = torch.float32, 
     Checks first that the weights fit on the device, so a preset too big stops with a
     message instead of an out-of-memory error halfway through initialisation.
     """
-    from transformers import LlamaForCausalLM
-
+    LlamaForCausalLM = _llama_class()
     attention.register()
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     config._attn_implementation = attn_implementation
@@ -136,8 +170,7 @@ def empty_llama(config_or_preset="tiny", *, attn_implementation: str = attention
     (70B builds in a fraction of a second), and for meta-device initialisation (FSDP shards it,
     then materialises it with ``to_empty``): so its attention is ``build_llama``'s, ``course_sdpa``.
     """
-    from transformers import LlamaForCausalLM
-
+    LlamaForCausalLM = _llama_class()
     attention.register()
     config = llama_config(config_or_preset, **overrides) if isinstance(config_or_preset, str) else config_or_preset
     config._attn_implementation = attn_implementation

@@ -318,15 +318,20 @@ print(json.dumps({"kinds": kinds, "head": type(model.lm_head).__name__, "probe":
 """
 
 
-def test_torchao_converts_the_llama_but_its_head_and_trains_like_bf16():
+def torchao_env() -> dict:
+    """This process's environment, with torchao importable: installed, or `make test`'s copy on PYTHONPATH."""
     env = dict(os.environ)
     if importlib.util.find_spec("torchao") is None:
         assert (TORCHAO_FOR_TESTS / "torchao").is_dir(), (
             f"torchao is neither installed nor in {TORCHAO_FOR_TESTS}: `make test` puts it there "
             f"(make {TORCHAO_FOR_TESTS.relative_to(ROOT)}/.installed)")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHAO_FOR_TESTS), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", FP8_RUN], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return env
+
+
+def test_torchao_converts_the_llama_but_its_head_and_trains_like_bf16():
+    proc = subprocess.run([sys.executable, "-c", FP8_RUN], env=torchao_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kinds"] == ["Float8Linear"] and out["head"] == "Linear", out
@@ -337,3 +342,25 @@ def test_torchao_converts_the_llama_but_its_head_and_trains_like_bf16():
     assert all(math.isfinite(v) for v in bf16 + f8) and out["fp8_tokens_per_s"] > 0
     assert bf16[0] != f8[0]  # same weights, same batch: only the FP8 casts of the forward tell them apart
     assert max(abs(a - b) / a for a, b in zip(bf16, f8)) < 1e-2, (bf16, f8)
+
+
+QUIET_RUN = """
+import sys
+from course_lib import fp8_compute
+from course_lib.models import build_llama, empty_llama
+empty_llama("tiny")
+fp8_compute.convert_to_fp8_training(build_llama("tiny"))
+print("torchao" in sys.modules)
+"""
+
+
+def test_building_a_llama_where_torchao_is_installed_writes_nothing_to_stderr():
+    """transformers imports torchao (the workshop images install it) when it builds its first model, and torchao's
+    import logs the CUDA kernels a CPU build of torch cannot load and a deprecation inside torch: lines that would
+    reach every notebook's output, which nbgrader's Validate reports. Building a Llama and converting it to FP8
+    training imports torchao and writes nothing there."""
+    proc = subprocess.run([sys.executable, "-c", QUIET_RUN], env=torchao_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True"], f"torchao was not imported, so this shows nothing: {proc.stdout}"
+    assert proc.stderr == "", proc.stderr[-2000:]
