@@ -308,3 +308,33 @@ def test_a_peers_record_is_cut_into_its_rounds_and_a_round_never_reached_is_empt
     assert rounds(wire, 3) == [[wire[1], wire[2]], [wire[4], wire[5]], []]
     assert rounds(wire, 1) == [[wire[1], wire[2]]]
     assert rounds([], 2) == [[], []]
+
+
+def test_a_peer_hosts_each_round_with_that_round_s_world():
+    """A peer with one world size per round (14's rings of 2 and 3 ranks) hosts each round's group at its size: ranks
+    that join round 1 as a world of 3 meet rank 0 there, and round 0's 2 ranks meet it in theirs."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from course_grader import peer as peers
+    from course_lib.launch import run_forked
+
+    def play(wire, round):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        wire.record("sum", round=round, value=float(total))
+
+    def rank():
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return dist.get_world_size()
+
+    spec = peers.Peer(world=(2, 3), play=play, rounds=2)
+    with tempfile.TemporaryDirectory() as folder:
+        started = peers.start(spec, Path(folder) / "wire.pt", 0, 30)
+        sizes = [run_forked(rank, world - 1, timeout=20, join=(started.ports[i], 1))
+                 for i, world in enumerate((2, 3))]
+        wire = started.finish()
+    assert sizes == [[2], [3, 3]]
+    assert [[e["value"] for e in events if e["what"] == "sum"] for events in peers.rounds(wire, 2)] == [[2.0], [3.0]]

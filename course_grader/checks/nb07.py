@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_grader.checks import outcome, packed, peer_port, register, student, unpacked
-from course_grader.peer import Peer, Wire
+from course_grader.peer import Peer, Wire, join_ranks
 from course_grader.checks.nb06 import cnn
 from course_grader.grading import forbid, grads, max_rel_diff, params
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
-from course_lib.launch import WorkerError, run_forked
+from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
 from course_lib.parallel import ddp
 
@@ -78,10 +78,7 @@ def bucketed_probe(ns: dict, nprocs: int, n: int, steps: int, cap: float, seed: 
 
     if join is None:
         return [unpacked(run) for run in run_forked(rank, nprocs, timeout=15)]
-    try:
-        return [unpacked(run) for run in run_forked(rank, nprocs, timeout=10, join=(join, 1))]
-    except (TimeoutError, WorkerError) as err:  # a rank that never finished: the grader's rank saw where it stopped
-        return [{"stopped": str(err)[-300:]}]
+    return join_ranks(rank, nprocs, port=join)
 
 
 def seeded(seed: int, frozen: bool) -> torch.nn.Module:

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor, Shard
 import course_lib.distributed as toolkit
 from course_grader.checks import case_seed, number, packed, peer_port, register, student, unpacked
 from course_grader.grading import forbid, worst
-from course_grader.peer import Peer, Wire
+from course_grader.peer import Peer, Wire, join_ranks
 from course_lib import memory
 from course_lib.data import lm_batch
-from course_lib.launch import WorkerError, on_ranks, run_forked
+from course_lib.launch import on_ranks, run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama, llama_config, llama_num_parameters
 from course_lib.parallel import fsdp
@@ -220,10 +220,7 @@ def hand_probe(ns: dict, nprocs: int, n: int, steps: int, frozen: bool = False, 
 
     if join is None:
         return [unpacked(run) for run in run_forked(hand, nprocs, timeout=30)]
-    try:
-        return [unpacked(run) for run in run_forked(hand, nprocs, timeout=10, join=(join, 1))]
-    except (TimeoutError, WorkerError) as err:  # a rank that never finished: the grader's rank saw where it stopped
-        return [{"stopped": str(err)[-300:]}]
+    return join_ranks(hand, nprocs, port=join)
 
 
 def rank_piece(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
