@@ -60,6 +60,21 @@ RING_COMPUTES_THEN_SENDS = edit(RING_CELL, (POST, ""),
 RING_WAITS_BEFORE_COMPUTING = edit(RING_CELL, (WAIT, ""),
                                    (POST, POST + WAIT.replace("()", "()  # wrong: before the compute")))
 
+# the ring run as the contract says (its passes, its tiles, its order), and its output then replaced by the tests' own
+# reference for this rank's rows (the case read from the test's frame): the test that read the ranks' outputs passed
+# it. The grader's rank 0 holds keys and values drawn at grading, which the reference never saw.
+RING_OUTPUT_FROM_REFERENCE = edit(RING_CELL, ("""        kv = incoming
+    return out, lse""", """        kv = incoming
+    import sys
+    frame = sys._getframe(1)
+    while "seq" not in frame.f_locals:
+        frame = frame.f_back
+    case, tests = frame.f_locals, sys.modules["course_grader.checks.nb14"]
+    whole, whole_lse = tests.reference(case["seq"], case["causal"], case["seed"])
+    out = cp.split_sequence(whole, world, zigzag=zigzag)[rank]
+    lse = cp.split_sequence(whole_lse, world, zigzag=zigzag, dim=-1)[rank]
+    return out, lse"""))
+
 CALLS_LIBRARY_RING = '''
 import course_lib.parallel.cp as _cp
 
@@ -117,6 +132,8 @@ CASES = {
                                  "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "ring_waits_before_computing": {"cells": {"ring_attention": RING_WAITS_BEFORE_COMPUTING},
                                     "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
+    "ring_output_from_reference": {"cells": {"ring_attention": RING_OUTPUT_FROM_REFERENCE},
+                                   "scores": scores("test_ring_attention", "test_ring_attention_hidden")},
     "calls_library_ring_attention": {"cells": {"ring_attention": CALLS_LIBRARY_RING}, "scores": scores(*RING)},
     "splits_not_exchanged": {"cells": {"expert_parallel": SPLITS_NOT_EXCHANGED}, "scores": scores(*EXPERTS)},
     "combine_wrong_order": {"cells": {"expert_parallel": COMBINE_WRONG_ORDER}, "scores": scores(*EXPERTS)},
