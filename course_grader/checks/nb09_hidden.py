@@ -1,7 +1,7 @@
-"""Notebook 09's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (rank 0 the grader's; padding),
-with SGD and momentum in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed,
-the bytes a step sends (DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more
-configs, offload and a batch that does not divide."""
+"""Notebook 09's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (padding), with SGD and momentum
+in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed, the bytes a step sends
+(DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
+a batch that does not divide."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from course_grader.checks import case_seed, number, packed, peer_port, register, student, unpacked
+from course_grader.checks import case_seed, number, packed, register, student, unpacked
 from course_lib.parallel import deepspeed_engine
-from course_grader.checks.nb09 import (ADAMW, SGD, SHARDED, check_zero_wire, cnn, finite_numbers, judge_resumed,
-                                    judge_sharded, judge_traffic, my_config, one_process, play_zero, secret_seed,
-                                    sharded_probe, trains)
+from course_grader.checks.nb09 import (ADAMW, SGD, SHARDED, cnn, finite_numbers, judge_resumed, judge_sharded,
+                                    judge_traffic, my_config, one_process, sharded_probe, trains)
 from course_grader.grading import forbid, max_abs_diff, params, worst
-from course_grader.peer import Peer, Wire
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
@@ -38,13 +36,6 @@ def sharded_case(name: str) -> dict:
 
 
 # ---------------------------------------------------------------- ShardedOptimizer
-# SGD's round has the grader's rank 0 (3 ranks). AdamW's runs the student's 3 ranks alone: its update of a near-zero
-# gradient is that gradient's sign, so two orders of the same sum can step a weight two ways, and its weights are
-# compared with no reference (its frozen bias and its state's bytes are).
-def play_sharded(wire: Wire, round: int) -> None:
-    play_zero(wire, 24, 3, *SGD, True, secret=secret_seed("hidden sgd"), resume_at=0, **sharded_case("sgd"))
-
-
 def probe_sharded(ns: dict) -> dict:
     space, seed = student(ns, "ShardedOptimizer"), zero_seed()  # an int here: a spawned rank has no grading seed
 
@@ -56,8 +47,7 @@ def probe_sharded(ns: dict) -> dict:
                 ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW, seed=seed)
         return packed([number(v) for v in run["losses"]])
 
-    return {"sgd": sharded_probe(ns, 2, 24, 3, *SGD, True, resume_at=0, join=peer_port("test_ShardedOptimizer_hidden"),
-                                 **sharded_case("sgd")),
+    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0, **sharded_case("sgd")),
             "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True, **sharded_case("adamw")),
             "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0]),
             "bf16": probe_bf16(space)}
@@ -148,14 +138,11 @@ def deepspeed_stage1(seed: int) -> dict:
     return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, seed=seed, stage=1)[0]
 
 
-def judge_sharded_hidden(got: dict, wire: list) -> str:
-    label, secret = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias", (3, secret_seed("hidden sgd"))
-    check_zero_wire(wire, label, 3, 24, 3, *SGD, True, secret=secret[1], resume_at=0, **sharded_case("sgd"))
-    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True, secret=secret, first=1,
-                  **sharded_case("sgd"))
-    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True, secret=secret, first=1,
-                  **sharded_case("sgd"))
-    judge_resumed(got["sgd"], label, saved_after=0, nprocs=2)
+def judge_sharded_hidden(got: dict) -> str:
+    label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
+    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
+    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
+    judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
     ratio = judge_traffic(got["sgd"], 3, True)
     # AdamW decays every weight it steps: a frozen one sharded and stepped (with a zero gradient) moves. (Adam's
     # update of a near-zero gradient is its sign, so the other weights are compared under SGD, above.)
@@ -184,7 +171,7 @@ def judge_sharded_hidden(got: dict, wire: list) -> str:
             "fp32 masters, one reduce-scatter and one all-gather per step")
 
 
-register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden, Peer(world=3, play=play_sharded))
+register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
 
 
 # ---------------------------------------------------------------- make_ds_config
