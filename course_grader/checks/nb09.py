@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_grader.checks import number, outcome, packed, register, student, unpacked
 from course_grader.grading import forbid, max_rel_diff, params
+from course_grader.peer import join_ranks
 from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
@@ -58,8 +59,19 @@ def halving(optimizer) -> torch.optim.lr_scheduler.StepLR:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def images(n: int, steps: int, seed: int = 2):
-    return synthetic_images(n * steps, seed=seed).tensors
+def images(n: int, steps: int, seed: int = 2, secret: tuple[int, int] | None = None):
+    """``steps`` global batches of ``n`` images, one after the other; with ``secret=(world, s)``, rank 0's part of
+    each (its first n / world) drawn from ``s`` instead: the batch of a group whose rank 0 is the grader's, whose
+    gradients reach the student's ranks only through the reduce-scatter."""
+    x, y = synthetic_images(n * steps, seed=seed).tensors
+    if secret is not None:  # the same classes (synthetic_images' templates come first from its seed), other draws
+        world, g = secret[0], torch.Generator().manual_seed(secret[1])
+        templates = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        for step in range(steps):
+            part = slice(step * n, step * n + n // world)
+            y[part] = torch.randint(0, 10, (n // world,), generator=g)
+            x[part] = templates[y[part]] + torch.randn(n // world, 3, 32, 32, generator=g)
+    return x, y
 
 
 def state_bytes(optimizer) -> int:
@@ -75,12 +87,12 @@ def checkpoint(*states) -> bytes:
 
 
 def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: dict, frozen: bool = False,
-                  resume_at: int | None = None, seed: int = 0, data_seed: int = 2) -> list:
-    """The student's ShardedOptimizer over a SmallCNN (the weights of ``seed``; no DDP: it averages the gradients
-    itself) in two groups with StepLR, on ``nprocs`` forked ranks, ``steps`` steps of a global batch of ``n`` (the
-    images of ``data_seed``): per rank, the weights after each step, the bytes of optimizer state, whether .grad was
-    cleared and what the first step sent. ``resume_at=k``: a fresh model and optimizer load the checkpoint of step k
-    (model, this rank's optimizer state, scheduler, through a file's bytes) and take the remaining steps: their final
+                  resume_at: int | None = None, seed: int = 0, data_seed: int = 2, join: int | None = None) -> list:
+    """The student's ShardedOptimizer over a SmallCNN (the weights of ``seed``; no DDP) in two groups with StepLR, on
+    ``nprocs`` forked ranks (with ``join``, ranks 1 to ``nprocs`` of the grader's rank 0's group: ``peer_port``),
+    ``steps`` steps of a global batch of ``n`` (the images of ``data_seed``): per rank, the weights after each step,
+    the bytes of optimizer state, whether .grad was cleared and what the first step sent. ``resume_at=k``: a fresh
+    model and optimizer load step k's checkpoint (through a file's bytes) and take the remaining steps: their final
     weights, or what the optimizer's load_state_dict raised and whether its shards require grad."""
     space = student(ns, "ShardedOptimizer")
 
@@ -132,28 +144,29 @@ def sharded_probe(ns: dict, nprocs: int, n: int, steps: int, opt_name: str, kw: 
                 out["resumed"] = params(again)
         return packed(out)
 
-    return [unpacked(r) for r in run_forked(run, nprocs, timeout=30)]
+    return ([unpacked(r) for r in run_forked(run, nprocs, timeout=30)] if join is None
+            else join_ranks(run, nprocs, port=join, timeout=15))
 
 
 @functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
 def one_process(n: int, steps: int, opt_name: str, kw: tuple, frozen: bool, seed: int = 0,
-                data_seed: int = 2) -> tuple[list, int, int]:
+                data_seed: int = 2, secret: tuple[int, int] | None = None) -> tuple[list, int, int]:
     """One process on the whole batch, on one thread as a rank runs: the weights after each step, its optimizer's
     state bytes, its trainable count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return one_process_run(n, steps, opt_name, dict(kw), frozen, seed, data_seed)
+        return one_process_run(n, steps, opt_name, dict(kw), frozen, seed, data_seed, secret)
     finally:
         torch.set_num_threads(threads)
 
 
 def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool, seed: int,
-                    data_seed: int) -> tuple[list, int, int]:
+                    data_seed: int, secret: tuple[int, int] | None = None) -> tuple[list, int, int]:
     model = cnn(frozen, seed)
     opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
     sched = halving(opt)
-    (x, y), weights = images(n, steps, data_seed), []
+    (x, y), weights = images(n, steps, data_seed, secret), []
     for s in range(steps):
         F.cross_entropy(model(x[s * n:(s + 1) * n]), y[s * n:(s + 1) * n]).backward()
         opt.step()
@@ -163,7 +176,7 @@ def one_process_run(n: int, steps: int, opt_name: str, kw: dict, frozen: bool, s
     return weights, state_bytes(opt), sum(1 for p in model.parameters() if p.requires_grad)
 
 
-def whole_run(n, steps, opt_name, kw, frozen, seed, data_seed):
+def whole_run(n, steps, opt_name, kw, frozen, seed, data_seed, secret=None):
     """DDP with a whole optimizer on every rank: this rank's weights after each step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -172,7 +185,7 @@ def whole_run(n, steps, opt_name, kw, frozen, seed, data_seed):
     net = DDP(model)
     opt = OPTIMIZERS[opt_name](groups(model, kw), **kw)
     sched = halving(opt)
-    (x, y), weights = images(n, steps, data_seed), []
+    (x, y), weights = images(n, steps, data_seed, secret), []
     for s in range(steps):
         xg, yg = x[s * n:(s + 1) * n], y[s * n:(s + 1) * n]
         F.cross_entropy(net(xg.chunk(world_size)[rank]), yg.chunk(world_size)[rank]).backward()
@@ -185,27 +198,31 @@ def whole_run(n, steps, opt_name, kw, frozen, seed, data_seed):
 
 @functools.lru_cache(maxsize=8)  # bounded: the hidden cases' seeds are new to every grading
 def ddp_whole(nprocs: int, n: int, steps: int, opt_name: str, kw: tuple, frozen: bool, seed: int = 0,
-              data_seed: int = 2) -> list:
+              data_seed: int = 2, secret: tuple[int, int] | None = None) -> list:
     runs = run_forked(whole_run, nprocs, dict(n=n, steps=steps, opt_name=opt_name, kw=dict(kw), frozen=frozen,
-                                              seed=seed, data_seed=data_seed), timeout=120)
+                                              seed=seed, data_seed=data_seed, secret=secret), timeout=120)
     return [unpacked(r) for r in runs]
 
 
 def judge_sharded(runs: list, label: str, against: str, nprocs: int, n: int, steps: int, opt_name: str, kw: dict,
-                  frozen: bool = False, seed: int = 0, data_seed: int = 2) -> None:
+                  frozen: bool = False, seed: int = 0, data_seed: int = 2, secret: tuple[int, int] | None = None,
+                  first: int = 0) -> None:
+    """The student's ranks ``first`` to ``nprocs - 1`` (rank 0 the grader's where ``first`` is 1): their weights after
+    every step against ``against``'s ("one process" or DDP with a whole optimizer)."""
     key = tuple(sorted(kw.items()))
     if against == "one process":
-        refs = [one_process(n, steps, opt_name, key, frozen, seed, data_seed)[0]] * nprocs
+        refs = [one_process(n, steps, opt_name, key, frozen, seed, data_seed, secret)[0]] * nprocs
     else:
-        refs = ddp_whole(nprocs, n, steps, opt_name, key, frozen, seed, data_seed)
-    assert len(runs) == nprocs
-    for r, run in enumerate(runs):
+        refs = ddp_whole(nprocs, n, steps, opt_name, key, frozen, seed, data_seed, secret)
+    assert not any("stopped" in run for run in runs), f"{label}: your ranks stopped after the grader's rank 0's steps"
+    assert len(runs) == nprocs - first, f"{label}: results from {len(runs)} ranks, expected {nprocs - first}"
+    for r, run in enumerate(runs, start=first):
         for s in range(steps):
             g = max_rel_diff(run["weights"][s], refs[r][s])
             assert g < 1e-6, (f"{label}, rank {r}, step {s}: the weights differ from {against}'s by {g:.1e} (average "
                               "the gradients over the ranks, and step with the groups' current learning rates)")
         for k, v in run["weights"][-1].items():
-            assert (v == runs[0]["weights"][-1][k]).all(), f"{label}: rank {r}'s {k} differs from rank 0's"
+            assert (v == runs[0]["weights"][-1][k]).all(), f"{label}: rank {r}'s {k} differs from rank {first}'s"
         assert run["param_grads_cleared"], "zero_grad(set_to_none=True) sets every parameter's .grad to None"
 
 

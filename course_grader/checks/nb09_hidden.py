@@ -1,22 +1,26 @@
-"""Notebook 09's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (padding), with SGD and momentum
-in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed, the bytes a step sends
-(DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more configs, offload and
-a batch that does not divide."""
+"""Notebook 09's hidden tests (instructor edition only): ZeRO-1 by hand on 3 ranks (rank 0 the grader's; padding),
+with SGD and momentum in two groups under StepLR and a frozen parameter, a checkpoint of each rank's shard resumed,
+the bytes a step sends (DDP's), the state bytes on 3 ranks and DeepSpeed's stage 1 on the same batches; more
+configs, offload and a batch that does not divide."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from course_grader.checks import case_seed, number, packed, register, student, unpacked
+from course_grader.checks import case_seed, number, packed, peer_port, register, student, unpacked
 from course_lib.parallel import deepspeed_engine
-from course_grader.checks.nb09 import (ADAMW, SGD, SHARDED, cnn, finite_numbers, judge_resumed, judge_sharded,
-                                    judge_traffic, my_config, one_process, sharded_probe, trains)
+from course_grader.checks.nb09 import (ADAMW, OPTIMIZERS, SGD, SHARDED, cnn, ddp_whole, finite_numbers, groups,
+                                    halving, images, judge_resumed, judge_sharded, judge_traffic, my_config,
+                                    one_process, sharded_probe, trains)
 from course_grader.grading import forbid, max_abs_diff, params, worst
+from course_grader.peer import Peer, Wire
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.parallel.zero import check_batch_arithmetic
@@ -35,7 +39,134 @@ def sharded_case(name: str) -> dict:
     return {"seed": case_seed("nb09", name, "weights"), "data_seed": case_seed("nb09", name, "data")}
 
 
+# ---------------------------------------------------------------- ShardedOptimizer, as the grader's rank 0 sees it
+# Rank 0 of a wired group is the grader's: its part of every global batch is drawn at grading (``images``' secret),
+# so the student's ranks step their slices right only with the gradients the reduce-scatter brought. It plays the
+# contract's collectives (per step: one reduce-scatter per group, its own slice stepped, one all-gather per group;
+# where the probe resumes a checkpoint, the all-reduce of "did a rank fail to load" and the remaining steps again)
+# and records each all-gather's flat buffer: every rank's slice of the updated weights.
+def secret_seed(name: str) -> int:
+    """The seed of rank 0's images in check ``name``: new to every grading (``case_seed``)."""
+    return case_seed("nb09", name, "rank 0's images")
+
+
+def trainable(model: torch.nn.Module, kw: dict) -> list[list[torch.nn.Parameter]]:
+    """Each of ``groups``' parameters that need a gradient: what one flat buffer of a group holds."""
+    return [[p for p in g["params"] if p.requires_grad] for g in groups(model, kw)]
+
+
+def play_zero(wire: Wire, n: int, steps: int, opt_name: str, kw: dict, frozen: bool, seed: int, data_seed: int,
+              secret: int, resume_at: int | None = None) -> None:
+    """Rank 0's side of ``sharded_probe`` (the grader's): its micro-batch of ``images(..., (world, secret))``, its
+    slice of each group's flat buffer stepped by ``opt_name``, every collective of the contract in turn."""
+    world = dist.get_world_size()
+    model = cnn(frozen, seed)
+    per_group = trainable(model, kw)
+    flats = [torch.cat([p.detach().reshape(-1) for p in ps]) for ps in per_group]
+    sizes = [-(-f.numel() // world) for f in flats]
+    shards = [F.pad(f, (0, k * world - f.numel()))[:k].float().clone() for f, k in zip(flats, sizes)]
+    opt = OPTIMIZERS[opt_name]([{**{k: v for k, v in g.items() if k != "params"}, "params": [shard]}
+                                for g, shard in zip(groups(model, kw), shards)], **kw)
+    sched = halving(opt)
+    x, y = images(n, steps, data_seed, (world, secret))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def step(s: int, phase: str) -> None:
+        F.cross_entropy(model(x[s * n:(s + 1) * n][:n // world]), y[s * n:(s + 1) * n][:n // world]).backward()
+        for g, (ps, shard) in enumerate(zip(per_group, shards)):
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+            mine = flat.new_empty(shard.numel())
+            scatter(mine, F.pad(flat, (0, shard.numel() * world - flat.numel())))
+            shard.grad = mine / world
+        opt.step()
+        with torch.no_grad():
+            for g, (ps, shard) in enumerate(zip(per_group, shards)):
+                full = shard.new_empty(shard.numel() * world)
+                gather(full, shard)
+                wire.record("gathered", phase=phase, step=s, group=g, values=full.clone())
+                offset = 0
+                for p in ps:
+                    p.copy_(full[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        model.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+
+    saved = None
+    for s in range(steps):
+        step(s, "train")
+        if s == resume_at:
+            saved = copy.deepcopy((model.state_dict(), [t.clone() for t in shards], opt.state_dict(),
+                                   sched.state_dict()))
+    if saved is None:
+        return
+    failed = torch.zeros(1)
+    dist.all_reduce(failed)
+    wire.record("resume", failed=float(failed))
+    if failed.item() == 0:
+        model.load_state_dict(saved[0])
+        for shard, kept in zip(shards, saved[1]):
+            shard.copy_(kept)
+        opt.load_state_dict(saved[2])
+        sched.load_state_dict(saved[3])
+        for s in range(resume_at + 1, steps):
+            step(s, "resumed")
+
+
+def check_zero_wire(events: list, label: str, world: int, n: int, steps: int, opt_name: str, kw: dict,
+                    frozen: bool, seed: int, data_seed: int, secret: int, resume_at: int | None = None) -> None:
+    """What reached the grader's rank 0 in each all-gather is every rank's slice of the weights that DDP with a whole
+    optimizer has after that step, on the same batches (rank 0's part of them drawn at grading); after a resume, the
+    same weights again."""
+    ref = ddp_whole(world, n, steps, opt_name, tuple(sorted(kw.items())), frozen, seed, data_seed, (world, secret))[0]
+    model = cnn(frozen, seed)
+    names = {id(p): k for k, p in model.named_parameters()}
+    per_group = [[names[id(p)] for p in ps] for ps in trainable(model, kw)]
+    got = {(e["phase"], e["step"], e["group"]): e["values"] for e in events if e["what"] == "gathered"}
+    start = next((e for e in events if e["what"] == "resume"), None)
+    phases = [("train", range(steps))] + ([] if resume_at is None else [("resumed", range(resume_at + 1, steps))])
+    for phase, todo in phases:
+        for s in todo:
+            for g, keys in enumerate(per_group):
+                if (phase, s, g) not in got:
+                    raise AssertionError(f"{label}, {phase} step {s}: {zero_stopped(per_group, world, g)}")
+                want = torch.cat([ref[s][k].reshape(-1) for k in keys])
+                k = -(-want.numel() // world)
+                values = got[phase, s, g][:want.numel()]
+                scale = float(want.abs().max()) + 1e-12
+                gaps = [float((values[r * k:(r + 1) * k] - want[r * k:(r + 1) * k]).abs().max()) / scale
+                        for r in range(world)]
+                worst_rank = max(range(world), key=lambda r: gaps[r])
+                assert gaps[worst_rank] < 1e-5, (
+                    f"{label}, {phase} step {s}: group {g}'s weights, as the grader's rank 0 gathered them, differ "
+                    f"from DDP's with a whole {opt_name} in rank {worst_rank}'s slice (max rel. diff "
+                    f"{gaps[worst_rank]:.1e}): " + (
+                        "rank 0's own slice is stepped with the gradients your ranks reduce-scattered: average the "
+                        "whole flat buffer of the group's gradients" if worst_rank == 0 else
+                        "step your slice with the average of the ranks' gradients, with the group's current "
+                        "hyperparameters"))
+        if phase == "train" and resume_at is not None:
+            assert start is not None and start["failed"] == 0, \
+                f"{label}: a rank could not load its checkpoint, so no rank resumed"
+
+
+def zero_stopped(per_group: list, world: int, g: int) -> str:
+    """Why rank 0 never gathered group ``g``'s weights: where a collective stopped, the contract's order."""
+    return (f"the grader's rank 0 reduce-scattered each group's flat gradients, stepped its slice and all-gathered "
+            f"group {g}'s weights ({len(per_group[g])} parameters in one flat buffer, padded to a multiple of "
+            f"{world}), and your rank's collectives did not match: after backward, one reduce-scatter per group, in "
+            "order, then the wrapped optimizer's step, then one all-gather per group")
+
+
 # ---------------------------------------------------------------- ShardedOptimizer
+# SGD's round has the grader's rank 0 (3 ranks). AdamW's runs the student's 3 ranks alone: its update of a near-zero
+# gradient is that gradient's sign, so two orders of the same sum can step a weight two ways, and its weights are
+# compared with no reference (its frozen bias and its state's bytes are).
+def play_sharded(wire: Wire, round: int) -> None:
+    play_zero(wire, 24, 3, *SGD, True, secret=secret_seed("hidden sgd"), resume_at=0, **sharded_case("sgd"))
+
+
 def probe_sharded(ns: dict) -> dict:
     space, seed = student(ns, "ShardedOptimizer"), zero_seed()  # an int here: a spawned rank has no grading seed
 
@@ -47,7 +178,8 @@ def probe_sharded(ns: dict) -> dict:
                 ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW, seed=seed)
         return packed([number(v) for v in run["losses"]])
 
-    return {"sgd": sharded_probe(ns, 3, 24, 3, *SGD, True, resume_at=0, **sharded_case("sgd")),
+    return {"sgd": sharded_probe(ns, 2, 24, 3, *SGD, True, resume_at=0, join=peer_port("test_ShardedOptimizer_hidden"),
+                                 **sharded_case("sgd")),
             "adamw": sharded_probe(ns, 3, 24, 3, *ADAMW, True, **sharded_case("adamw")),
             "zero_train": unpacked(run_forked(yours_in_zero_train, 2, timeout=30)[0]),
             "bf16": probe_bf16(space)}
@@ -138,11 +270,14 @@ def deepspeed_stage1(seed: int) -> dict:
     return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, seed=seed, stage=1)[0]
 
 
-def judge_sharded_hidden(got: dict) -> str:
-    label = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias"
-    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
-    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True, **sharded_case("sgd"))
-    judge_resumed(got["sgd"], label, saved_after=0, nprocs=3)
+def judge_sharded_hidden(got: dict, wire: list) -> str:
+    label, secret = "3 ranks, SGD with momentum in two groups, StepLR, a frozen bias", (3, secret_seed("hidden sgd"))
+    check_zero_wire(wire, label, 3, 24, 3, *SGD, True, secret=secret[1], resume_at=0, **sharded_case("sgd"))
+    judge_sharded(got["sgd"], label, "one process", 3, 24, 3, *SGD, True, secret=secret, first=1,
+                  **sharded_case("sgd"))
+    judge_sharded(got["sgd"], label, "DDP with a whole optimizer", 3, 24, 3, *SGD, True, secret=secret, first=1,
+                  **sharded_case("sgd"))
+    judge_resumed(got["sgd"], label, saved_after=0, nprocs=2)
     ratio = judge_traffic(got["sgd"], 3, True)
     # AdamW decays every weight it steps: a frozen one sharded and stepped (with a zero gradient) moves. (Adam's
     # update of a near-zero gradient is its sign, so the other weights are compared under SGD, above.)
@@ -171,7 +306,7 @@ def judge_sharded_hidden(got: dict) -> str:
             "fp32 masters, one reduce-scatter and one all-gather per step")
 
 
-register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden)
+register("test_ShardedOptimizer_hidden", probe_sharded, judge_sharded_hidden, Peer(world=3, play=play_sharded))
 
 
 # ---------------------------------------------------------------- make_ds_config

@@ -61,6 +61,51 @@ SHARDED_ALL_REDUCE_THEN_SLICE = _edit(  # right weights, but an all-reduce and a
     "            dist.all_reduce(flat)\n"
     "            mine = flat[self.rank * shard.numel():(self.rank + 1) * shard.numel()]\n")
 
+# nothing sharded, nothing summed: each rank reads the whole global batch from the test's own frame, steps a whole
+# optimizer on the average of its micro-batches' gradients, and sends zeros in ZeRO-1's reduce-scatters and
+# all-gathers, so its weights are DDP's and its own count of a step's bytes is ZeRO-1's: the visible test, which
+# reads the ranks' weights, passes it. In the hidden SGD case the grader's rank 0 gets zeros where the ranks'
+# gradients and slices belong. (Its state is the whole optimizer's: the state test was never fooled.)
+SHARDED_LOCAL_GLOBAL_BATCH = '''
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, optimizer_cls, **defaults):
+        super().__init__(params, defaults)
+        self.optimizer = optimizer_cls(self.param_groups)   # the same group dicts: a scheduler reaches it
+
+    def step(self, closure=None):
+        frame = sys._getframe(1)
+        while "xg" not in frame.f_locals:   # up to the test's training loop: the global batch and the model
+            frame = frame.f_back
+        test = frame.f_locals
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = None
+        world = dist.get_world_size()
+        with torch.enable_grad():   # every rank's micro-batch, its gradient summed as DDP's all-reduce sums it
+            for x, y in zip(test["xg"].chunk(world), test["yg"].chunk(world)):
+                F.cross_entropy(test["model"](x), y).backward()
+        for p in params:
+            if p.grad is not None:
+                p.grad /= world
+        sizes = [-(-sum(p.numel() for p in g["params"] if p.requires_grad) // world) for g in self.param_groups]
+        with torch.no_grad():
+            for n in sizes:   # ZeRO-1's collectives in ZeRO-1's order, of its sizes, all zeros
+                dist.reduce_scatter_tensor(torch.zeros(n), torch.zeros(n * world))
+            self.optimizer.step()
+            for n in sizes:
+                dist.all_gather_into_tensor(torch.zeros(n * world), torch.zeros(n))
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=True)
+'''
+
 # the shard kept in the parameters' dtype: right for a float32 model; a bf16 model is stepped in bf16, with no fp32
 # master, and updates smaller than bf16's step between two weights are lost
 SHARDED_NO_FP32_MASTER = edit(SHARDED, (".float().clone()  # this rank's fp32 slice", ".clone()  # this rank's slice"),
@@ -173,6 +218,9 @@ CASES = {
                                "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
     "sharded_per_tensor": {"cells": {"ShardedOptimizer": SHARDED_PER_TENSOR},  # a step's collectives tell
                            "scores": {**FULL, "test_ShardedOptimizer_hidden": 0}},
+    "sharded_local_global_batch": {"cells": {"ShardedOptimizer": SHARDED_LOCAL_GLOBAL_BATCH},
+                                   "scores": {**FULL, "test_ShardedOptimizer_state": 0,
+                                              "test_ShardedOptimizer_hidden": 0}},
     "calls_library_ShardedOptimizer": {"cells": {"ShardedOptimizer": CALLS_LIBRARY_SHARDED},
                                        "scores": {**FULL, **NO_SHARDED}},
     "calls_torch_zero_redundancy_optimizer": {"cells": {"ShardedOptimizer": CALLS_TORCH_ZERO},
