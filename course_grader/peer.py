@@ -118,16 +118,17 @@ def join_ranks(fn: Callable, nprocs: int, kwargs: dict | None = None, *, port: i
     hosts on ``port``, as ranks 1 to ``nprocs``; each rank's ``packed`` result, unpacked. Where they did not finish
     (a collective that did not match stops gloo, or waits): ``[{"stopped": why}]``, and the judge reads where from
     rank 0's record. A rank that met an exercise not written yet (the release's ``NotImplementedError``) raises
-    here, so the test says that instead."""
+    here, so the test says that instead. ``timed out``: whether they were still running at ``timeout`` (a
+    deadlock), rather than stopped by an error."""
     from course_grader.checks import unpacked
     from course_lib.launch import WorkerError, run_forked
 
     try:
         return [unpacked(run) for run in run_forked(fn, nprocs, kwargs, timeout=timeout, join=(port, 1))]
     except (TimeoutError, WorkerError) as err:
-        if "NotImplementedError" in str(err):
+        if getattr(err, "kind", None) == "NotImplementedError":
             raise
-        return [{"stopped": str(err)[-300:]}]
+        return [{"stopped": str(err)[-300:], "timed out": isinstance(err, TimeoutError)}]
 
 
 @dataclass

@@ -65,7 +65,12 @@ from course_lib.workers import STACKS_SIGNAL, exit_now, set_parent_death_signal
 
 
 class WorkerError(RuntimeError):
-    """A rank raised: the message holds its rank and traceback."""
+    """A rank raised: the message holds its rank and traceback; ``kind`` is its exception's type name (None where
+    the rank died without a Python exception)."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 def check_world(nprocs: int, device_type: str | None = None) -> None:
@@ -482,7 +487,8 @@ def _run_forked_once(fn: Callable, nprocs: int, kwargs: dict, timeout: float, ba
                         deadline = time.monotonic() + timeout
                     continue
                 if not ok:
-                    raise WorkerError(f"rank {rank} failed:\n{payload}")
+                    kind, text = payload
+                    raise WorkerError(f"rank {rank} failed:\n{text}", kind)
                 got[rank] = payload
                 continue
             if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
@@ -587,8 +593,8 @@ def _forked_rank(work, rank, world, port, backend, queue, parent, spawned, guard
     queue.put((rank, "ready", None))
     try:
         ok, payload = True, fn(**kwargs)
-    except BaseException:
-        ok, payload = False, traceback.format_exc()
+    except BaseException as err:
+        ok, payload = False, (type(err).__name__, traceback.format_exc())
     # the answer goes out before the teardown: a rank that left a send or a receive unwaited (a student's ring that
     # raised midway) makes gloo's barrier wait for ever, and run_forked stops every rank once all have answered
     queue.put((rank, ok, payload))

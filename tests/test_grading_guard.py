@@ -338,3 +338,42 @@ def test_a_peer_hosts_each_round_with_that_round_s_world():
         wire = started.finish()
     assert sizes == [[2], [3, 3]]
     assert [[e["value"] for e in events if e["what"] == "sum"] for events in peers.rounds(wire, 2)] == [[2.0], [3.0]]
+
+
+def test_join_ranks_names_an_unwritten_exercise_and_reports_an_error_or_a_deadlock_as_data():
+    """The probe's side of a wired check: a rank that met a release's stub (NotImplementedError) raises, so the test
+    names the exercise; any other error, and ranks still waiting at the timeout (a deadlock), come back as data,
+    told apart, for the judge to read beside rank 0's record."""
+    import tempfile
+    import time
+
+    import torch.distributed as dist
+
+    from course_grader import peer as peers
+    from course_lib.launch import WorkerError
+
+    def play(wire, round):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        wire.record("sum", value=float(total))
+
+    def unwritten():
+        raise NotImplementedError("write tensor_parallel_pair")
+
+    def broken():
+        raise ValueError("a bug of the student's")
+
+    def waits():
+        time.sleep(30)
+
+    spec = peers.Peer(world=2, play=play, rounds=3)
+    with tempfile.TemporaryDirectory() as folder:
+        started = peers.start(spec, Path(folder) / "wire.pt", 0, 20)
+        with pytest.raises(WorkerError, match="write tensor_parallel_pair") as raised:
+            peers.join_ranks(unwritten, 1, port=started.ports[0], timeout=10)
+        assert raised.value.kind == "NotImplementedError"
+        stopped = peers.join_ranks(broken, 1, port=started.ports[1], timeout=10)
+        waited = peers.join_ranks(waits, 1, port=started.ports[2], timeout=2)
+        started.finish()
+    assert len(stopped) == 1 and "a bug of the student's" in stopped[0]["stopped"] and not stopped[0]["timed out"]
+    assert len(waited) == 1 and waited[0]["timed out"]

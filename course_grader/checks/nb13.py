@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import warnings
 import weakref
 
@@ -374,9 +375,17 @@ class CountedStage(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-def pipeline_stages(p: int, counter: "InFlight | None" = None, seed: int = 0) -> list:
+def pipeline_stages(p: int, counter: "InFlight | None" = None, seed: int = 0, secret: int | None = None) -> list:
+    """The ``p`` stages of ``seed``; with ``secret``, stage 0's weights drawn from it instead: the stage of the
+    grader's rank 0, whose activations reach the student's ranks only over the wire."""
     torch.manual_seed(seed)
-    return [CountedStage(counter or InFlight()) for _ in range(p)]
+    stages = [CountedStage(counter or InFlight()) for _ in range(p)]
+    if secret is not None:
+        g = torch.Generator().manual_seed(secret)
+        with torch.no_grad():
+            for q in stages[0].linear.parameters():
+                q.copy_((torch.rand(q.shape, generator=g) * 2 - 1) / WIDTH ** 0.5)
+    return stages
 
 
 def micro_batches(m: int, seed: int = 1) -> list:
@@ -433,50 +442,84 @@ def pipeline_rank(orders: list, ns: dict, seed: int = 0, data_seed: int = 1) -> 
                          "grads": [tensor_data(q.grad) for q in (stage.linear.weight, stage.linear.bias)]}))
 
 
-def pipeline_runs(ns: dict, orders: list, seed: int = 0, data_seed: int = 1) -> dict:
-    """The student's executor on one forked rank per order, or the timeout it ran into (a deadlock, as data)."""
+def pipeline_runs(ns: dict, orders: list, seed: int = 0, data_seed: int = 1, join: int | None = None) -> dict:
+    """The student's executor on one forked rank per order (with ``join``, the port of the grader's rank 0: on ranks
+    1 to p - 1 only), or the timeout it ran into (a deadlock, as data)."""
     space = student(ns, "run_1f1b")
+    rank = functools.partial(pipeline_rank, ns=space)
+    kwargs = dict(orders=orders, seed=seed, data_seed=data_seed)
+    if join is not None:
+        runs = join_ranks(rank, len(orders) - 1, kwargs, port=join, timeout=PIPE_TIMEOUT)
+        if "stopped" in runs[0] and runs[0]["timed out"]:
+            return {"timeout": PIPE_TIMEOUT}
+        if "stopped" in runs[0]:  # the rank's own error, for the student's eyes here: never the judge's message
+            print(runs[0]["stopped"], file=sys.stderr)
+            return {"stopped": True}
+        return {"ranks": runs}
     try:
-        runs = run_forked(functools.partial(pipeline_rank, ns=space), len(orders),
-                          dict(orders=orders, seed=seed, data_seed=data_seed), timeout=PIPE_TIMEOUT)
+        runs = run_forked(rank, len(orders), kwargs, timeout=PIPE_TIMEOUT)
     except TimeoutError:
         return {"timeout": PIPE_TIMEOUT}
     return {"ranks": [unpacked(run) for run in runs]}
 
 
-def one_process(p: int, m: int, seed: int = 0, data_seed: int = 1) -> tuple[list, list]:
-    """The same stages run one after the other in one process: each micro-batch's loss, and every stage's
-    (weight, bias) gradients of the mean loss."""
-    stages, losses = pipeline_stages(p, seed=seed), []
+def one_process(p: int, m: int, seed: int = 0, data_seed: int = 1, secret: int | None = None) -> tuple:
+    """The same stages run one after the other in one process: each micro-batch's loss, every stage's (weight,
+    bias) gradients of the mean loss, and each micro-batch's gradient of stage 0's output (what rank 1 sends back)."""
+    stages, losses, first = pipeline_stages(p, seed=seed, secret=secret), [], []
     for x, y in micro_batches(m, data_seed):
-        h = x
-        for stage in stages:
-            h = stage(h)
-        loss = mse(h, y)
+        h = stages[0](x)
+        h.retain_grad()
+        out = h
+        for stage in stages[1:]:
+            out = stage(out)
+        loss = mse(out, y)
         (loss / m).backward()
         losses.append(loss.item())
-    return losses, [(s.linear.weight.grad, s.linear.bias.grad) for s in stages]
+        first.append(h.grad)
+    return losses, [(s.linear.weight.grad, s.linear.bias.grad) for s in stages], first
 
 
-def ran_to_the_end(got: dict, label: str) -> list:
-    assert "timeout" not in got, (
-        f"{label}: the ranks were still running after {got.get('timeout')} s, a deadlock: a blocking send "
-        "(dist.send, or isend(...).wait() at once) waits until the peer posts its receive, and once 1F1B's warm-up "
-        "ends rank r sends an activation up while rank r + 1 sends a gradient down, each before its receive. Send "
-        "with isend and wait on the work only once the peer must have received it (or at the end of the step)")
+def ran_to_the_end(got: dict, label: str, events: list | None = None) -> list:
+    """The student's ranks' results; where they stopped, why, read from the grader's rank 0's record (``events``)."""
+    if "timeout" in got:
+        raise AssertionError(f"{label}: the ranks were still running after {got['timeout']} s, a deadlock: "
+                             + deadlock(events or []))
+    assert "stopped" not in got, f"{label}: your ranks stopped with an error (printed above the test's result)"
     return got["ranks"]
 
 
-def judge_gradients(got: dict, p: int, m: int, label: str, seed: int = 0, data_seed: int = 1) -> None:
+def deadlock(events: list) -> str:
+    """Why the ranks waited for each other, from what the grader's rank 0 was waiting for when its record ends."""
+    blocking = ("a blocking send (dist.send, or isend(...).wait() at once) waits until the peer posts its receive, "
+                "and once 1F1B's warm-up ends rank r sends an activation up while rank r + 1 sends a gradient down, "
+                "each before its receive. Send with isend and wait on the work only once the peer must have "
+                "received it (or at the end of the step)")
+    last = next((e for e in reversed(events) if e["what"] in ("sending", "receiving")), None)
+    if last is None or any(e["what"] == "stage 0" for e in events):
+        return blocking + ", and run the actions in the order given"
+    i = last["index"]
+    if last["what"] == "sending":
+        return (f"the grader's rank 0 was sending micro-batch {i}'s activation (a blocking send: it returns once "
+                f"your rank 1 receives it, at its ('F', {i})), and your rank 1 never got there. " + blocking)
+    return (f"the grader's rank 0, following its order, was waiting for micro-batch {i}'s gradient, which your rank 1 "
+            f"sends at its ('B', {i}), and your rank 1 never got there: run the actions in the order given, each "
+            "backward sending its gradient when it comes")
+
+
+def judge_gradients(got: dict, p: int, m: int, label: str, seed: int = 0, data_seed: int = 1,
+                    secret: int | None = None, first: int = 0) -> None:
+    """The last rank's losses and ranks ``first`` to p - 1's stage gradients against one process's (stage 0 that
+    of ``secret`` where rank 0 is the grader's)."""
     ranks = ran_to_the_end(got, label)
-    losses, grads = one_process(p, m, seed, data_seed)
-    assert len(ranks) == p, f"{label}: {len(ranks)} ranks answered, expected {p}"
+    losses, grads, _ = one_process(p, m, seed, data_seed, secret)
+    assert len(ranks) == p - first, f"{label}: {len(ranks)} ranks answered, expected {p - first}"
     got_losses = ranks[-1]["losses"]
     assert isinstance(got_losses, list) and len(got_losses) == m and all(isinstance(x, float) for x in got_losses), (
         f"{label}: the last rank returned losses {got_losses!r}: return (losses, peak), the m losses as floats")
     gap = worst(abs(a - b) for a, b in zip(got_losses, losses))
     assert gap < 1e-5, f"{label}: the last rank's losses {got_losses} differ from one process's {losses}"
-    for r, (run, want) in enumerate(zip(ranks, grads)):
+    for r, (run, want) in enumerate(zip(ranks, grads[first:]), start=first):
         assert len(run["grads"]) == 2, \
             f"{label}, rank {r}: {len(run['grads'])} gradients for its stage's weight and bias"
         for name, g, w in zip(("weight", "bias"), run["grads"], want):
@@ -488,10 +531,12 @@ def judge_gradients(got: dict, p: int, m: int, label: str, seed: int = 0, data_s
                 "scale each micro-batch's loss by 1/m before its backward")
 
 
-def judge_activations(got: dict, orders: list, label: str) -> None:
+def judge_activations(got: dict, orders: list, label: str, first: int = 0) -> None:
+    """Ranks ``first`` to p - 1: the peak each counted is its order's, and what it held, measured, at most one
+    more."""
     ranks = ran_to_the_end(got, label)
-    assert len(ranks) == len(orders), f"{label}: {len(ranks)} ranks answered, expected {len(orders)}"
-    for r, (run, order) in enumerate(zip(ranks, orders)):
+    assert len(ranks) == len(orders) - first, f"{label}: {len(ranks)} ranks answered, expected {len(orders) - first}"
+    for r, (run, order) in enumerate(zip(ranks, orders[first:]), start=first):
         alive = peak = 0
         for kind, _ in order:
             alive += 1 if kind == "F" else -1
@@ -506,15 +551,100 @@ def judge_activations(got: dict, orders: list, label: str) -> None:
             "i's input and output once its backward ran: backward frees the graph, but not tensors you still hold")
 
 
-register("test_run_1f1b", lambda ns: pipeline_runs(ns, GIVEN_2_4),
-         lambda got: judge_gradients(got, 2, 4, "p=2, m=4")
-         or "2 ranks, 4 micro-batches: one process's losses and gradients")
+# ---------------------------------------------------------------- the executor, as the grader's rank 0 sees it
+# Rank 0 of a wired group is the grader's: its stage's weights are drawn at grading (``pipeline_stages``' secret),
+# so the student's ranks compute the right losses only from the activations it sends. It follows its own order with
+# blocking sends (each returns once rank 1 has received), the naive first stage: a student's rank that also blocks
+# on a send, or that leaves the order, deadlocks against it as against itself. It records each gradient rank 1 sends
+# back, and its own stage's gradients.
+def executor_secret(name: str) -> int:
+    """The seed of rank 0's stage in check ``name``: new to every grading (``case_seed``)."""
+    return case_seed("nb13", name, "rank 0's stage")
+
+
+def play_first_stage(wire: Wire, order: list, seed: int, data_seed: int, secret: int) -> None:
+    """Rank 0's side of ``pipeline_rank`` (the grader's): stage 0 of ``pipeline_stages(..., secret=secret)`` on the
+    micro-batches of ``data_seed``, following ``order``; what it is about to wait for, then each gradient received."""
+    torch.set_num_threads(1)
+    stage = pipeline_stages(dist.get_world_size(), seed=seed, secret=secret)[0]
+    data, outputs = micro_batches(len(order) // 2, data_seed), {}
+    for kind, i in order:
+        if kind == "F":
+            outputs[i] = stage(data[i][0])
+            wire.record("sending", index=i)
+            dist.send(outputs[i].detach(), 1)
+        else:
+            wire.record("receiving", index=i)
+            grad = torch.empty(ROWS, WIDTH)
+            dist.recv(grad, 1)
+            wire.record("gradient", index=i, values=grad.clone())
+            torch.autograd.backward(outputs.pop(i), grad)
+    wire.record("stage 0", grads=[stage.linear.weight.grad.clone(), stage.linear.bias.grad.clone()])
+
+
+def check_first_stage_wire(events: list, label: str, p: int, order: list, seed: int, data_seed: int, secret: int,
+                           values: bool = True) -> None:
+    """Every gradient the order's backwards wait for reached the grader's rank 0, each one process's gradient of
+    stage 0's output (``values=False``: each of the activation's shape, whatever it holds)."""
+    m = len(order) // 2
+    _, grads, first = one_process(p, m, seed, data_seed, secret)
+    got = {e["index"]: e["values"] for e in events if e["what"] == "gradient"}
+    for kind, i in order:
+        if kind != "B":
+            continue
+        assert i in got, (f"{label}: the grader's rank 0 never received micro-batch {i}'s gradient: rank 1 sends "
+                          f"the gradient of its stage's input back to rank 0 at its ('B', {i}), of the activation's "
+                          "shape")
+        assert got[i].shape == first[i].shape, f"{label}: micro-batch {i}'s gradient came as {tuple(got[i].shape)}"
+        if values:
+            gap = float((got[i] - first[i]).abs().max()) / (float(first[i].abs().max()) + 1e-12)
+            assert gap < 1e-4, (f"{label}: micro-batch {i}'s gradient, as the grader's rank 0 received it, differs "
+                                f"from one process's gradient of stage 0's output (max rel. diff {gap:.1e}): each "
+                                "micro-batch's backward starts from its loss / m, and the gradients go back in the "
+                                "order's backwards")
+    if values:
+        stage0 = next(e["grads"] for e in events if e["what"] == "stage 0")
+        assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-6) for g, w in zip(stage0, grads[0])), \
+            f"{label}: the grader's stage 0 got another gradient than one process's"
+
+
+def play_run(wire: Wire, round: int) -> None:
+    """Rank 0 of ``test_run_1f1b``: ``GIVEN_2_4``'s first order, the weights of seed 0, its stage the secret's."""
+    play_first_stage(wire, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b"))
+
+
+def judge_run(got: dict, wire: list) -> str:
+    secret = executor_secret("test_run_1f1b")
+    ran_to_the_end(got, "p=2, m=4", wire)
+    check_first_stage_wire(wire, "p=2, m=4", 2, GIVEN_2_4[0], 0, 1, secret)
+    judge_gradients(got, 2, 4, "p=2, m=4", secret=secret, first=1)
+    return "2 ranks, 4 micro-batches, rank 0 the grader's: one process's gradients reached it, your losses and yours"
+
+
+register("test_run_1f1b", lambda ns: pipeline_runs(ns, GIVEN_2_4, join=peer_port("test_run_1f1b")), judge_run,
+         Peer(world=2, play=play_run))
+
+
 def counts(got: dict) -> dict:
     """What ``judge_activations`` reads of ``pipeline_runs``' data: each rank's peak, counted and measured."""
     return got if "ranks" not in got else {"ranks": [{k: run[k] for k in ("peak", "in flight")}
                                                      for run in got["ranks"]]}
 
 
-register("test_run_1f1b_activations", lambda ns: counts(pipeline_runs(ns, GIVEN_2_4)),
-         lambda got: judge_activations(got, GIVEN_2_4, "p=2, m=4")
-         or "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured")
+def play_held(wire: Wire, round: int) -> None:
+    play_first_stage(wire, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b_activations"))
+
+
+def judge_held(got: dict, wire: list) -> str:
+    """The wire says the order was followed (every gradient came, whatever its values: those are test_run_1f1b's);
+    only the rank can say what it held."""
+    ran_to_the_end(got, "p=2, m=4", wire)
+    check_first_stage_wire(wire, "p=2, m=4", 2, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b_activations"),
+                           values=False)
+    judge_activations(got, GIVEN_2_4, "p=2, m=4", first=1)
+    return "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured"
+
+
+register("test_run_1f1b_activations",
+         lambda ns: counts(pipeline_runs(ns, GIVEN_2_4, join=peer_port("test_run_1f1b_activations"))), judge_held,
+         Peer(world=2, play=play_held))

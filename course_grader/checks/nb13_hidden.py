@@ -13,9 +13,10 @@ from torch import nn
 
 import course_lib.parallel.schedules as schedules
 from course_grader.checks import case_seed, in_ranks, packed, peer_port, register, tensor_data
-from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, check_tp_wire, first_difference, judge_activations,
-                                    judge_gradients, judge_orders, judge_tp, order_of, orders, pipeline_runs, play_tp,
-                                    ran, shift_seed, tp_runs)
+from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, check_first_stage_wire, check_tp_wire,
+                                    executor_secret, first_difference, judge_activations, judge_gradients,
+                                    judge_orders, judge_tp, order_of, orders, pipeline_runs, play_first_stage,
+                                    play_tp, ran, ran_to_the_end, shift_seed, tp_runs)
 from course_grader.grading import forbid
 from course_grader.peer import Peer, Wire, rounds
 
@@ -135,25 +136,36 @@ def one_f_one_b(p: int, m: int) -> list:
     return plan
 
 
-# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held)
+# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held);
+# rank 0 of each is the grader's
 RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
         "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
 
 
+def play_runs(wire: Wire, round: int) -> None:
+    label, plan = list(RUNS.items())[round]
+    play_first_stage(wire, plan[0], **seeds(label), secret=executor_secret(label))
+
+
 def probe_runs(ns: dict) -> dict:
     got = {}
-    for label, plan in RUNS.items():
-        got[label] = run = pipeline_runs(ns, plan, **seeds(label))
-        if "timeout" in run:  # a deadlock deadlocks again: the judge reports the first
+    for i, (label, plan) in enumerate(RUNS.items()):
+        got[label] = run = pipeline_runs(ns, plan, **seeds(label), join=peer_port("test_run_1f1b_hidden", i))
+        if "ranks" not in run:  # a deadlock deadlocks again: the judge reports the first
             break
     return got
 
 
-def judge_runs(got: dict) -> str:
-    for label, plan in RUNS.items():
-        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label, **seeds(label))
-        judge_activations(got[label], plan, label)
-    return "3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight): right gradients and counts"
+def judge_runs(got: dict, wire: list) -> str:
+    for (label, plan), events in zip(RUNS.items(), rounds(wire, len(RUNS))):
+        ran_to_the_end(got[label], label, events)
+        check_first_stage_wire(events, label, len(plan), plan[0], **seeds(label), secret=executor_secret(label))
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label, **seeds(label),
+                        secret=executor_secret(label), first=1)
+        judge_activations(got[label], plan, label, first=1)
+    return ("3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight), rank 0 the grader's: right "
+            "gradients and counts")
 
 
-register("test_run_1f1b_hidden", probe_runs, judge_runs)
+register("test_run_1f1b_hidden", probe_runs, judge_runs,
+         Peer(world=tuple(len(plan) for plan in RUNS.values()), play=play_runs, rounds=len(RUNS)))

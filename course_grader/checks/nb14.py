@@ -378,6 +378,17 @@ def ep_data(world: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, EP_D, generator=g), torch.randn(n, EP_D, generator=g)  # tokens, the loss's weights
 
 
+def secret_experts(moe: ep.MoE, world: int, secret: int) -> ep.MoE:
+    """``moe`` with rank 0's experts (the first E / ``world``) drawn from ``secret``, at their initial scale: the
+    experts of the grader's rank 0, whose outputs reach the student's ranks only over the wire."""
+    g = torch.Generator().manual_seed(secret)
+    with torch.no_grad():
+        for expert in moe.experts[:moe.n_experts // world]:
+            for q in expert.parameters():
+                q.copy_((torch.rand(q.shape, generator=g) * 2 - 1) / q.shape[1] ** 0.5)
+    return moe
+
+
 def ep_rank(n_experts: int, factor, ns: dict, seed: int = 0, data_seed: int = 1) -> bytes:
     """One rank: the layer's experts (the weights of ``seed``) spread over the ranks with the student's capacity rule,
     dispatch and combine, on its tokens of ``ep_data(world, data_seed)``."""
@@ -403,9 +414,14 @@ def ep_rank(n_experts: int, factor, ns: dict, seed: int = 0, data_seed: int = 1)
     return packed(plain(got))
 
 
-def ep_runs(ns: dict, world: int, n_experts: int, factor, seed: int = 0, data_seed: int = 1) -> list:
-    return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, n_experts=n_experts, factor=factor, seed=seed,
-                    data_seed=data_seed)
+def ep_runs(ns: dict, world: int, n_experts: int, factor, seed: int = 0, data_seed: int = 1,
+            join: int | None = None) -> list:
+    """``ep_rank`` on ``world`` forked ranks; with ``join`` (the port of the grader's rank 0) on ranks 1 to
+    ``world - 1`` of a group whose rank 0 is the grader's."""
+    kwargs = dict(n_experts=n_experts, factor=factor, seed=seed, data_seed=data_seed)
+    if join is None:
+        return in_ranks(ns, EXPERTS, ep_rank, world, timeout=30, **kwargs)
+    return join_ranks(functools.partial(ep_rank, ns=student(ns, *EXPERTS)), world - 1, kwargs, port=join, timeout=30)
 
 
 # The capacity rule's answers on the visible test's groups of tokens, (queue of experts, cap) -> which choices are
@@ -424,10 +440,14 @@ def visible_keep(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor
     return torch.tensor([c == "1" for c in VISIBLE_KEPT[(tuple(expert.tolist()), cap)]])
 
 
-def ep_reference(world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1) -> dict:
+def ep_reference(world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1,
+                 secret: int | None = None) -> dict:
     """One process, the same groups of tokens: output, input and parameter gradients, drops, and each rank's bytes.
-    ``keep``: the capacity rule (default ``ep.within_capacity``, the grader's)."""
+    ``keep``: the capacity rule (default ``ep.within_capacity``, the grader's); ``secret``: rank 0's experts drawn
+    from it (``secret_experts``)."""
     moe = ep.MoE(EP_D, n_experts, TOP_K, factor, seed=seed)
+    if secret is not None:
+        secret_experts(moe, world, secret)
     x, w = ep_data(world, data_seed)
     x.requires_grad_()
     out = moe(x, groups=sizes_of(world), keep=keep)
@@ -443,12 +463,15 @@ def ep_reference(world: int, n_experts: int, factor, keep=None, seed: int = 0, d
             "grads": {n: p.grad for n, p in moe.named_parameters()}}
 
 
-def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1) -> None:
+def judge_ep(runs: list, world: int, n_experts: int, factor, keep=None, seed: int = 0, data_seed: int = 1,
+             secret: int | None = None) -> None:
+    """Every rank's results (rank 0's the grader's where ``secret`` drew its experts) against ``ep_reference``."""
     label = f"{world} ranks, {n_experts} experts, capacity factor {factor}"
+    assert not any("stopped" in run for run in runs), f"{label}: your ranks stopped after rank 0's all-to-alls"
     assert len(runs) == world, f"{label}: {len(runs)} ranks answered"
     for r, run in enumerate(runs):
         assert "raised" not in run, f"{label}, rank {r}: your code raised {run.get('raised')}"
-    want = ep_reference(world, n_experts, factor, keep, seed, data_seed)
+    want = ep_reference(world, n_experts, factor, keep, seed, data_seed, secret)
     for name in ("out", "dx"):
         parts = [run[name] for run in runs]
         assert all(isinstance(p, torch.Tensor) for p in parts), f"{label}: {name} is not a tensor on every rank"

@@ -94,10 +94,15 @@ def validate(job: Job) -> None:
     _validate_worker(job)
 
 
+def _is_worker(job: Job) -> bool:
+    """Whether ``job`` runs a ``course_lib.workers`` function (``-m course_lib.workers MODULE:FUNCTION OUT_DIR``)."""
+    return tuple(job.command[:2]) == ("-m", "course_lib.workers")
+
+
 def _validate_worker(job: Job) -> None:
     """A ``course_lib.workers`` command names ``MODULE:FUNCTION OUT_DIR``; ``kwargs`` is a JSON object, and only
     such a command reads it."""
-    cmd, worker = job.command, job.command[:2] == ("-m", "course_lib.workers")
+    cmd, worker = job.command, _is_worker(job)
     if worker and (len(cmd) != 4 or ":" not in cmd[2]):
         raise ValueError(f"command={list(cmd)!r}: course_lib.workers takes MODULE:FUNCTION OUT_DIR, e.g. -m "
                          "course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1")
@@ -118,7 +123,7 @@ def _validate_worker(job: Job) -> None:
 
 def _prepare(job: Job) -> str:
     """The script's lines that write a course_lib.workers function's keyword arguments where its ranks read them."""
-    if job.command[:2] != ("-m", "course_lib.workers"):
+    if not _is_worker(job):
         return "# (no course_lib.workers command: nothing to prepare)"
     out = shlex.quote(job.command[3])
     kwargs = json.dumps(json.loads(job.kwargs or "{}"), sort_keys=True)

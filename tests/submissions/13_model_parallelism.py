@@ -201,9 +201,38 @@ KEEPS_EVERY_MICRO_BATCH = edit(EXECUTOR_SOLUTION, ("""            x, out, send =
 NO_MEAN = edit(EXECUTOR_SOLUTION, ("""                (out / m).backward()  # the mean over micro-batches: every gradient upstream carries the 1/m""",
                                    """                out.backward()  # wrong: the sum of the m losses' gradients, m times the mean's"""))
 
-# every forward, then every backward, whatever the order says: GPipe, m micro-batches held (and counted)
+# every forward, then every backward, whatever the order says: GPipe, m micro-batches held (and counted); the
+# grader's rank 0 follows the order, and waits for micro-batch 0's gradient while rank 1 waits for micro-batch 3
 IGNORES_THE_ORDER = edit(EXECUTOR_SOLUTION, ("""    for kind, i in order:""",
                                              """    for kind, i in sorted(order, key=lambda a: a[0] == "B"):  # wrong: all forwards first"""))
+
+# nothing on the wire: every rank rebuilds the visible tests' stages (seed 0, one Linear per stage, drawn as the
+# checks draw them), runs the whole pipeline in one process and keeps its own stage's gradients, and counts its
+# order's peak. The ranks' data was one process's, so the visible tests that read it passed; the grader's rank 0,
+# whose stage is drawn at grading, waits for a receive that never comes. (The hidden seeds were never known.)
+EXECUTOR_LOCAL_COPY = '''
+import torch
+from torch import nn
+
+
+def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
+    torch.manual_seed(0)
+    linears = [nn.Linear(shape[1], shape[1]) for _ in range(p)]
+    losses, m = [], len(micro_batches)
+    for x, y in micro_batches:
+        h = x
+        for linear in linears:
+            h = torch.tanh(linear(h))
+        loss = loss_fn(h, y)
+        (loss / m).backward()
+        losses.append(loss.item())
+    stage.linear.weight.grad, stage.linear.bias.grad = linears[rank].weight.grad, linears[rank].bias.grad
+    alive = peak = 0
+    for kind, _ in order:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    return (losses if rank == p - 1 else []), peak
+'''
 
 CALLS_LIBRARY_EXECUTOR = '''
 def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
@@ -251,7 +280,7 @@ CASES = {
                                 "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
     "no_mean_over_micro_batches": {"cells": {"run_1f1b": NO_MEAN},
                                    "scores": scores("test_run_1f1b", "test_run_1f1b_hidden")},
-    "ignores_the_order": {"cells": {"run_1f1b": IGNORES_THE_ORDER},
-                          "scores": scores("test_run_1f1b_activations", "test_run_1f1b_hidden")},
+    "ignores_the_order": {"cells": {"run_1f1b": IGNORES_THE_ORDER}, "scores": scores(*EXECUTOR)},
+    "executor_local_copy": {"cells": {"run_1f1b": EXECUTOR_LOCAL_COPY}, "scores": scores(*EXECUTOR)},
     "calls_library_run_1f1b": {"cells": {"run_1f1b": CALLS_LIBRARY_EXECUTOR}, "scores": scores(*EXECUTOR)},
 }
