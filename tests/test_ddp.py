@@ -223,3 +223,43 @@ def test_bucketed_ddp_names_a_parameter_the_forward_skipped_and_recovers(cap):
         assert "body." not in run["error"], "only the parameters without a gradient are named"
         assert "requires_grad=False" in run["error"] and "find_unused_parameters=True" in run["error"]
         assert run["gap"] < 1e-5  # the next step is a normal one: one process's gradients on the whole batch
+
+
+def _steps(fixed: float, per_sample: float, sync: float, n: int):
+    """Step times of a machine that follows the model exactly: one rank at 256 and 1024 samples, n at 1024."""
+    return [(256, fixed + per_sample * 256), (1024, fixed + per_sample * 1024)], (1024, fixed + per_sample * 1024 / n
+                                                                                   + sync)
+
+
+def test_the_step_time_model_recovers_a_machine_and_sizes_the_batch_where_n_ranks_reach_the_share():
+    """A step is a fixed part every rank pays, a part per sample that N ranks split, and the exposed sync. On an
+    H100-like node (1 ms fixed, 0.2 us per sample, 0.3 ms of sync, 8 ranks) the node tier's old throughput batch
+    (2048 samples) predicts under 2x, far from 0.7 x 8; the batch the model picks reaches 5.6x, and one fewer multiple
+    of 8 does not."""
+    one, many = _steps(1e-3, 2e-7, 3e-4, 8)
+    model = ddp.step_time_model(one, 8, many)
+    assert model["fixed_s"] == pytest.approx(1e-3) and model["per_sample_s"] == pytest.approx(2e-7)
+    assert model["sync_s"] == pytest.approx(3e-4)
+    assert ddp.predicted_speedup(model, 2048) < 2
+    batch = ddp.batch_for_speedup(model, 0.7)
+    assert batch % 8 == 0 and ddp.predicted_speedup(model, batch) >= 0.7 * 8 > ddp.predicted_speedup(model, batch - 8)
+    assert ddp.batch_for_speedup(ddp.step_time_model(*_steps(1e-3, 2e-7, 0.0, 2)[:1], 2, (64, 1e-3)), 0.5) == 2
+
+
+def test_the_step_time_model_refuses_timings_it_cannot_fit():
+    with pytest.raises(ValueError, match="two or more different batches"):
+        ddp.step_time_model([(64, 0.01), (64, 0.02)], 2, (64, 0.01))
+    with pytest.raises(ValueError, match="not slower, so the timings are noise"):
+        ddp.step_time_model([(64, 0.02), (256, 0.01)], 2, (256, 0.01))
+    with pytest.raises(ValueError, match="share below 1"):
+        ddp.batch_for_speedup({"fixed_s": 1e-3, "per_sample_s": 1e-6, "sync_s": 0.0, "n_ranks": 2}, 1.0)
+
+
+def test_size_throughput_times_this_machine_and_returns_a_batch_its_own_model_backs():
+    """On 2 CPU ranks over gloo: one rank grows its batch until compute shows, the line through the last two runs, 2
+    ranks on the last batch; the batch returned divides over the ranks and its predicted speedup reaches the share."""
+    got = ddp.size_throughput("cpu", 2, width=8, steps=2, smallest=16, share=0.6)
+    assert [r["ranks"] for r in got["runs"]][-1] == 2 and len(got["runs"]) >= 3
+    assert [r["global_batch"] for r in got["runs"] if r["ranks"] == 1][:2] == [16, 64]
+    assert got["per_sample_s"] > 0 and got["global_batch"] % 2 == 0 and got["global_batch"] == got["wanted"]
+    assert got["predicted_speedup"] >= 0.6 * 2

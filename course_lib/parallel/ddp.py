@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course_lib.data import synthetic_images
 from course_lib.distributed import param_digest, rank_device, step_batches
+from course_lib.launch import on_ranks
 from course_lib.memory import tensor_bytes
 from course_lib.models import SmallCNN
 from course_lib.throughput import time_step
@@ -229,6 +230,8 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = synthetic_images(local, seed=seed + rank).tensors
     x, y = x.to(device), y.to(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     timing = time_step(lambda: train_step(model, opt, (x, y), sync_grads=sync_grads), device, warmup=warmup,
                        repeat=steps)
     seconds = torch.tensor([timing["median_s"]], dtype=torch.float64, device=device)
@@ -236,7 +239,8 @@ def throughput(global_batch: int = 64, width: int = 16, steps: int = 5, warmup: 
     seconds = float(seconds.item())
     return {"rank": rank, "world_size": world, "mode": mode, "seconds_per_step": seconds,
             "samples_per_s": global_batch / seconds, "gpus": torch.cuda.device_count() if cuda else 0,
-            "param_bytes": tensor_bytes(model.parameters())}
+            "param_bytes": tensor_bytes(model.parameters()),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
 
 
 def _data_parallel(model: nn.Module, mode: str, global_batch: int, bucket_cap_mb: float, wrap, sync_grads):
@@ -258,3 +262,83 @@ def _data_parallel(model: nn.Module, mode: str, global_batch: int, bucket_cap_mb
     if mode == "manual":
         return model, all_reduce_gradients, local
     raise ValueError(f"mode={mode!r}: use 'ddp', 'bucketed', 'manual' or 'dp'")
+
+
+# ---------------------------------------------------------------- a workload where compute dominates
+# N ranks beat one by N only where the step is compute: a step costs a fixed part (kernel launches, Python, the
+# optimizer) that every rank pays whole, a part per sample that N ranks split, and the gradient all-reduce that
+# backward does not hide. On the same global batch B: T_1 = fixed + per_sample * B and
+# T_N = fixed + per_sample * B / N + sync, so the speedup T_1 / T_N nears N only once per_sample * B dwarfs
+# N * (fixed + sync). A small model on a fast GPU needs a large B; the fit below says how large, from this machine.
+
+def step_time_model(one_rank: list[tuple[int, float]], n_ranks: int, many: tuple[int, float]) -> dict:
+    """The step-time model fitted to measured steps: ``one_rank``, (global batch, seconds) pairs of one rank at two
+    or more batches (a least-squares line: ``fixed`` and ``per_sample``); ``many``, (global batch, seconds) of
+    ``n_ranks`` ranks, whose excess over the line at B / N is the exposed ``sync`` (at least 0)."""
+    if len({b for b, _ in one_rank}) < 2:
+        raise ValueError(f"one_rank={one_rank}: time one rank at two or more different batches to fit a line")
+    n = len(one_rank)
+    mb, mt = sum(b for b, _ in one_rank) / n, sum(t for _, t in one_rank) / n
+    per_sample = sum((b - mb) * (t - mt) for b, t in one_rank) / sum((b - mb) ** 2 for b, _ in one_rank)
+    if per_sample <= 0:
+        raise ValueError(f"one_rank={one_rank}: the larger batch was not slower, so the timings are noise: time "
+                         "batches further apart, or more steps each")
+    fixed = max(mt - per_sample * mb, 0.0)
+    batch, seconds = many
+    sync = max(seconds - fixed - per_sample * batch / n_ranks, 0.0)
+    return {"fixed_s": fixed, "per_sample_s": per_sample, "sync_s": sync, "n_ranks": n_ranks}
+
+
+def predicted_speedup(model: dict, global_batch: int) -> float:
+    """``step_time_model``'s T_1 / T_N on ``global_batch``: one rank against ``model["n_ranks"]``."""
+    a, c, s, n = model["fixed_s"], model["per_sample_s"], model["sync_s"], model["n_ranks"]
+    return (a + c * global_batch) / (a + c * global_batch / n + s)
+
+
+def batch_for_speedup(model: dict, share: float = 0.7) -> int:
+    """The smallest global batch, a multiple of the ranks, whose predicted speedup reaches ``share`` x N. Solves
+    fixed + c B >= share N (fixed + c B / N + sync) for B."""
+    if not 0 < share < 1:
+        raise ValueError(f"share={share}: the speedup N ranks reach tends to N, so ask for a share below 1")
+    a, c, s, n = model["fixed_s"], model["per_sample_s"], model["sync_s"], model["n_ranks"]
+    batch = -(-int(max((share * n * (a + s) - a) / ((1 - share) * c), n)) // n) * n
+    while predicted_speedup(model, batch) < share * n:  # rounding: step up to the first multiple that reaches it
+        batch += n
+    return batch
+
+
+def size_throughput(device: torch.device | str, n_ranks: int, width: int, steps: int = 5, seed: int = 0,
+                    smallest: int = 64, share: float = 0.7, memory_share: float = 0.6, tries: int = 6) -> dict:
+    """The global batch on which ``n_ranks`` ranks should show ``share`` x N over one, from this machine's own steps
+    (``throughput``). One rank from ``smallest`` samples up, 4x each time, until a step takes twice the one before
+    (compute shows) or ``tries`` runs; the line through the last two; then ``n_ranks`` ranks on the last batch. On
+    GPUs the one-rank run must fit: no batch past ``memory_share`` of the card, by the fitted memory per sample.
+    Returns the fitted model, the batch wanted, the batch given (capped where memory would not hold it), the
+    speedup predicted there, and the runs timed."""
+    if tries < 2:
+        raise ValueError(f"tries={tries}: a line needs one rank timed at two batches at least")
+
+    def timed(nprocs: int, batch: int) -> dict:
+        return on_ranks(throughput, nprocs, device, global_batch=batch, width=width, steps=steps, seed=seed)[0]
+
+    runs, most = [(smallest, timed(1, smallest))], None
+    for _ in range(tries - 1):
+        (b, before), after = runs[-1], 4 * runs[-1][0]
+        if before["peak_bytes"] and len(runs) > 1:  # memory per sample, from the last two runs
+            per_sample = (before["peak_bytes"] - runs[-2][1]["peak_bytes"]) / (b - runs[-2][0])
+            card = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            most = int(b + (memory_share * card - before["peak_bytes"]) / max(per_sample, 1.0))
+            if after > most:
+                break
+        runs.append((after, timed(1, after)))
+        if runs[-1][1]["seconds_per_step"] >= 2 * before["seconds_per_step"]:
+            break
+    (b1, r1), (b2, r2) = runs[-2:]  # two at least: memory is judged from two runs, so the first 4x always runs
+    shared = max(b2 // n_ranks, 1) * n_ranks
+    many = (shared, timed(n_ranks, shared)["seconds_per_step"])
+    model = step_time_model([(b1, r1["seconds_per_step"]), (b2, r2["seconds_per_step"])], n_ranks, many)
+    wanted = batch_for_speedup(model, share)
+    batch = wanted if most is None else max(min(wanted, most // n_ranks * n_ranks), n_ranks)
+    return {**model, "wanted": wanted, "global_batch": batch, "predicted_speedup": predicted_speedup(model, batch),
+            "runs": [{"ranks": 1, "global_batch": b, "seconds_per_step": r["seconds_per_step"]} for b, r in runs]
+            + [{"ranks": n_ranks, "global_batch": many[0], "seconds_per_step": many[1]}]}
