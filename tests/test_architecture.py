@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "course_lib"
 LAYERS = {
     "core": {"attention", "device", "precision", "data", "instruct", "models", "loss", "memory", "throughput",
-             "results", "plots", "dataloader"},
+             "profiling", "results", "plots", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
     "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp",

@@ -26,3 +26,20 @@ def test_the_overlap_claim_held_and_the_figures_exist(executed):
     figures = " ".join(res["figures"])
     for name in ("bucket_timeline", "sync_strategies"):
         assert f"07_ddp_reducer_{name}.png" in figures
+
+
+def test_the_profiler_s_trace_shows_ddp_s_buckets_on_gloo_s_threads_and_is_written_for_perfetto(executed,
+                                                                                                  course_run_dir):
+    """Section 4: torch.profiler's trace of torch's DDP (same model and cap as the timeline) read back as a table: one
+    all-reduce per bucket of the timeline, the claim held (at least one begun under backward, on gloo's threads), a
+    share between 0 and 1, and the trace files where the notebook says Perfetto finds them."""
+    import json
+    from pathlib import Path
+
+    res = executed("07_ddp_reducer")
+    assert value(res, "trace_all_reduces") == value(res, "timeline_buckets")
+    assert 0 <= value(res, "trace_all_reduce_share_under_backward") <= 1
+    assert claim(res, "torch.profiler shows DDP's all-reduces on gloo's own threads")["held"]
+    assert "07_ddp_reducer_profiler_trace.png" in " ".join(res["figures"])
+    traces = sorted(Path(course_run_dir).glob("traces/07_ddp_step_rank*.json"))
+    assert len(traces) == 2 and all("traceEvents" in json.loads(t.read_text()) for t in traces)
