@@ -318,7 +318,7 @@ class Selection:
 
 # The floor's version-sensitive tests (.ci/floor): the gate runs the floor when the change reaches one of them.
 FLOOR_TESTS = ("tests/test_pp.py", "tests/test_tp.py", "tests/test_fsdp.py", "tests/test_attention.py",
-               "tests/test_ddp.py", "tests/test_cp.py")
+               "tests/test_ddp.py", "tests/test_cp.py", "tests/test_profiling.py")
 
 
 def floor(sel: Selection) -> tuple[list[str], list[str]]:
