@@ -307,27 +307,29 @@ def batch_for_speedup(model: dict, share: float = 0.7) -> int:
     return batch
 
 
+SIZING_RUNS = 6  # one-rank runs at most while the batch grows 4x each time: 64 samples become 65,536
+SIZING_MEMORY_SHARE = 0.6  # of one GPU's memory, the most the one-rank run may take at the batch chosen
+
+
 def size_throughput(device: torch.device | str, n_ranks: int, width: int, steps: int = 5, seed: int = 0,
-                    smallest: int = 64, share: float = 0.7, memory_share: float = 0.6, tries: int = 6) -> dict:
+                    smallest: int = 64, share: float = 0.7) -> dict:
     """The global batch on which ``n_ranks`` ranks should show ``share`` x N over one, from this machine's own steps
     (``throughput``). One rank from ``smallest`` samples up, 4x each time, until a step takes twice the one before
-    (compute shows) or ``tries`` runs; the line through the last two; then ``n_ranks`` ranks on the last batch. On
-    GPUs the one-rank run must fit: no batch past ``memory_share`` of the card, by the fitted memory per sample.
-    Returns the fitted model, the batch wanted, the batch given (capped where memory would not hold it), the
+    (compute shows) or ``SIZING_RUNS`` runs; the line through the last two; then ``n_ranks`` ranks on the last batch.
+    On GPUs the one-rank run must fit: no batch past ``SIZING_MEMORY_SHARE`` of the card, by the fitted memory per
+    sample. Returns the fitted model, the batch wanted, the batch given (capped where memory would not hold it), the
     speedup predicted there, and the runs timed."""
-    if tries < 2:
-        raise ValueError(f"tries={tries}: a line needs one rank timed at two batches at least")
 
     def timed(nprocs: int, batch: int) -> dict:
         return on_ranks(throughput, nprocs, device, global_batch=batch, width=width, steps=steps, seed=seed)[0]
 
     runs, most = [(smallest, timed(1, smallest))], None
-    for _ in range(tries - 1):
+    for _ in range(SIZING_RUNS - 1):
         (b, before), after = runs[-1], 4 * runs[-1][0]
         if before["peak_bytes"] and len(runs) > 1:  # memory per sample, from the last two runs
             per_sample = (before["peak_bytes"] - runs[-2][1]["peak_bytes"]) / (b - runs[-2][0])
             card = torch.cuda.get_device_properties(torch.device(device)).total_memory
-            most = int(b + (memory_share * card - before["peak_bytes"]) / max(per_sample, 1.0))
+            most = int(b + (SIZING_MEMORY_SHARE * card - before["peak_bytes"]) / max(per_sample, 1.0))
             if after > most:
                 break
         runs.append((after, timed(1, after)))
