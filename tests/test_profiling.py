@@ -43,8 +43,9 @@ def test_a_file_with_no_complete_event_is_refused_with_what_it_expected(tmp_path
 def test_hidden_counts_only_the_time_a_covering_event_ran():
     """Two overlapping backward spans (0-4 and 3-6 ms: one cover, 0-6) and two collectives: 5-9 ms (1 ms hidden)
     and 10-12 ms (none), so 1 of 6 ms is hidden, and one collective began before backward's end."""
-    frame = pd.DataFrame({"name": ["b1", "b2", "c1", "c2"], "kind": ["backward", "backward", "collective", "collective"],
-                          "thread": [1, 1, 2, 2], "start_ms": [0.0, 3.0, 5.0, 10.0], "duration_ms": [4.0, 3.0, 4.0, 2.0]})
+    frame = pd.DataFrame({"name": ["b1", "b2", "c1", "c2"], "thread": [1, 1, 2, 2],
+                          "kind": ["backward", "backward", "collective", "collective"],
+                          "start_ms": [0.0, 3.0, 5.0, 10.0], "duration_ms": [4.0, 3.0, 4.0, 2.0]})
     got = profiling.hidden(frame)
     assert got == {"total_ms": 6.0, "hidden_ms": 1.0, "share": pytest.approx(1 / 6), "began_before_end": 1}
     assert profiling.hidden(frame[frame.kind == "backward"])["share"] == 0.0  # no collective: nothing to hide
