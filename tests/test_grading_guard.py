@@ -311,7 +311,7 @@ def test_a_peers_record_is_cut_into_its_rounds_and_a_round_never_reached_is_empt
 
 
 def test_a_peer_hosts_each_round_with_that_round_s_world():
-    """A peer with one world size per round (14's rings of 2 and 3 ranks) hosts each round's group at its size: ranks
+    """A peer with one world size per round (15's rings of 2 and 3 ranks) hosts each round's group at its size: ranks
     that join round 1 as a world of 3 meet rank 0 there, and round 0's 2 ranks meet it in theirs."""
     import tempfile
 

@@ -251,7 +251,7 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
     assert os.getpid() not in pids
     stage = types.SimpleNamespace(config=types.SimpleNamespace(layers=3))
 
-    def reads_a_config():  # notebook 13's executor: `dist` and an attribute named config (stage.config)
+    def reads_a_config():  # notebook 14's executor: `dist` and an attribute named config (stage.config)
         return dist.get_world_size() + stage.config.layers
 
     # cloudpickle ships torch.distributed.config with it where torch has one (2.13), a module pickle alone refuses
@@ -527,7 +527,7 @@ def _unwaited_send():
 
 def test_ranks_that_leave_a_send_unwaited_still_answer_at_once():
     """gloo's barrier after an isend nobody waited on waits for ever (measured: every run hung until the timeout;
-    notebook 14's checks waited 45 s per case on a ring that raised). The ranks answer before their teardown."""
+    notebook 15's checks waited 45 s per case on a ring that raised). The ranks answer before their teardown."""
     start = time.monotonic()
     assert run_forked(_unwaited_send, 3, timeout=60) == [f"rank {r} raised midway" for r in range(3)]
     assert time.monotonic() - start < 30
@@ -547,7 +547,7 @@ def _one_rank_raises():
 
 def test_ranks_stopped_mid_teardown_print_nothing(capfd):
     """run_forked stops the ranks once all have answered (or one has failed), maybe while another is still in its
-    barrier: that rank's 'Connection reset by peer' must not reach the notebook's output (it did, in 13's cells,
+    barrier: that rank's 'Connection reset by peer' must not reach the notebook's output (it did, in 14's cells,
     5 tracebacks in 30 runs like these)."""
     for _ in range(10):
         assert run_forked(_all_reduce_one, 3) == [3.0, 3.0, 3.0]

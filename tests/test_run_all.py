@@ -80,23 +80,28 @@ def test_a_notebook_that_cannot_start_is_reported_with_its_cause(tmp_path, monke
     assert "import papermill" in err and "FAILED 00_orientation" in err
 
 
-def test_the_readme_table_gives_every_notebook_its_words_and_cpu_time():
-    """README's table: one row per notebook, in order, with its markdown word count (within 10% of what the notebook
-    holds now) and its CPU-tier time in seconds, within the 3-minute workshop budget."""
+def test_the_readme_table_gives_every_notebook_its_words_code_exercises_and_cpu_time():
+    """README's table: one row per notebook, in order, with its markdown word count and code lines (each within 10%
+    of what the notebook holds now), its number of exercises (exact) and its CPU-tier time in seconds, within the
+    3-minute workshop budget."""
     import re
 
     rows = {}
     for line in (run_all.ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"\| (\d\d) \| .* \| ([\d,]+) \| (\d+) s \|$", line)
+        m = re.match(r"\| (\d\d) \| .* \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) s \|$", line)
         if m:
-            rows[m.group(1)] = (int(m.group(2).replace(",", "")), int(m.group(3)))
+            rows[m.group(1)] = (int(m.group(2).replace(",", "")), *map(int, m.group(3, 4, 5)))
     notebooks = run_all.notebooks()
     assert list(rows) == [nb.stem[:2] for nb in notebooks], \
-        "README's table lists the notebooks in order, with words and time"
+        "README's table lists the notebooks in order, with words, code lines, exercises and time"
     for nb in notebooks:
-        words, seconds = rows[nb.stem[:2]]
+        words, code, exercises, seconds = rows[nb.stem[:2]]
         assert abs(words - run_all.markdown_words(nb)) <= 0.1 * words, (
             f"{nb.stem} has {run_all.markdown_words(nb)} words of prose; README says {words}: update the table")
+        assert abs(code - run_all.code_lines(nb)) <= 0.1 * code, (
+            f"{nb.stem} has {run_all.code_lines(nb)} lines of code; README says {code}: update the table")
+        assert exercises == len(run_all.exercises(nb)), (
+            f"{nb.stem} has {len(run_all.exercises(nb))} exercises; README says {exercises}: update the table")
         assert seconds <= run_all.BUDGET_S["cpu"], f"{nb.stem}: {seconds} s on the CPU tier is past the slot's budget"
 
 

@@ -360,7 +360,7 @@ GIVEN_FORBIDDEN = {
                                           "model's parameters with it; lora counts trainable ones with it; "
                                           "checks/nb00.py's judge (outside forbid) too",
     "course_lib.models.build_llama": "the course's Llama: notebook 00's cells 6 and 20, 03's cell 17, 04's cell "
-                                     "2, 10's cell 20 and 13's cells 11 and 32 build it, as does every technique "
+                                     "2, 10's cell 20, 13's cell 11 and 14's cell 19 build it, as does every technique "
                                      "module and the checks of notebooks 00, 03, 04, 08 and 11 (outside forbid)",
     "course_lib.models.empty_llama": "notebook 00's cells 2 and 29 and parallel.fsdp (its meta-device build) make "
                                      "the shapes-only Llama with it; checks/nb00_hidden.py (outside forbid) too",
@@ -375,8 +375,8 @@ GIVEN_FORBIDDEN = {
     "course_lib.memory.activation_bytes": "notebook 03's cell 27 and notebook 04's cells 9, 14 and 25 measure "
                                           "saved activations with it, as do checkpointing and parallel.cp_train; "
                                           "checks/nb04.py and checks/nb00_hidden.py (outside forbid) too",
-    "course_lib.memory.SavedTensorMeter": "notebook 13's cell 32 (what each pipeline schedule saves) measures with "
-                                          "it, as do parallel.pp and parallel.cp_train (notebooks 13 and 14)",
+    "course_lib.memory.SavedTensorMeter": "notebook 14's cell 19 (what each pipeline schedule saves) measures with "
+                                          "it, as do parallel.pp and parallel.cp_train (notebooks 14 and 15)",
     "course_lib.memory.saved_bytes_by_dtype": "notebook 01's cell 6 (what autocast saves, by dtype) runs it",
     "course_lib.memory.saved_bytes_by_part": "notebook 04's cells 4, 7 and 14 (what each part of a layer saves) run "
                                              "it",
@@ -448,23 +448,23 @@ GIVEN_FORBIDDEN = {
                                        "student's round trip",
     "course_lib.nf4.stored_bytes": "checks/nb12_hidden.py (outside forbid) gives the bytes a QLoRALinear stores "
                                    "with it",
-    # notebook 13 (tensor_parallel_pair, one_f_one_b_order, run_1f1b)
+    # notebooks 13 (tensor_parallel_pair) and 14 (one_f_one_b_order, run_1f1b)
     "course_lib.parallel.tp.parallelize_mlp": "parallelize_llama_by_hand splits each MLP with it: parallel.tp_train's "
                                               "compare (notebook 13's cell 13) runs it with the student's layers",
-    "course_lib.parallel.schedules.gpipe_order": "notebook 13's cell 32 (what GPipe keeps in flight) runs it; "
-                                                 "checks/nb13_hidden.py (outside forbid) too",
-    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 13's cell 17) reads the order torch "
+    "course_lib.parallel.schedules.gpipe_order": "notebook 14's cell 19 (what GPipe keeps in flight) runs it; "
+                                                 "checks/nb14_hidden.py (outside forbid) too",
+    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 14's cell 4) reads the order torch "
                                                  "planned with it",
-    "course_lib.parallel.pp.train": "notebook 13's pipeline sweep (cell 17, pp.sweep) runs it; checks/nb13.py "
+    "course_lib.parallel.pp.train": "notebook 14's pipeline sweep (cell 4, pp.sweep) runs it; checks/nb14.py "
                                     "(outside forbid) runs torch's schedules with it",
-    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 13's cell "
-                                         "17)",
-    # notebook 14 (ring_attention, expert_parallel)
-    "course_lib.parallel.cp.ring_attention": "notebook 14's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
+    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 14's cell "
+                                         "4)",
+    # notebooks 15 (ring_attention) and 16 (expert_parallel)
+    "course_lib.parallel.cp.ring_attention": "notebook 15's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
                                              "run the student's ring through it",
     "course_lib.parallel.cp.RingAttention": "ring_attention (given, above) applies it",
     "course_lib.parallel.cp.tile_mask": "gathered_backward, the backward ring_attention runs behind the student's "
-                                        "ring (notebook 14's cells 11 to 17), masks with it",
+                                        "ring (notebook 15's cells 11 to 17), masks with it",
 }
 CHECKS = ROOT / "course_grader" / "checks"
 

@@ -41,7 +41,7 @@ def test_validate_in_the_student_edition_has_the_course_s_cell_limits(edition, t
 
 
 def test_a_correct_student_s_notebook_is_the_release_with_the_solutions_written_in(edition):
-    name = "14_context_expert_parallelism"
+    name = "14_pipeline_parallelism"
     release = json.loads((edition / "notebooks" / f"{name}.ipynb").read_text())
     solution = g.load_solution(name)
     filled = sp.filled(release, solution)
@@ -60,9 +60,9 @@ def test_a_correct_student_s_notebook_is_the_release_with_the_solutions_written_
             assert after == before  # test cells untouched: their checksums still hold
     assert written == 2
     assert sp.exercises(solution) == {
-        "ring_attention": {"names": ["merge", "ring_forward"],
-                           "tests": ["test_online_softmax_merge", "test_ring_attention"]},
-        "expert_parallel": {"names": ["within_capacity", "dispatch", "combine"], "tests": ["test_expert_parallel"]}}
+        "one_f_one_b_order": {"names": ["one_f_one_b_order"],
+                              "tests": ["test_one_f_one_b_order", "test_one_f_one_b_order_measured"]},
+        "run_1f1b": {"names": ["run_1f1b"], "tests": ["test_run_1f1b", "test_run_1f1b_activations"]}}
 
 
 def test_an_exercise_not_written_yet_is_named_by_its_test():

@@ -5,18 +5,14 @@ both sides), with fewer micro-batches than stages, and following GPipe's order."
 
 from __future__ import annotations
 
-import random
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import course_lib.parallel.schedules as schedules
 from course_grader.checks import case_seed, in_ranks, packed, peer_port, register, tensor_data
-from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, as_order, check_first_stage_wire, check_tp_wire,
-                                    executor_secret, first_difference, judge_activations, judge_gradients,
-                                    judge_orders, judge_tp, order_of, orders, pipeline_runs, play_first_stage,
-                                    play_tp, ran, ran_to_the_end, shift_seed, tp_runs)
+from course_grader.checks.nb13 import (PAIR, TP_ANSWERS, check_tp_wire,
+                                    judge_tp, play_tp, shift_seed, tp_runs)
 from course_grader.grading import forbid
 from course_grader.peer import Peer, Wire, rounds
 
@@ -97,75 +93,3 @@ def judge_pair(got: dict, wire: list) -> str:
 
 register("test_tensor_parallel_pair_hidden", probe_pair, judge_pair,
          Peer(world=4, play=play_pair, rounds=len(WIRED)))
-
-# ---------------------------------------------------------------- one_f_one_b_order
-def shapes() -> tuple:
-    """(stages, micro-batches): more micro-batches than stages, fewer, and many, new to every grading (``case_seed``);
-    and the edges, one micro-batch and one stage."""
-    rng = random.Random(case_seed("nb13", "order shapes"))
-    more, fewer, many = rng.randint(2, 5), rng.randint(3, 6), rng.randint(2, 4)
-    return ((more, rng.randint(more + 1, 2 * more)), (fewer, rng.randint(1, fewer - 1)),
-            (many, rng.randint(3 * many, 4 * many)), (5, 1), (1, 3))
-
-
-def probe_order(ns: dict) -> dict:
-    # p=3, m=3 is compared with the order torch ran on 3 real ranks, measured once: fixed
-    return {"shapes": orders(ns, shapes()), "3,3": order_of(ns, 3, 3)}
-
-
-def judge_order(got: dict) -> str:
-    judge_orders(got["shapes"], shapes())
-    differs = first_difference(as_order(got["3,3"]), ran(3, 3, 3, 6))
-    assert differs is None, f"p=3, m=3: your order is not the one torch's Schedule1F1B ran: {differs}"
-    return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
-
-
-register("test_one_f_one_b_order_hidden", probe_order, judge_order)
-
-
-# ---------------------------------------------------------------- run_1f1b
-def one_f_one_b(p: int, m: int) -> list:
-    """1F1B's order (the hidden module's own: course_lib.parallel.schedules' is a stub in the student edition)."""
-    plan = []
-    for r in range(p):
-        warmup = min(m, p - r)
-        order = [("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [("B", i), ("F", warmup + i)]
-        plan.append(order + [("B", i) for i in range(m - warmup, m)])
-    return plan
-
-
-# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held);
-# rank 0 of each is the grader's
-RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
-        "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
-
-
-def play_runs(wire: Wire, round: int) -> None:
-    label, plan = list(RUNS.items())[round]
-    play_first_stage(wire, plan[0], **seeds(label), secret=executor_secret(label))
-
-
-def probe_runs(ns: dict) -> dict:
-    got = {}
-    for i, (label, plan) in enumerate(RUNS.items()):
-        got[label] = run = pipeline_runs(ns, plan, **seeds(label), join=peer_port("test_run_1f1b_hidden", i))
-        if "ranks" not in run:  # a deadlock deadlocks again: the judge reports the first
-            break
-    return got
-
-
-def judge_runs(got: dict, wire: list) -> str:
-    for (label, plan), events in zip(RUNS.items(), rounds(wire, len(RUNS))):
-        ran_to_the_end(got[label], label, events)
-        check_first_stage_wire(events, label, len(plan), plan[0], **seeds(label), secret=executor_secret(label))
-        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label, **seeds(label),
-                        secret=executor_secret(label), first=1)
-        judge_activations(got[label], plan, label, first=1)
-    return ("3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight), rank 0 the grader's: right "
-            "gradients and counts")
-
-
-register("test_run_1f1b_hidden", probe_runs, judge_runs,
-         Peer(world=tuple(len(plan) for plan in RUNS.values()), play=play_runs, rounds=len(RUNS)))

@@ -47,6 +47,21 @@ def markdown_words(notebook: Path) -> int:
     return sum(len("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
 
 
+def code_lines(notebook: Path) -> int:
+    """Non-blank lines of code in ``notebook`` (its code cells, solutions included): how much a student reads and
+    runs, for the README's table."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(1 for c in cells if c["cell_type"] == "code" for line in "".join(c["source"]).splitlines()
+               if line.strip())
+
+
+def exercises(notebook: Path) -> list[str]:
+    """The graded exercises of ``notebook``: the ids of its solution cells, in order."""
+    cells = json.loads(notebook.read_text())["cells"]
+    meta = [c.get("metadata", {}).get("nbgrader", {}) for c in cells]
+    return [m["grade_id"] for m in meta if m.get("solution") and not m.get("grade")]
+
+
 def emulates_node(notebook: Path) -> bool:
     """Whether ``notebook`` launches ranks and so gives ``course_setup`` the widths of an emulated node run."""
     cells = json.loads(notebook.read_text())["cells"]
