@@ -190,3 +190,70 @@ def test_the_visible_checks_capacity_answers_are_the_rule_s():
         assert torch.equal(nb16.visible_keep(expert, n, cap), ep.within_capacity(expert, n, cap))
     assert {(tuple(e.tolist()), cap) for e, _, cap in seen if cap < len(e)} == set(nb16.VISIBLE_KEPT)
     assert all("0" in kept for kept in nb16.VISIBLE_KEPT.values())
+
+
+# ---------------------------------------------------------------- what current MoEs do: dropless, bias, gates
+def _loss_and_grads(moe, x, forward):
+    moe.zero_grad()
+    x = x.clone().requires_grad_()
+    out = forward(moe, x)
+    out.pow(2).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("experts, top_k, tokens", [(4, 2, 20), (8, 2, 33), (6, 3, 7)])
+def test_dropless_grouped_experts_equal_the_layer_without_capacity(experts, top_k, tokens):
+    moe = ep.MoE(16, experts, top_k, capacity_factor=None, seed=3)
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(4))
+    want = _loss_and_grads(moe, x, lambda m, t: m(t))
+    got = _loss_and_grads(moe, x, ep.dropless_forward)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert set(got[2]) == set(want[2]) and "router.weight" in got[2]
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+    assert moe.dropped == 0 and int(moe.load.sum()) == tokens * top_k
+
+
+def test_grouped_mm_multiplies_each_group_by_its_own_matrix():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+    counts = torch.tensor([5, 0, 7])  # an expert no row chose
+    want = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
+    torch.testing.assert_close(ep.grouped_mm(x, w, counts), want)
+    if hasattr(torch, "_grouped_mm"):  # torch's kernel, where this torch has it: the same product (its forward)
+        torch.testing.assert_close(torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32)), want)
+
+
+def test_renormalised_gates_sum_to_one_and_only_rescale_each_token():
+    x = torch.randn(30, D, generator=torch.Generator().manual_seed(2))
+    raw, renorm = (ep.MoE(D, 8, 2, None, seed=1, normalize_gates=n) for n in (False, True))
+    r_raw, r_norm = raw.route(x), renorm.route(x)
+    assert torch.equal(r_raw.expert, r_norm.expert) and torch.equal(r_raw.token, r_norm.token)
+    sums = torch.zeros(30).index_add(0, r_norm.token, r_norm.gate)
+    torch.testing.assert_close(sums, torch.ones(30))
+    raw_sums = torch.zeros(30).index_add(0, r_raw.token, r_raw.gate)
+    assert float(raw_sums.max()) < 1  # the top 2 of 8 probabilities: less than all of them
+    with torch.no_grad():
+        torch.testing.assert_close(renorm(x), raw(x) / raw_sums[:, None])
+
+
+def test_the_score_bias_picks_experts_but_never_weighs_them():
+    moe = ep.MoE(D, 4, 1, None, seed=0)
+    x = torch.randn(40, D, generator=torch.Generator().manual_seed(5))
+    probs = torch.softmax(moe.router(x).float(), -1)
+    assert torch.equal(moe.route(x).expert, probs.argmax(-1))  # no bias: the largest probability
+    moe.update_bias(torch.tensor([10, 0, 0, 30]), rate=1.0)  # experts 1 and 2 below the mean load of 10
+    assert moe.score_bias.tolist() == [0.0, 1.0, 1.0, -1.0]
+    r = moe.route(x)
+    assert set(r.expert.tolist()) <= {1, 2}  # a bias of 1 outweighs any difference of probabilities
+    torch.testing.assert_close(r.gate, probs[r.token, r.expert])  # the gate is still the router's probability
+
+
+def test_the_bias_balances_like_the_switch_loss_without_touching_the_router():
+    runs = ep.balancing_runs(32, 8, 2, tokens=96, steps=30, seed=1)
+    late = {way: sum(run["imbalance"][-10:]) / 10 for way, run in runs.items()}
+    assert runs["none"]["imbalance"][0] > 1.8 and late["none"] > 1.8  # the skewed tokens, never balanced
+    assert late["Switch loss"] < 1.5 and late["score bias"] < 1.5
+    assert runs["score bias"]["router_change"] == 0 and runs["none"]["router_change"] == 0
+    assert runs["Switch loss"]["router_change"] > 0.01

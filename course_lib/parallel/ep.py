@@ -14,6 +14,12 @@ token's outputs are summed with its gate weights.
   ``moe(all ranks' tokens, groups=their counts)`` in output and gradients.
 - ``ep_bytes_per_rank``: the bytes one rank's all-to-alls carry per step, against ``CollectiveBytes``.
 
+What current MoEs do instead, measured beside it: **dropless** experts (``dropless_forward``: every choice
+computed, each expert's rows one group of a grouped matmul, ``grouped_mm``); **auxiliary-loss-free balancing**
+(DeepSeek-V3: a per-expert bias on the router's scores that picks experts but never weighs them,
+``MoE.update_bias``; ``balancing_runs`` sets it beside the Switch loss); and the **gate convention**
+(``normalize_gates``: the top-k probabilities as they are, or renormalised to sum to 1 over the k).
+
 **Capacity.** Expert e takes at most ``ceil(capacity_factor x tokens x top_k / E)`` tokens of a group;
 every token's first choice queues before any token's second choice (GShard's priority), in token order,
 and a choice past the capacity is dropped: that expert adds nothing to the token (the residual stream
@@ -61,6 +67,7 @@ class Routing:
     gate: torch.Tensor  # (kept,) float32 router probability: the weight of this expert's output
     dropped: int  # choices past their expert's capacity
     aux_loss: torch.Tensor  # the Switch load-balancing loss of the group
+    load: torch.Tensor | None = None  # (E,) choices sent to each expert, before capacity
 
 
 # graded: 16_expert_parallelism expert_parallel
@@ -84,19 +91,24 @@ class MoE(nn.Module):
 
     ``capacity_factor=None`` drops nothing. After a forward, ``self.aux_loss`` is the load-balancing loss
     (add ``coefficient x aux_loss`` to the training loss) and ``self.dropped`` the choices dropped.
+    ``normalize_gates``: weigh a token's k expert outputs by their router probabilities renormalised to sum to 1
+    (Mixtral, DeepSeek-V3, Qwen's ``norm_topk_prob``), not by the probabilities as they are (Switch, GShard's
+    code here). ``score_bias`` (zeros until ``update_bias``) is added to the scores that pick the experts only.
     Parameters are drawn from ``seed`` alone, so every rank that builds it holds the same layer.
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int = 2, capacity_factor: float | None = 1.25,
-                 hidden: int | None = None, seed: int = 0):
+                 hidden: int | None = None, seed: int = 0, normalize_gates: bool = False):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.normalize_gates = normalize_gates
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.router = nn.Linear(d_model, n_experts, bias=False)
             self.experts = nn.ModuleList(Expert(d_model, hidden or 2 * d_model) for _ in range(n_experts))
+        self.register_buffer("score_bias", torch.zeros(n_experts))
         self.aux_loss, self.dropped = torch.zeros(()), 0
 
     def route(self, x: torch.Tensor, keep=None) -> Routing:
@@ -104,7 +116,10 @@ class MoE(nn.Module):
 
         ``keep``: the capacity rule, ``within_capacity``'s signature (the notebook passes the student's)."""
         probs = F.softmax(self.router(x).float(), dim=-1)  # float32: the gates weight every expert output
-        gate, expert = probs.topk(self.top_k, dim=-1)  # (tokens, k)
+        expert = (probs + self.score_bias).topk(self.top_k, dim=-1).indices  # the bias picks, it never weighs
+        gate = probs.gather(-1, expert)  # (tokens, k)
+        if self.normalize_gates:
+            gate = gate / gate.sum(-1, keepdim=True)
         # queue order: all first choices (in token order), then all second choices, ...
         expert, gate = expert.t().reshape(-1), gate.t().reshape(-1)
         token = torch.arange(len(x), device=x.device).repeat(self.top_k)
@@ -114,7 +129,16 @@ class MoE(nn.Module):
         # Switch: E x sum_e (share of choices sent to e) x (mean probability of e); 1 when perfectly balanced.
         # The share has no gradient; the mean probability carries it to the router.
         aux = self.n_experts * (chosen.float().mean(0) * probs.mean(0)).sum()
-        return Routing(token[keep], expert[keep], gate[keep], int((~keep).sum()), aux)
+        load = torch.bincount(expert, minlength=self.n_experts)
+        return Routing(token[keep], expert[keep], gate[keep], int((~keep).sum()), aux, load)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float = 1e-3) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3), after a step that sent ``load`` (E,) choices to each expert:
+        raise by ``rate`` the bias of every expert below the mean load, lower the others'. No gradient and no loss
+        term: the router's weights, and so every gate value, stay what the task trains them to be."""
+        load = load.float()
+        self.score_bias += rate * torch.sign(load.mean() - load)
 
     def forward(self, x: torch.Tensor, groups: int | list[int] = 1, keep=None) -> torch.Tensor:
         """x (..., d_model); ``groups``: equal groups routed apart, or their token counts (see the module's text);
@@ -132,6 +156,72 @@ class MoE(nn.Module):
         self.aux_loss = torch.stack([r.aux_loss for r in routings]).mean()
         self.dropped = sum(r.dropped for r in routings)
         return out.view_as(x)
+
+
+def _keep_all(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    return torch.ones_like(expert, dtype=torch.bool)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` (rows, d) in groups of ``counts`` (G,), group g times its own matrix ``w[g]`` (G, d, h): one grouped
+    matmul, however unequal the groups. torch's ``_grouped_mm`` kernel where a CUDA GPU runs it (bf16, rows 16-byte
+    aligned), a loop of matmuls elsewhere; the same numbers either way."""
+    fused = (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+             and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+    if fused:
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    return torch.cat([part @ w[g] for g, part in enumerate(x.split(counts.tolist()))])
+
+
+def dropless_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """``moe`` on ``x`` (..., d_model) with no capacity: every choice computed, the choices sorted by expert and each
+    expert's SwiGLU run as one group of three grouped matmuls over the experts' stacked weights. Equals ``moe`` with
+    ``capacity_factor=None`` in output and gradients; sets ``moe.aux_loss``, ``moe.dropped`` (0) and ``moe.load``."""
+    tokens = x.reshape(-1, x.shape[-1])
+    r = moe.route(tokens, keep=_keep_all)
+    order = torch.argsort(r.expert, stable=True)
+    counts = torch.bincount(r.expert, minlength=moe.n_experts)
+    stacked = {name: torch.stack([getattr(e, name).weight.t() for e in moe.experts]) for name in ("gate", "up", "down")}
+    rows = tokens[r.token[order]]
+    hidden = F.silu(grouped_mm(rows, stacked["gate"], counts)) * grouped_mm(rows, stacked["up"], counts)
+    y = grouped_mm(hidden, stacked["down"], counts)
+    out = torch.zeros_like(tokens).index_add(0, r.token[order], (r.gate[order, None] * y).to(tokens.dtype))
+    moe.aux_loss, moe.dropped, moe.load = r.aux_loss, 0, r.load
+    return out.view_as(x)
+
+
+def imbalance(load: torch.Tensor) -> float:
+    """The busiest expert's choices over the mean: 1 when balanced, E when one expert takes every choice."""
+    return float(load.max() / load.float().mean())
+
+
+def balancing_runs(d_model: int, n_experts: int, top_k: int, tokens: int, steps: int, seed: int = 0,
+                   lr: float = 0.05, rate: float = 0.005) -> dict:
+    """The load ``imbalance`` of one router, step by step, under three ways of balancing it, on the same skewed
+    tokens (a shared offset the untrained router prefers some experts for; fresh tokens every step): none, the
+    Switch loss (SGD at ``lr`` on the router alone, no task loss), and the score bias (``update_bias`` at ``rate``).
+    Per way: ``imbalance`` per step and ``router_change``, the largest change of a router weight."""
+    g = torch.Generator().manual_seed(seed + 1)
+    offset = torch.randn(d_model, generator=g)
+    batches = [torch.randn(tokens, d_model, generator=g) + offset for _ in range(steps)]
+    runs = {}
+    for way in ("none", "Switch loss", "score bias"):
+        moe = MoE(d_model, n_experts, top_k, capacity_factor=None, seed=seed)
+        start = moe.router.weight.detach().clone()
+        sgd = torch.optim.SGD(moe.router.parameters(), lr=lr)
+        history = []
+        for x in batches:
+            with torch.set_grad_enabled(way == "Switch loss"):
+                r = moe.route(x, keep=_keep_all)
+            history.append(imbalance(r.load))
+            if way == "Switch loss":
+                sgd.zero_grad()
+                r.aux_loss.backward()
+                sgd.step()
+            elif way == "score bias":
+                moe.update_bias(r.load, rate)
+        runs[way] = {"imbalance": history, "router_change": float((moe.router.weight.detach() - start).abs().max())}
+    return runs
 
 
 def _group_sizes(tokens: int, groups: int | list[int]) -> list[int]:
