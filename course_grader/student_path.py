@@ -173,6 +173,7 @@ def failed_tests(executed: dict) -> dict[str, str]:
             if score is not None and score < points:
                 shown = [o.get("text") or o.get("evalue") or ""
                          for o in cell.outputs if o.output_type in ("stream", "error")]
+                shown = ["".join(s) if isinstance(s, list) else s for s in shown]  # a stream's text may be its lines
                 out[cell.metadata.nbgrader.grade_id] = "".join(shown)[-600:]
     return out
 

@@ -550,7 +550,7 @@ def by_value(obj) -> bytes:
     cloudpickle ships, with a function, each submodule of a module it uses whose name the function's code spells:
     a worker that reads ``dist.get_rank()`` and some ``stage.config`` takes ``torch.distributed.config`` along
     (torch 2.13 has it, 2.7 not), and torch's config modules are a ``ModuleType`` subclass that pickle refuses
-    ("cannot pickle 'ConfigModuleInstance' object"): notebook 14's executor on the Llama failed so wherever ranks
+    ("cannot pickle 'ConfigModuleInstance' object"): notebook 15's executor on the Llama failed so wherever ranks
     are spawned, i.e. on every GPU machine (found forcing that path here: ``COURSE_SPAWN_RANKS=1``).
     """
     import cloudpickle

@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from course_lib.data import to_device
 from course_lib.device import compute_device
@@ -73,6 +74,26 @@ def llama_activation_bytes(config, batch: int, seq: int, dtype_bytes: int = 4, c
     per_token_layer = config.hidden_size if checkpointed else layer_activation_values(config)
     again = layer_activation_values(config) if checkpointed and recomputing else 0
     return tokens * ((layers * per_token_layer + again) * dtype_bytes + config.vocab_size * logits_bytes)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Within the ``with`` block, the largest tensor any op creates: ``numel`` and ``shape``.
+
+    Every op torch dispatches passes through, inside custom autograd functions too, and backward as well where it
+    runs on this thread (on a CPU it does). What a loss's peak memory is made of, op by op: the plain
+    cross-entropy's whole (tokens, V) logits, or a chunked loss's (chunk, V).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
 
 
 class SavedTensorMeter:

@@ -80,7 +80,7 @@ def check_blocksize(blocksize: int) -> int:
     return blocksize
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def _blocks(w: torch.Tensor, blocksize: int) -> torch.Tensor:
     """``w`` flattened (row-major), float32, one row per block of ``blocksize`` values (a shorter last block's row
     filled out to full length)."""
@@ -89,13 +89,13 @@ def _blocks(w: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, blocksize)
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def blockwise_absmax(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """The absolute maximum of each block of ``blocksize`` consecutive values of ``w`` (float32)."""
     return _blocks(w, check_blocksize(blocksize)).abs().amax(dim=1)
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """The index (int64) of the level of ``code`` (ascending) nearest to each value of ``x``; a value exactly
     halfway between two levels goes to the lower one, as in bitsandbytes."""
@@ -103,7 +103,7 @@ def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, midpoints)
 
 
-# graded: 12_qlora_recipe nf4_storage
+# graded: 12_qlora nf4_storage
 def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     """Indices 0..15 (any shape, row-major) → uint8, two per byte, the first in the high nibble.
 
@@ -114,14 +114,14 @@ def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     return (flat[0::2] << 4) | flat[1::2]
 
 
-# graded: 12_qlora_recipe nf4_storage
+# graded: 12_qlora nf4_storage
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` indices (int64) held in ``packed`` (``pack_4bit``'s layout)."""
     pairs = torch.stack([packed >> 4, packed & 0xF], dim=1)
     return pairs.reshape(-1)[:n].long()
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4 quantisation of ``w`` (any shape): (packed indices, uint8 with two per byte; absmax per block, float32).
 
@@ -135,7 +135,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = BLOCKSIZE) -> tuple[torch.Ten
     return pack_4bit(indices), absmax
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape, blocksize: int = BLOCKSIZE,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor of ``shape`` that ``quantize_nf4`` encoded: level[index] × its block's absmax."""
@@ -175,7 +175,7 @@ class CompressedAbsmax(NamedTuple):
     offset: torch.Tensor
 
 
-# graded: 12_qlora_recipe nf4_storage
+# graded: 12_qlora nf4_storage
 def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> CompressedAbsmax:
     """Double quantisation: absmax − mean, in blocks of ``blocksize``, each as 8-bit codes of its own absmax."""
     offset = absmax.float().mean()
@@ -186,7 +186,7 @@ def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> 
     return CompressedAbsmax(codes, scales, offset)
 
 
-# graded: 12_qlora_recipe nf4_storage
+# graded: 12_qlora nf4_storage
 def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) -> torch.Tensor:
     """The absmax scales that ``compress_absmax`` stored (to its 8-bit precision)."""
     n = c.codes.numel()
@@ -194,7 +194,7 @@ def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) ->
     return (values.view(-1, blocksize) * c.scales[:, None]).reshape(-1)[:n] + c.offset
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> torch.Tensor:
     """``w`` quantised to NF4 and back (what a QLoRA matmul computes with), in ``w``'s dtype and shape."""
     packed, absmax = quantize_nf4(w, blocksize)
@@ -223,7 +223,7 @@ def fp4_code(dtype: torch.dtype = torch.float32, device: torch.device | str = "c
     return (torch.cat([-positive.flip(0)[:-1], positive]) / 6).to(dtype=dtype, device=device)
 
 
-# graded: 12_qlora_recipe nf4_quantize
+# graded: 12_qlora nf4_quantize
 def absmax_round_trip(w: torch.Tensor, code: torch.Tensor, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """``w`` through block-wise absmax quantisation onto the levels of ``code`` (ascending, within [-1, 1])
     and back, in ``w``'s dtype and shape: NF4's blocks and float32 scales, only the levels differ."""

@@ -44,7 +44,7 @@ INSTALL_BITSANDBYTES = ("pip install bitsandbytes (a build for your GPU stack: C
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-# graded: 12_qlora_recipe QLoRALinear
+# graded: 12_qlora QLoRALinear
 class DequantizedLinear(torch.autograd.Function):
     """``x @ W.T`` for the NF4 weight ``W`` of a ``QLoRALinear``, which autograd never keeps.
 
@@ -63,7 +63,7 @@ class DequantizedLinear(torch.autograd.Function):
         return grad_y @ ctx.layer.dequantized_weight(grad_y.dtype), None  # the layer takes no gradient
 
 
-# graded: 12_qlora_recipe QLoRALinear
+# graded: 12_qlora QLoRALinear
 class QLoRALinear(nn.Module):
     """QLoRA's layer: ``base``'s weight stored in NF4, dequantised on the fly in every forward, beside LoRA adapters
     of rank ``r`` (``lora_A``, ``lora_B``: the only parameters that train; ``B`` starts at zero).

@@ -117,17 +117,17 @@ def executed(course_run_dir, student_edition):
 # Modules that read another module's executed notebook run on its worker (the session cache is per worker).
 SAME_WORKER = {"test_run_all": "test_notebook_03", "test_notebook_12": "test_notebook_11"}
 # Modules that `make test` runs after the workers, by themselves: Chromium, a lab or a hub and their kernels
-# on fixed time limits, and the measured pipeline bubbles of notebook 14 and test_pp (sleep-padded stages, held
+# on fixed time limits, and the measured pipeline bubbles of notebook 15 and test_pp (sleep-padded stages, held
 # to 10%), which a second worker on the same two cores pushed past their limits.
-ALONE = {"test_browser", "test_hub", "test_notebook_14", "test_pp"}
+ALONE = {"test_browser", "test_hub", "test_notebook_15", "test_pp"}
 # The grading tests (the checks on every notebook's known submissions, and nbgrader's whole autograde on 00) run
 # first, in two lanes: the assignments whose tests start several ranks on one worker, those that run in one process
 # (and the instructor's flow, which grades notebook 00) on the other. Two multi-rank gradings side by side put four
 # ranks on two cores, and every collective then waits for a rank the scheduler put aside: each ran about
 # 15% slower than beside a one-process test. The other modules follow, the longest first, shared out as the
 # workers free up.
-MULTI_RANK_GRADING = {"06_ddp", "07_ddp_reducer", "08_fsdp", "09_deepspeed_zero", "13_tensor_parallelism",
-                      "14_pipeline_parallelism", "15_context_parallelism", "16_expert_parallelism"}
+MULTI_RANK_GRADING = {"06_ddp", "07_ddp_reducer", "08_fsdp", "09_deepspeed_zero", "14_tensor_parallelism",
+                      "15_pipeline_parallelism", "16_context_parallelism", "17_expert_parallelism"}
 LANES = ["grading with ranks", "grading in one process"]
 # node emulation: 12 min of a worker; the untouched release through Validate: 4
 LONGEST_FIRST = ["test_node_emulation", "test_student_path", "test_notebook_09", "test_notebook_11"]

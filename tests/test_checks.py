@@ -83,8 +83,8 @@ def test_loading_course_lib_and_every_check_starts_no_thread():
 # spawned rank's, without a fresh Python per rank (about 40 s of a worker per notebook); one notebook's check spawns
 # its ranks for real (=1), inside the grading fence as on the GPU machine.
 SPAWNED = {"06_ddp": "test_average_gradients", "07_ddp_reducer": "test_BucketedDDP", "08_fsdp": "test_ShardedModule",
-           "09_deepspeed_zero": "test_ShardedOptimizer", "13_tensor_parallelism": "test_tensor_parallel_pair",
-           "15_context_parallelism": "test_ring_attention"}
+           "09_deepspeed_zero": "test_ShardedOptimizer", "14_tensor_parallelism": "test_tensor_parallel_pair",
+           "16_context_parallelism": "test_ring_attention"}
 REALLY_SPAWNED = "07_ddp_reducer"
 
 

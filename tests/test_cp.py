@@ -2,7 +2,7 @@
 
 One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
-and one that does not), and again with the ring given as ``forward`` (notebook 15's way, whose backward is
+and one that does not), and again with the ring given as ``forward`` (notebook 16's way, whose backward is
 ``gathered_backward``), the tiles each rank computes against ``causal_work``, the bytes it sends against
 the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the order it ran (``RingLog``: each pass posted before
 its block's attention, waited on after it), the activation bytes against the prediction,
@@ -58,7 +58,7 @@ def _wrong_mask(q_pos, k_pos, causal, seq_len):
 
 
 def _given_ring(q, k, v, causal, seq_len, zigzag):
-    """course_lib's ring forward in notebook 15's contract: ring_attention then backs it with gathered_backward."""
+    """course_lib's ring forward in notebook 16's contract: ring_attention then backs it with gathered_backward."""
     return cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, zigzag=zigzag)[:2]
 
 
@@ -397,6 +397,6 @@ def _torch_split(seq: int) -> bool:
 
 
 def test_torchs_load_balancer_is_the_zigzag_split():
-    """What cp_torch.train_llama checks on GPU ranks, checked here: torch's head-tail split is notebook 15's."""
+    """What cp_torch.train_llama checks on GPU ranks, checked here: torch's head-tail split is notebook 16's."""
     for world in (2, 4):
         assert all(run_forked(_torch_split, world, dict(seq=32), timeout=60))

@@ -43,6 +43,10 @@ KEPT = {
         "course_lib.parallel.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every "
         "ZeRO run (and the size sweep) launches with; one dict key matches the exercise's, whose arithmetic and "
         "errors are graded by behaviour",
+    ("13_fast_recipe", "chunked_cross_entropy"):
+        "course_lib.loss's chunked loss is the recipe's, which notebooks 11 to 13 train with (it computes each chunk's "
+        "gradients in forward; the exercise's reference recomputes them in backward); the checks forbid it, and one "
+        "accumulator line matches",
 }
 # Exercises whose solution lines may match a visible check's peer (course_grader.peer): the grader's own rank plays
 # the contract's side of the student's collectives, in the student's own test too, so the visible check holds it.

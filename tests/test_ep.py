@@ -175,21 +175,21 @@ def test_groups_and_bad_input():
 
 
 def test_the_visible_checks_capacity_answers_are_the_rule_s():
-    """checks/nb16's written-out answers of the capacity rule (the student edition cannot compute them: the rule is
+    """checks/nb17's written-out answers of the capacity rule (the student edition cannot compute them: the rule is
     the exercise) are ep.within_capacity's on the visible test's groups, and they drop something."""
-    from course_grader.checks import nb16
+    from course_grader.checks import nb17
 
     seen = []
     for factor in (None, 1.0):
-        moe = ep.MoE(nb16.EP_D, 4, nb16.TOP_K, factor)
-        x, _ = nb16.ep_data(2)
-        for start, size in zip((0, nb16.sizes_of(2)[0]), nb16.sizes_of(2)):
+        moe = ep.MoE(nb17.EP_D, 4, nb17.TOP_K, factor)
+        x, _ = nb17.ep_data(2)
+        for start, size in zip((0, nb17.sizes_of(2)[0]), nb17.sizes_of(2)):
             moe.route(x[start:start + size], keep=lambda e, n, cap: seen.append((e, n, cap)) or
                                 torch.ones_like(e, dtype=torch.bool))
     for expert, n, cap in seen:
-        assert torch.equal(nb16.visible_keep(expert, n, cap), ep.within_capacity(expert, n, cap))
-    assert {(tuple(e.tolist()), cap) for e, _, cap in seen if cap < len(e)} == set(nb16.VISIBLE_KEPT)
-    assert all("0" in kept for kept in nb16.VISIBLE_KEPT.values())
+        assert torch.equal(nb17.visible_keep(expert, n, cap), ep.within_capacity(expert, n, cap))
+    assert {(tuple(e.tolist()), cap) for e, _, cap in seen if cap < len(e)} == set(nb17.VISIBLE_KEPT)
+    assert all("0" in kept for kept in nb17.VISIBLE_KEPT.values())
 
 
 # ---------------------------------------------------------------- what current MoEs do: dropless, bias, gates

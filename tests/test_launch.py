@@ -251,7 +251,7 @@ def test_by_value_forks_the_ranks_but_ships_what_a_spawn_ships(monkeypatch):
     assert os.getpid() not in pids
     stage = types.SimpleNamespace(config=types.SimpleNamespace(layers=3))
 
-    def reads_a_config():  # notebook 14's executor: `dist` and an attribute named config (stage.config)
+    def reads_a_config():  # notebook 15's executor: `dist` and an attribute named config (stage.config)
         return dist.get_world_size() + stage.config.layers
 
     # cloudpickle ships torch.distributed.config with it where torch has one (2.13), a module pickle alone refuses
@@ -527,7 +527,7 @@ def _unwaited_send():
 
 def test_ranks_that_leave_a_send_unwaited_still_answer_at_once():
     """gloo's barrier after an isend nobody waited on waits for ever (measured: every run hung until the timeout;
-    notebook 15's checks waited 45 s per case on a ring that raised). The ranks answer before their teardown."""
+    notebook 16's checks waited 45 s per case on a ring that raised). The ranks answer before their teardown."""
     start = time.monotonic()
     assert run_forked(_unwaited_send, 3, timeout=60) == [f"rank {r} raised midway" for r in range(3)]
     assert time.monotonic() - start < 30

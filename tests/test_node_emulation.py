@@ -38,8 +38,8 @@ def emulate(notebook: str, out) -> dict:
 def test_the_notebooks_that_launch_ranks_are_the_ones_emulated():
     emulated = [p.stem for p in run_all.notebooks() if run_all.emulates_node(p)]
     assert emulated == ["05_input_pipeline", "06_ddp", "08_fsdp", "09_deepspeed_zero", "10_zero_offload",
-                        "13_tensor_parallelism", "14_pipeline_parallelism", "15_context_parallelism",
-                        "16_expert_parallelism"]
+                        "14_tensor_parallelism", "15_pipeline_parallelism", "16_context_parallelism",
+                        "17_expert_parallelism"]
 
 
 def test_emulation_takes_the_node_layout_and_the_given_widths(monkeypatch):
@@ -100,24 +100,24 @@ def test_10_runs_zero_3_with_offload_on_8_ranks(tmp_path):
     assert abs(value(res, "optimizer_state_fraction ZeRO-3 + offload optimizer and params") - 1 / 8) < 0.0125
 
 
-def test_13_runs_tp_8(tmp_path):
-    res = emulate("13_tensor_parallelism", tmp_path)
+def test_14_runs_tp_8(tmp_path):
+    res = emulate("14_tensor_parallelism", tmp_path)
     assert "8 ranks" in claim(res, "tensor parallelism trains the same model")["claim"]
-    executed = json.loads((tmp_path / "executed" / "13_tensor_parallelism.ipynb").read_text())
+    executed = json.loads((tmp_path / "executed" / "14_tensor_parallelism.ipynb").read_text())
     assert "tier=node (emulated" in "".join("".join(o.get("text", "")) for c in executed["cells"][:4]
                                             for o in c.get("outputs", []))
 
 
-def test_14_runs_8_stages(tmp_path):
-    res = emulate("14_pipeline_parallelism", tmp_path)
+def test_15_runs_8_stages(tmp_path):
+    res = emulate("15_pipeline_parallelism", tmp_path)
     assert claim(res, "every pipeline schedule trains the same model as one process")["held"]
     in_flight = value(res, "pp_in_flight")
     assert len(in_flight["1f1b"]) == 8 and max(in_flight["1f1b"]) <= 8 and in_flight["gpipe"] == [16] * 8
 
 
-def test_15_runs_its_ring_on_8_ranks(tmp_path):
+def test_16_runs_its_ring_on_8_ranks(tmp_path):
     """The node's ring of 8 (16 zig-zag chunks, 61 tokens padded to 64)."""
-    res = emulate("15_context_parallelism", tmp_path)
+    res = emulate("16_context_parallelism", tmp_path)
     assert value(res, "ring_worlds") == [2, 4, 8] and value(res, "ring_bytes_match_formula") is True
     assert value(res, "ring_max_output_diff") < 1e-4 and value(res, "ring_max_grad_diff") < 1e-4
     assert value(res, "causal_work_plain") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
@@ -127,7 +127,7 @@ def test_15_runs_its_ring_on_8_ranks(tmp_path):
     assert claim(res, "the course's Llama trains with ring attention (8 ranks")["held"]
 
 
-def test_16_runs_16_experts_on_8_ranks(tmp_path):
-    res = emulate("16_expert_parallelism", tmp_path)
+def test_17_runs_16_experts_on_8_ranks(tmp_path):
+    res = emulate("17_expert_parallelism", tmp_path)
     assert value(res, "ep_bytes_match_formula") is True and value(res, "ep_max_diff") < 1e-4
     assert claim(res, "expert parallelism on 8 ranks")["held"]

@@ -1,4 +1,4 @@
-"""Notebook 12 (QLoRA and the fast recipe) executes on the CPU tier and measures what it claims."""
+"""Notebook 12 (QLoRA) executes on the CPU tier and measures what it claims."""
 
 import math
 
@@ -9,7 +9,7 @@ from course_lib.qlora import bitsandbytes_4bit_runs
 
 
 def test_notebook_11s_base_and_full_fine_tune_are_rebuilt(executed):
-    res, res11 = executed("12_qlora_recipe"), executed("11_llama_finetune")
+    res, res11 = executed("12_qlora"), executed("11_llama_finetune")
     # the same calls and seed as notebook 11: the same base and the same full fine-tune, loss for loss
     for key in ("heldout_loss_before", "heldout_loss_after_full"):
         assert value(res, key) == pytest.approx(value(res11, key), rel=1e-5), key
@@ -17,7 +17,7 @@ def test_notebook_11s_base_and_full_fine_tune_are_rebuilt(executed):
 
 
 def test_nf4_beats_int4_and_the_students_quantiser_is_bitsandbytes(executed):
-    res = executed("12_qlora_recipe")
+    res = executed("12_qlora")
     assert value(res, "nf4_code_max_diff_to_published") < 3e-7  # derived from N(0,1) quantiles = the published table
     # the student's round trip on every base layer against bitsandbytes', where its 4-bit kernels run on this CPU
     gap = value(res, "your_nf4_vs_bitsandbytes_max_rel_diff")
@@ -42,7 +42,7 @@ def test_nf4_beats_int4_and_the_students_quantiser_is_bitsandbytes(executed):
 
 
 def test_qlora_memory_table_and_nothing_fake_on_a_cpu(executed):
-    res = executed("12_qlora_recipe")
+    res = executed("12_qlora")
     assert value(res, "qlora_base_bytes_measured") == pytest.approx(value(res, "qlora_base_bytes_table"), rel=0.01)
     assert value(res, "qlora_8b_base_gb") < 6 < 16 < value(res, "bf16_lora_8b_base_gb")
     assert value(res, "qlora_70b_total_gb") < 48 < 140 < value(res, "bf16_lora_70b_total_gb")
@@ -54,7 +54,7 @@ def test_qlora_memory_table_and_nothing_fake_on_a_cpu(executed):
 def test_the_students_qlora_layer_saves_no_weight_for_backward(executed):
     """Measured in the notebook on the base's largest linear layer: autograd keeps what it keeps for LoRA over the
     bf16 weight, not a dequantised copy of the weight (which alone would be its bf16 bytes)."""
-    res = executed("12_qlora_recipe")
+    res = executed("12_qlora")
     mine, lora = (value(res, f"saved_for_backward_bytes_{k}") for k in ("your_QLoRALinear", "LoRA_over_bf16"))
     weight = value(res, "qlora_largest_weight_bf16_bytes")
     assert 0 < lora and mine <= lora + weight / 4, (mine, lora, weight)
@@ -62,7 +62,7 @@ def test_the_students_qlora_layer_saves_no_weight_for_backward(executed):
 
 
 def test_the_students_qlora_layer_stores_4_bits_and_fine_tunes(executed):
-    res = executed("12_qlora_recipe")
+    res = executed("12_qlora")
     # the bytes of the student's buffers: 4 + 8/64 + 32/(64*256) bits a weight, and a float32 offset per layer
     assert 4.12 < value(res, "qlora_yours_bits_per_weight") < 4.2
     assert value(res, "trainable_params_your_qlora") == value(res, "trainable_params_lora")
@@ -73,22 +73,12 @@ def test_the_students_qlora_layer_stores_4_bits_and_fine_tunes(executed):
     assert math.isfinite(value(res, "heldout_loss_after_your_qlora"))
     mine = claim(res, "QLoRA stores the base's linear layers in 4.13 bits per weight")
     assert (mine["kind"], mine["held"]) == ("measured", True), mine
-def test_recipe_matches_baseline_loss(executed):
-    res = executed("12_qlora_recipe")
-    assert value(res, "chunked_loss_abs_diff") < 1e-5
-    assert value(res, "chunked_loss_grad_max_rel_diff") < 1e-4
-    assert abs(value(res, "bench_loss_ratio") - 1) < 0.02
-    speedup = value(res, "bench_tokens_per_s_recipe") / value(res, "bench_tokens_per_s_baseline")
-    assert value(res, "bench_speedup") == pytest.approx(speedup, rel=1e-9)  # recorded, not asserted: a CPU
 
 
 def test_claims_held_and_figures_saved(executed):
-    res = executed("12_qlora_recipe")
+    res = executed("12_qlora")
     measured = [c for c in res["claims"] if c["kind"] == "measured"]
-    assert len(measured) >= 4 and all(c["held"] for c in measured), res["claims"]
+    assert len(measured) >= 3 and all(c["held"] for c in measured), res["claims"]
     qlora = claim(res, "QLoRA puts a LoRA fine-tune of a 70B Llama")  # 70B and 8B rows: arithmetic
     assert (qlora["kind"], qlora["held"], qlora["agrees"]) == ("predicted", None, True), qlora
-    # set for an H100/H200
-    targets = [c for c in res["claims"] if c["source"] == "the fast recipe's target (H100/H200)"]
-    assert targets and all(c["kind"] == "not measured here" and c["held"] is None for c in targets), targets
-    assert len(res["figures"]) >= 2
+    assert len(res["figures"]) >= 1

@@ -25,8 +25,8 @@ TOPICS = {
     "accumulation": {"03"}, "micro-batches": {"03"}, "checkpointing": {"04"}, "input pipeline": {"05"},
     "ddp": {"06", "07"}, "data parallelism": {"06", "07"}, "reducer": {"07"}, "fsdp": {"08"}, "sharding": {"08", "09"},
     "deepspeed": {"09", "10"}, "zero": {"09", "10"}, "offload": {"10"}, "lora": {"11", "12"}, "qlora": {"12"},
-    "fine-tune": {"11", "12"}, "tensor": {"13"}, "pipeline parallel": {"14"}, "context parallel": {"15"},
-    "expert": {"16"},
+    "recipe": {"13"}, "chunked loss": {"13"}, "fine-tune": {"11", "12", "13"}, "tensor": {"14"},
+    "pipeline parallel": {"15"}, "context parallel": {"16"}, "expert": {"17"},
 }
 REFERENCE = re.compile(r"\bnotebooks? (\d\d)((?:(?:,| and|-|–| to)\s*\d\d)*)")
 BARE = re.compile(r"(?<!notebook )(?<!notebooks )\((\d\d)(?:(?:,| and|-|–)\s*\d\d)*\)")

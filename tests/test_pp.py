@@ -178,7 +178,7 @@ def _sent_by_1f1b(m):
 
 
 def test_a_middle_stage_sends_an_activation_and_a_gradient_per_micro_batch():
-    """Notebook 16's PP row: 3 forked stages, 5 micro-batches of 3 x 8 floats; the middle stage sends each one's
+    """Notebook 17's PP row: 3 forked stages, 5 micro-batches of 3 x 8 floats; the middle stage sends each one's
     activation up and its gradient down, the first and the last stage one of the two."""
     m = 5
     sent = run_forked(_sent_by_1f1b, 3, dict(m=m), timeout=60)

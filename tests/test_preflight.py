@@ -169,7 +169,7 @@ CP_HELD = {"gap": 3e-7, "zigzag": True, "seconds": 4.2}
 
 @pytest.mark.parametrize("gate, returned, result, status", [
     (None, True, CP_HELD, "pass"),  # a CUDA machine, or ROCm with a fixed torch: it runs, and held
-    (None, True, {**CP_HELD, "gap": 0.2}, "FAIL"),  # runs, but not loss for loss: notebook 15 would record a miss
+    (None, True, {**CP_HELD, "gap": 0.2}, "FAIL"),  # runs, but not loss for loss: notebook 16 would record a miss
     (None, False, None, "FAIL"),  # the kernel faulted with the gate open: 14 would lose its ranks
     ("torch 2.14 on ROCm 7.1: ...", False, None, "absent"),  # gated off, and the probe faulted: the gate is right
     ("torch 2.14 on ROCm 7.1: ...", True, CP_HELD, "pass"),  # gated off, yet it ran here: the row says how to open it

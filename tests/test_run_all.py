@@ -61,7 +61,7 @@ def test_the_long_measurements_wait_for_long_runs():
     """--long-runs sets each notebook's long_runs parameter; the notebooks with measurements past a slot have one."""
     import json
 
-    for name in ("10_zero_offload", "12_qlora_recipe"):
+    for name in ("10_zero_offload", "13_fast_recipe"):
         nb = json.loads((run_all.ROOT / "solutions" / name / f"{name}.ipynb").read_text())
         params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
         assert "long_runs = False" in "".join(params["source"]), name

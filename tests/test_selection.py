@@ -17,13 +17,13 @@ EP = "course_lib/parallel/ep.py"
 def test_a_library_module_selects_the_tests_and_the_notebook_that_reach_it():
     change = sel.Selection("HEAD", {EP})
     assert not change.everything
-    assert change.keeps("tests/test_ep.py") and change.keeps("tests/test_notebook_16.py")
-    assert change.keeps("tests/test_grading.py", "16_expert_parallelism")
-    assert not change.keeps("tests/test_grading.py", "14_pipeline_parallelism")
-    assert not change.keeps("tests/test_pp.py") and not change.keeps("tests/test_notebook_14.py")
+    assert change.keeps("tests/test_ep.py") and change.keeps("tests/test_notebook_17.py")
+    assert change.keeps("tests/test_grading.py", "17_expert_parallelism")
+    assert not change.keeps("tests/test_grading.py", "15_pipeline_parallelism")
+    assert not change.keeps("tests/test_pp.py") and not change.keeps("tests/test_notebook_15.py")
     assert not change.keeps("tests/test_hub.py") and not change.keeps("tests/test_instructor_flow.py")
-    assert change.notebook_changed("16_expert_parallelism")
-    assert not change.notebook_changed("14_pipeline_parallelism")
+    assert change.notebook_changed("17_expert_parallelism")
+    assert not change.notebook_changed("15_pipeline_parallelism")
 
 
 def test_a_notebook_selects_its_own_tests_and_its_grading_only():
@@ -55,7 +55,7 @@ def test_deepspeed_s_ops_are_built_for_the_tests_whose_code_can_start_it_only():
     assert sel.needs_deepspeed_ops("tests/test_notebook_09.py")
     assert not sel.needs_deepspeed_ops("tests/test_grading.py", "04_activation_checkpointing")
     assert not sel.needs_deepspeed_ops("tests/test_notebook_04.py")
-    assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_14_runs_its_ring_and_experts")
+    assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_16_runs_its_ring_on_8_ranks")
     assert not sel.needs_deepspeed_ops("tests/test_edition.py")  # it names 09 and the preflight, runs neither
     assert sel.needs_deepspeed_ops("tests/test_launch.py")  # it launches "course_lib.parallel.deepspeed_engine:train"
 
@@ -82,7 +82,7 @@ def test_the_base_is_the_recorded_commit_when_this_clone_has_it(monkeypatch):
 def test_the_floor_runs_only_when_a_version_sensitive_test_is_reached():
     assert sel.floor(sel.Selection("HEAD", {EP})) == ([], [])
     tests, notebooks = sel.floor(sel.Selection("HEAD", {"course_lib/parallel/pp.py"}))
-    assert tests == ["tests/test_pp.py"] and notebooks == ["14_pipeline_parallelism"]
+    assert tests == ["tests/test_pp.py"] and notebooks == ["15_pipeline_parallelism"]
     assert sel.floor(sel.Selection(None)) == (list(sel.FLOOR_TESTS), list(sel.assignments()))
 
 
@@ -109,11 +109,11 @@ def test_under_gate_pytest_keeps_what_the_change_reaches_and_deselects_the_rest(
     assert kept and all("test_pp.py" not in k for k in kept)
     assert [k for k in kept if "test_grading.py" in k] == [
         "tests/test_grading.py::test_every_exercise_has_known_wrong_submissions_that_score_every_cell"
-        "[16_expert_parallelism]",
+        "[17_expert_parallelism]",
         "tests/test_grading.py::test_no_known_wrong_submission_is_a_hand_copy_of_a_solution_cell"
-        "[16_expert_parallelism]",
-        "tests/test_grading.py::test_checks_grade_known_submissions[16_expert_parallelism]",
-        "tests/test_grading.py::test_judges_refuse_mutated_data[16_expert_parallelism]"]
+        "[17_expert_parallelism]",
+        "tests/test_grading.py::test_checks_grade_known_submissions[17_expert_parallelism]",
+        "tests/test_grading.py::test_judges_refuse_mutated_data[17_expert_parallelism]"]
     assert len([k for k in kept if "test_ep.py" in k]) >= 8 and "deselected" in out.stdout
 
 
@@ -131,6 +131,6 @@ def test_the_gate_s_sample_of_gradings():
     mistakes = {n for n in known if not n.startswith("calls_library_")}
     assert 0 < len(members & mistakes) < len(mistakes)  # one bundle of them, not all
     assert g.touched(sample["reference"], solution, points) == set(points)
-    nb16 = g.load_solution("16_expert_parallelism")
-    case = g.cases("16_expert_parallelism").CASES["capacity_ignored"]  # rewrites the expert-parallel cell
-    assert g.touched(case, nb16, g.grade_cells(nb16)) == set(g.tests_of(nb16, "expert_parallel"))
+    nb17 = g.load_solution("17_expert_parallelism")
+    case = g.cases("17_expert_parallelism").CASES["capacity_ignored"]  # rewrites the expert-parallel cell
+    assert g.touched(case, nb17, g.grade_cells(nb17)) == set(g.tests_of(nb17, "expert_parallel"))

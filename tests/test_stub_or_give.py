@@ -280,9 +280,9 @@ def test_the_rule_sees_a_call_through_a_module_and_a_name():
                      "def f(x, fp4_code):\n    y = x\n    return nf4.relative_rms_error(y, nf4_code()) + fp4_code(y)\n")
     assert references(tree, imported(tree), skip=bound(tree)) == {
         "course_lib.nf4.relative_rms_error": 5, "course_lib.nf4.nf4_code": 5}
-    assert verdict("course_lib.nf4.relative_rms_error", "12_qlora_recipe", "nf4_quantize", {}) is not None
-    assert verdict("course_lib.nf4.relative_rms_error", "12_qlora_recipe", "nf4_quantize",
-                   {("12_qlora_recipe", "nf4_quantize"): "use `nf4.relative_rms_error`"}) is None
+    assert verdict("course_lib.nf4.relative_rms_error", "12_qlora", "nf4_quantize", {}) is not None
+    assert verdict("course_lib.nf4.relative_rms_error", "12_qlora", "nf4_quantize",
+                   {("12_qlora", "nf4_quantize"): "use `nf4.relative_rms_error`"}) is None
 
 
 # ---------------------------------------------------------------- visible checks print no answer
@@ -375,8 +375,8 @@ GIVEN_FORBIDDEN = {
     "course_lib.memory.activation_bytes": "notebook 03's cell 27 and notebook 04's cells 9, 14 and 25 measure "
                                           "saved activations with it, as do checkpointing and parallel.cp_train; "
                                           "checks/nb04.py and checks/nb00_hidden.py (outside forbid) too",
-    "course_lib.memory.SavedTensorMeter": "notebook 14's cell 19 (what each pipeline schedule saves) measures with "
-                                          "it, as do parallel.pp and parallel.cp_train (notebooks 14 and 15)",
+    "course_lib.memory.SavedTensorMeter": "notebook 15's cell 19 (what each pipeline schedule saves) measures with "
+                                          "it, as do parallel.pp and parallel.cp_train (notebooks 15 and 16)",
     "course_lib.memory.saved_bytes_by_dtype": "notebook 01's cell 6 (what autocast saves, by dtype) runs it",
     "course_lib.memory.saved_bytes_by_part": "notebook 04's cells 4, 7 and 14 (what each part of a layer saves) run "
                                              "it",
@@ -448,23 +448,29 @@ GIVEN_FORBIDDEN = {
                                        "student's round trip",
     "course_lib.nf4.stored_bytes": "checks/nb12_hidden.py (outside forbid) gives the bytes a QLoRALinear stores "
                                    "with it",
-    # notebooks 13 (tensor_parallel_pair) and 14 (one_f_one_b_order, run_1f1b)
+    # notebook 13 (chunked_cross_entropy)
+    "course_lib.loss.lm_loss": "the recipe's loss (course_lib.recipe), which apps.finetune and apps.benchmark train "
+                               "with (notebooks 11 to 13); notebook 13's cell 12 sets it beside the plain loss",
+    "course_lib.loss.chunked_lm_loss": "lm_loss (given, above) computes its loss from the hidden states with it",
+    "course_lib.loss._ChunkedLinearCrossEntropy": "chunked_lm_loss (given, above) is this autograd function applied "
+                                                  "to the hidden states and the LM head's weight",
+    # notebooks 14 (tensor_parallel_pair) and 15 (one_f_one_b_order, run_1f1b)
     "course_lib.parallel.tp.parallelize_mlp": "parallelize_llama_by_hand splits each MLP with it: parallel.tp_train's "
-                                              "compare (notebook 13's cell 13) runs it with the student's layers",
-    "course_lib.parallel.schedules.gpipe_order": "notebook 14's cell 19 (what GPipe keeps in flight) runs it; "
-                                                 "checks/nb14_hidden.py (outside forbid) too",
-    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 14's cell 4) reads the order torch "
+                                              "compare (notebook 14's cell 13) runs it with the student's layers",
+    "course_lib.parallel.schedules.gpipe_order": "notebook 15's cell 19 (what GPipe keeps in flight) runs it; "
+                                                 "checks/nb15_hidden.py (outside forbid) too",
+    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 15's cell 4) reads the order torch "
                                                  "planned with it",
-    "course_lib.parallel.pp.train": "notebook 14's pipeline sweep (cell 4, pp.sweep) runs it; checks/nb14.py "
+    "course_lib.parallel.pp.train": "notebook 15's pipeline sweep (cell 4, pp.sweep) runs it; checks/nb15.py "
                                     "(outside forbid) runs torch's schedules with it",
-    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 14's cell "
+    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 15's cell "
                                          "4)",
-    # notebooks 15 (ring_attention) and 16 (expert_parallel)
-    "course_lib.parallel.cp.ring_attention": "notebook 15's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
+    # notebooks 16 (ring_attention) and 17 (expert_parallel)
+    "course_lib.parallel.cp.ring_attention": "notebook 16's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
                                              "run the student's ring through it",
     "course_lib.parallel.cp.RingAttention": "ring_attention (given, above) applies it",
     "course_lib.parallel.cp.tile_mask": "gathered_backward, the backward ring_attention runs behind the student's "
-                                        "ring (notebook 15's cells 11 to 17), masks with it",
+                                        "ring (notebook 16's cells 11 to 17), masks with it",
 }
 CHECKS = ROOT / "course_grader" / "checks"
 

@@ -41,7 +41,7 @@ def test_validate_in_the_student_edition_has_the_course_s_cell_limits(edition, t
 
 
 def test_a_correct_student_s_notebook_is_the_release_with_the_solutions_written_in(edition):
-    name = "14_pipeline_parallelism"
+    name = "15_pipeline_parallelism"
     release = json.loads((edition / "notebooks" / f"{name}.ipynb").read_text())
     solution = g.load_solution(name)
     filled = sp.filled(release, solution)

@@ -201,7 +201,7 @@ def test_bytes_per_step_per_dimension_are_counted_and_match_the_formulas():
     batch, seq, d, vocab = 4, 16, 64, 512
     counted = tp_train.comm_bytes("tiny", nprocs=4, dp=2, batch=batch, seq=seq, num_key_value_heads=4)
     params = 4 * llama_num_parameters(llama_config("tiny", num_key_value_heads=4))  # fp32 bytes of the whole model
-    # DDP's C++ reducer is seen: one bucket here; ddp_bytes_per_rank is notebook 16's DP row
+    # DDP's C++ reducer is seen: one bucket here; ddp_bytes_per_rank is notebook 17's DP row
     assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params == ddp.ddp_bytes_per_rank(params // 4, 4)
     assert counted["dp"]["bytes_by_kind"]["reduce_scatter"] == params  # FSDP2: every gradient reduce-scattered once
     act = batch * seq * d * 4  # one hidden state, fp32

@@ -42,7 +42,7 @@ def test_hybrid_meshes_and_torch_cp_sequences_fit_every_world(world):
 @pytest.mark.parametrize("assignment, rounded", [
     ("06_ddp", 'Dims.rounded(size["tp_batch"], n_ranks)'),
     ("08_fsdp", 'Dims.rounded(size["batch"], world)'),
-    ("15_context_parallelism", "seq=cp_torch.seq_for(n_torch)"),
+    ("16_context_parallelism", "seq=cp_torch.seq_for(n_torch)"),
 ])
 def test_the_notebooks_round_their_sizes_to_the_world(assignment, rounded):
     """The notebooks whose rank count is the machine's GPUs take their sizes through the rounding, not raw."""

@@ -146,9 +146,12 @@ def unwritten(err: BaseException) -> str | None:
     tb = err.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
-    name, owner = tb.tb_frame.f_code.co_name, tb.tb_frame.f_locals.get("self")
+    code = tb.tb_frame.f_code
+    name, owner = code.co_name, tb.tb_frame.f_locals.get("self")
     if owner is not None:
         name = type(owner).__name__ + ("" if name == "__init__" else f".{name}")
+    elif "." in getattr(code, "co_qualname", "") and "<locals>" not in code.co_qualname:
+        name = code.co_qualname  # a static method, an autograd Function's forward: named with its class
     return name
 
 

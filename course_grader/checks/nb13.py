@@ -1,241 +1,103 @@
-"""Notebook 13's visible tests: the tensor-parallel pair on 2 forked ranks (its output, gradients and collectives),
-with the grader's own rank as rank 0."""
+"""Notebook 13's visible tests: the chunked cross-entropy against torch's on the whole logits (the loss, the gradients
+of the hidden states and of the LM head's weight), and the largest tensor any of its ops creates, forward and
+backward."""
 
 from __future__ import annotations
 
-import copy
-import functools
-import warnings
+import math
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-import course_lib.parallel.tp as tp
 import torch.nn.functional as F
 
-from course_grader.checks import (case_seed, in_ranks, number, packed, peer_port, plain, register, student,
-                                  tensor_data)
+from course_grader.checks import number, register, tensor_data
 from course_grader.grading import forbid
-from course_grader.peer import Peer, Wire, join_ranks
-from course_lib.distributed import CollectiveBytes
+from course_lib import loss
+from course_lib.memory import LargestTensor
 
 # What the exercise builds, out of reach while the student's code runs.
-TP_ANSWERS = (tp.copy_to_tp, tp.reduce_from_tp, tp.gather_from_tp, tp.ColumnParallelLinear, tp.RowParallelLinear,
-              tp.parallelize_mlp, parallelize_module, ColwiseParallel, RowwiseParallel)
-PAIR = ("ColumnParallelLinear", "RowParallelLinear")
+CHUNKED = (loss.chunked_lm_loss, loss.lm_loss, loss._ChunkedLinearCrossEntropy)
+SHAPE = dict(tokens=64, d=8, vocab=96, chunk=8)  # the logits, 64 x 96, are 8 times the largest chunk
 
 
-# ---------------------------------------------------------------- tensor_parallel_pair
-def mlp(d: int = 8, h: int = 16, bias: bool = True, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, h, bias=bias), nn.GELU(), nn.Linear(h, d, bias=bias))
+def case(tokens: int, d: int, vocab: int, seed: int, scale: float = 1.0, ignored: str = "every fifth",
+         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states (tokens, d), an LM head's weight (vocab, d) and targets (tokens,), -100 where ``ignored``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(tokens, d, generator=g) * scale).to(dtype)
+    weight = torch.randn(vocab, d, generator=g).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    if ignored == "every fifth":
+        targets[::5] = -100
+    elif ignored == "all":
+        targets[:] = -100
+    return hidden, weight, targets
 
 
-def tp_mlp(d: int, h: int, bias: bool, seed: int = 0, shift: tuple[int, int] | None = None) -> nn.Sequential:
-    """``mlp(d, h, bias, seed)``; with ``shift=(world, s)``, rank 0's part of the pair (the column layer's first
-    h / world rows, the row layer's first h / world columns) moved by noise drawn from ``s``: the weights of a group
-    whose rank 0 is the grader's, which reach the student's ranks only through the pair's two all-reduces."""
-    model = mlp(d, h, bias, seed)
-    if shift is not None:
-        n, g = h // shift[0], torch.Generator().manual_seed(shift[1])
-        with torch.no_grad():
-            for part in (model[2].weight[:n], model[4].weight[:, :n]) + ((model[2].bias[:n],) if bias else ()):
-                part += 0.5 * torch.randn(part.shape, generator=g)
-    return model
+def probe_loss(ns: dict, hidden, weight, targets, chunk: int, grad_scale: float = 1.0, watch: bool = False) -> dict:
+    """The student's ``chunked_cross_entropy`` on copies of the inputs, the library's chunked losses forbidden: the
+    loss and the gradients of ``grad_scale`` times it; with ``watch``, the largest tensor its ops created instead."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with forbid(*CHUNKED, namespace=ns), LargestTensor() as largest:
+        out = ns["chunked_cross_entropy"](h, w, targets.clone(), chunk)
+        (out * grad_scale).backward()
+    if watch:
+        return {"largest": number(largest.numel), "largest shape": list(largest.shape)}
+    return {"loss": tensor_data(out.detach()), "hidden grad": tensor_data(h.grad), "weight grad": tensor_data(w.grad)}
 
 
-def mlp_input(d: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(6, d, generator=torch.Generator().manual_seed(seed))
+def reference(hidden, weight, targets, grad_scale: float = 1.0) -> dict:
+    """torch's cross-entropy of the whole fp32 logits: the loss and the gradients (zeros where no target counts)."""
+    h, w = (t.detach().float().clone().requires_grad_() for t in (hidden, weight))
+    valid = targets != -100
+    logits = h @ w.t()
+    out = F.cross_entropy(logits, targets, ignore_index=-100) if valid.any() else (logits * 0).sum()
+    (out * grad_scale).backward()
+    return {"loss": out.detach(), "hidden grad": h.grad, "weight grad": w.grad}
 
 
-def tp_rank(d: int, h: int, bias: bool, ns: dict, seed: int = 0, data_seed: int = 1) -> dict:
-    """One rank: a replicated Linear, then the student's column- and row-parallel layers made from the unsplit MLP's
-    (the weights of ``seed``, the input of ``data_seed``); their output, the gradients of every weight (this rank's
-    slice) and of the input, and the collectives."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    ref = mlp(d, h, bias, seed)
-    mine = copy.deepcopy(ref)
-    x = mlp_input(d, data_seed).requires_grad_(True)
-    with forbid(*TP_ANSWERS, namespace=ns):
-        mine[2], mine[4] = ns["ColumnParallelLinear"](ref[2]), ns["RowParallelLinear"](ref[4])
-        with CollectiveBytes() as comm:
-            out = mine(x)
-            forward_calls = dict(comm.calls_by_kind)
-            out.pow(2).sum().backward()
-    grads = {"first layer": mine[0].weight.grad, "column weight": mine[2].weight.grad,
-             "row weight": mine[4].weight.grad, "input": x.grad}
-    if bias:
-        grads.update({"column bias": mine[2].bias.grad, "row bias": mine[4].bias.grad})
-    return packed(plain({"output": tensor_data(out), "grads": {k: tensor_data(g) for k, g in grads.items()},
-                   "forward calls": {str(k): number(v) for k, v in forward_calls.items()},
-                   "calls": {str(k): number(v) for k, v in comm.calls_by_kind.items()},
-                   "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}}))
+def judge_values(got: dict, hidden, weight, targets, label: str, grad_scale: float = 1.0, tol: float = 1e-5) -> None:
+    want = reference(hidden, weight, targets, grad_scale)
+    assert isinstance(got["loss"], torch.Tensor) and got["loss"].numel() == 1, \
+        f"{label}: return the loss as a 0-d tensor, not {got['loss']!r}"
+    assert torch.isfinite(got["loss"]).all(), f"{label}: the loss is {float(got['loss'])}, not finite"
+    assert abs(float(got["loss"]) - float(want["loss"])) <= tol * max(1.0, abs(float(want["loss"]))), \
+        f"{label}: the loss is {float(got['loss']):.6f}, torch's cross-entropy {float(want['loss']):.6f}"
+    for name, like in (("hidden grad", hidden), ("weight grad", weight)):
+        g = got[name]
+        assert isinstance(g, torch.Tensor), f"{label}: no gradient reached the {name.split()[0]} states"
+        assert g.shape == like.shape, f"{label}: the {name} has shape {tuple(g.shape)}, not {tuple(like.shape)}"
+        assert g.dtype == like.dtype, f"{label}: the {name} is {g.dtype}; return it in its input's dtype, {like.dtype}"
+        gap = float((g.float() - want[name]).abs().max())
+        scale = max(float(want[name].abs().max()), 1e-6)
+        assert gap <= tol * 10 * scale or gap < 1e-7, \
+            f"{label}: the {name} differs from torch's by {gap:.2e} (largest entry {scale:.2e})"
 
 
-def tp_runs(ns: dict, world: int, d: int, h: int, bias: bool, seed: int = 0, data_seed: int = 1,
-            join: int | None = None) -> list:
-    """``tp_rank`` on ``world`` forked ranks; with ``join`` (the port of the grader's rank 0, ``peer_port``) on ranks 1
-    to ``world - 1`` of a group whose rank 0 is the grader's (``play_tp``)."""
-    if join is None:
-        return in_ranks(ns, PAIR, tp_rank, world, d=d, h=h, bias=bias, seed=seed, data_seed=data_seed)
-    rank = functools.partial(tp_rank, ns=student(ns, *PAIR))
-    return join_ranks(rank, world - 1, dict(d=d, h=h, bias=bias, seed=seed, data_seed=data_seed), port=join)
+def judge_largest(got: dict, tokens: int, d: int, vocab: int, chunk: int, label: str) -> None:
+    allowed = max(min(chunk, tokens) * vocab, tokens * d, vocab * d)
+    size, shape = got["largest"], got["largest shape"]
+    assert isinstance(size, int) and size > 0 and size == math.prod(shape), \
+        f"{label}: the watched ops reported no tensor, or a size that is not their shape's: {got}"
+    assert got["largest"] <= allowed, (
+        f"{label}: one op made a tensor of shape {tuple(got['largest shape'])}, {got['largest']} values; the logits "
+        f"of {min(chunk, tokens)} tokens are {min(chunk, tokens) * vocab}: compute them chunk by chunk, in forward and "
+        f"in backward, and keep none of the whole ({tokens} x {vocab})")
 
 
-def reference(d: int, h: int, bias: bool, seed: int = 0, data_seed: int = 1,
-              shift: tuple[int, int] | None = None) -> tuple[torch.Tensor, dict]:
-    """The unsplit MLP's (``tp_mlp``'s) output and its full gradients, in one process; "pair input" is the gradient
-    of the pair's input, "pair sum" the row layer's output before its bias."""
-    ref = tp_mlp(d, h, bias, seed, shift)
-    x = mlp_input(d, data_seed).requires_grad_(True)
-    pair_input = ref[1](ref[0](x))
-    pair_input.retain_grad()
-    pair_sum = F.linear(ref[3](ref[2](pair_input)), ref[4].weight)
-    out = pair_sum if ref[4].bias is None else pair_sum + ref[4].bias
-    out.pow(2).sum().backward()
-    grads = {"first layer": ref[0].weight.grad, "column weight": ref[2].weight.grad, "row weight": ref[4].weight.grad,
-             "input": x.grad}
-    if bias:
-        grads.update({"column bias": ref[2].bias.grad, "row bias": ref[4].bias.grad})
-    grads.update({"pair input": pair_input.grad, "pair sum": pair_sum.detach()})
-    return out.detach(), grads
+VISIBLE = case(SHAPE["tokens"], SHAPE["d"], SHAPE["vocab"], seed=0)
 
 
-def rank_slice(name: str, g: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    """This rank's part of the unsplit gradient ``g``: rows of the column layer, columns of the row layer's weight."""
-    if name in ("column weight", "column bias"):
-        return g[rank * n:(rank + 1) * n]
-    if name == "row weight":
-        return g[:, rank * n:(rank + 1) * n]
-    return g
+def judge_visible(got: dict) -> str:
+    judge_values(got, *VISIBLE, label=f"{SHAPE['tokens']} tokens, chunks of {SHAPE['chunk']}")
+    return "the loss and both gradients equal torch's cross-entropy on the whole logits"
 
 
-def judge_tp(runs: list, label: str, world: int, d: int, h: int, bias: bool, seed: int = 0,
-             data_seed: int = 1, shift: tuple[int, int] | None = None, first: int = 0) -> None:
-    """The student's ranks ``first`` to ``world - 1`` (rank 0 the grader's where ``first`` is 1): output and gradients
-    against the unsplit MLP's."""
-    want, full = reference(d, h, bias, seed, data_seed, shift)
-    del full["pair input"], full["pair sum"]
-    assert not any("stopped" in run for run in runs), \
-        f"{label}: your ranks stopped after rank 0's all-reduces: {runs[0].get('stopped', '')[-120:]}"
-    assert len(runs) == world - first, f"{label}: {len(runs)} ranks answered, expected {world - first}"
-    n = h // world
-    for r, run in enumerate(runs, start=first):
-        assert isinstance(run["output"], torch.Tensor), \
-            f"{label}, rank {r}: the output is {run['output']}, not a tensor"
-        gap = float((run["output"] - want).abs().max())
-        assert gap < 1e-5, (f"{label}, rank {r}: the output differs from the unsplit MLP's by "
-                            f"{gap:.1e}: is the bias added once, after the all-reduce?")
-        for name, g_full in full.items():
-            g, ref_g = run["grads"][name], rank_slice(name, g_full, r, n)
-            assert g is not None, (f"{label}, rank {r}: the {name} got no gradient: a collective without a "
-                                   "backward cut the graph (use your autograd functions)")
-            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: the {name}'s gradient is {g}, not a tensor"
-            rel = float((g - ref_g).abs().max() / ref_g.abs().max())
-            assert rel < 1e-5, (f"{label}, rank {r}: the {name}'s gradient is off by {rel:.1e} (relative): "
-                                "CopyToTP's backward must sum the input's gradient over the ranks")
+def judge_memory(got: dict) -> str:
+    judge_largest(got, SHAPE["tokens"], SHAPE["d"], SHAPE["vocab"], SHAPE["chunk"],
+                  f"{SHAPE['tokens']} tokens, chunks of {SHAPE['chunk']}")
+    return f"no op made more than {SHAPE['chunk']} rows of logits, forward or backward"
 
 
-# ---------------------------------------------------------------- the pair, as the grader's rank 0 sees it
-# Rank 0 of a wired group is the grader's: it holds its own part of the pair, moved by noise drawn at grading
-# (``tp_mlp``'s shift), so the student's ranks give the right output and gradients only from what the all-reduces
-# brought. It plays the contract's two collectives: the all-reduce of the row layer's partial outputs (g, forward),
-# then the all-reduce of the partial gradients of the pair's input (f, backward), and records each sum.
-def shift_seed(name: str) -> int:
-    """The seed of rank 0's shifted part in check ``name``: new to every grading (``case_seed``)."""
-    return case_seed("nb13", name, "rank 0's weights")
-
-
-def play_tp(wire: Wire, d: int, h: int, bias: bool, seed: int, data_seed: int, shift: int) -> None:
-    """Rank 0's side of ``tp_rank`` (the grader's), its part of ``tp_mlp(d, h, bias, seed, (world, shift))``."""
-    world = dist.get_world_size()
-    n, ref = h // world, tp_mlp(d, h, bias, seed, (world, shift))
-    column, row = ref[2], ref[4]
-    pair_input = ref[1](ref[0](mlp_input(d, data_seed))).detach().requires_grad_()
-    column_part = F.linear(pair_input, column.weight[:n], None if column.bias is None else column.bias[:n])
-    partial = F.linear(ref[3](column_part), row.weight[:, :n])
-    total = partial.detach().clone()
-    dist.all_reduce(total)
-    wire.record("forward", sum=total.clone())
-    partial.backward(2 * (total if row.bias is None else total + row.bias.detach()))
-    summed = pair_input.grad.clone()
-    dist.all_reduce(summed)
-    wire.record("backward", sum=summed.clone())
-
-
-def check_tp_wire(events: list, label: str, world: int, d: int, h: int, bias: bool, seed: int, data_seed: int,
-                  shift: int, sums: bool = True) -> None:
-    """What reached the grader's rank 0 is the unsplit MLP's: the row layer's output before its bias (forward), then
-    the gradient of the pair's input (backward), each summed over the ranks. ``sums=False``: the two all-reduces, of
-    those shapes, whatever they summed."""
-    _, full = reference(d, h, bias, seed, data_seed, (world, shift))
-    got = {e["what"]: e["sum"] for e in events if e["what"] in ("forward", "backward")}
-    for what, key, where in (("forward", "pair sum", "the row-parallel layer's partial outputs (g, in forward)"),
-                             ("backward", "pair input", "the partial gradients of the column-parallel layer's input "
-                                                        "(f, in backward)")):
-        if what not in got:
-            hint = "" if what == "backward" else ": the forward makes one, after the row layer's matmul, bias not added"
-            raise AssertionError(f"{label}: the grader's rank 0 all-reduced {where}, {tuple(full[key].shape)} values, "
-                                 f"and your rank's collective there did not match{hint}")
-        want, values = full[key], got[what]
-        assert values.shape == want.shape, f"{label}: {where} all-reduced as {tuple(values.shape)}"
-        if not sums:
-            continue
-        gap = float((values - want).abs().max()) / (float(want.abs().max()) + 1e-12)
-        hint = (": the pair's one all-reduce in forward sums the row layer's matmuls, its bias added once after it "
-                "(f is the identity in forward)" if what == "forward" else "")
-        assert gap < 1e-5, (f"{label}: the all-reduce of {where} reached the grader's rank 0 as another sum than the "
-                            f"unsplit MLP's (max rel. diff {gap:.1e}){hint}")
-
-
-def play_pair(wire: Wire, round: int) -> None:
-    """Rank 0 of ``test_tensor_parallel_pair``: the MLP of seed 0, d=8, h=16, 2 ranks."""
-    play_tp(wire, 8, 16, True, 0, 1, shift_seed("test_tensor_parallel_pair"))
-
-
-def probe_pair(ns: dict) -> list:
-    return [{k: run[k] for k in ("output", "grads")} if "stopped" not in run else run
-            for run in tp_runs(ns, 2, 8, 16, True, join=peer_port("test_tensor_parallel_pair"))]
-
-
-def judge_pair(runs: list, wire: list) -> str:
-    shift = shift_seed("test_tensor_parallel_pair")
-    check_tp_wire(wire, "2 ranks", 2, 8, 16, True, 0, 1, shift)
-    judge_tp(runs, "2 ranks", 2, 8, 16, True, shift=(2, shift), first=1)
-    return "2 ranks, rank 0 the grader's: the unsplit MLP's sums reached it, and your rank's output and gradients"
-
-
-register("test_tensor_parallel_pair", probe_pair, judge_pair, Peer(world=2, play=play_pair))
-
-
-# ---------------------------------------------------------------- tensor_parallel_pair: its collectives
-def play_collectives(wire: Wire, round: int) -> None:
-    play_tp(wire, 8, 16, True, 0, 1, shift_seed("test_tensor_parallel_pair_collectives"))
-
-
-def probe_collectives(ns: dict) -> list:
-    return [{k: run[k] for k in ("forward calls", "calls", "bytes")} if "stopped" not in run else run
-            for run in tp_runs(ns, 2, 8, 16, True, join=peer_port("test_tensor_parallel_pair_collectives"))]
-
-
-def judge_collectives(runs: list, wire: list) -> str:
-    """The wire first (rank 0's record: an all-reduce of the pair's output in forward, one of its input's gradient in
-    backward; what they summed is the pair test's), then the rank's own count of its calls and bytes, for what rank 0
-    cannot see (an extra collective after them)."""
-    check_tp_wire(wire, "2 ranks", 2, 8, 16, True, 0, 1, shift_seed("test_tensor_parallel_pair_collectives"),
-                  sums=False)
-    assert not any("stopped" in run for run in runs), "your rank stopped after rank 0's all-reduces"
-    assert len(runs) == 1, f"{len(runs)} ranks answered, expected 1"
-    for r, run in enumerate(runs, start=1):
-        assert run["forward calls"] == {"all_reduce": 1}, (f"rank {r}: forward ran {run['forward calls']}: the pair "
-                                                           "needs one all-reduce, after the row-parallel layer")
-        assert run["calls"] == {"all_reduce": 2}, f"rank {r}: forward and backward ran {run['calls']}"
-        assert run["bytes"] == {"all_reduce": 2 * 6 * 8 * 4}, f"rank {r}: {run['bytes']} bytes"
-    return f"one all-reduce forward, one backward, of {6 * 8 * 4} bytes each"
-
-
-register("test_tensor_parallel_pair_collectives", probe_collectives, judge_collectives,
-         Peer(world=2, play=play_collectives))
+register("test_chunked_cross_entropy", lambda ns: probe_loss(ns, *VISIBLE, SHAPE["chunk"]), judge_visible)
+register("test_chunked_cross_entropy_memory", lambda ns: probe_loss(ns, *VISIBLE, SHAPE["chunk"], watch=True),
+         judge_memory)

@@ -1,360 +1,428 @@
-"""Notebook 15's visible tests: the online-softmax merge (one process); the student's ring on 2 forked ranks, plain
-and zig-zag, and on 3 (a block travels two hops), against attention over the whole sequence (output, log-sum-exp, the
-bytes it sends, a causal ring's tiles) and by its order (each pass posted before the block's attention, waited on
-after it)."""
+"""Notebook 15's visible tests: the 1F1B order (simulated, and against the order torch's Schedule1F1B ran on 2 ranks,
+which no message prints), and the executor on 2 forked ranks following a given order that is not 1F1B's (one
+process's losses and gradients; the micro-batches it holds, counted and measured), with the grader's own rank as
+rank 0 (stage 0)."""
 
 from __future__ import annotations
 
-import math
+import functools
+import sys
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-import course_lib.parallel.cp as cp
-import course_lib.parallel.cp_train as cp_train
-import functools
+import course_lib.parallel.pp as pp
+import course_lib.parallel.schedules as schedules
 
-from course_grader.checks import (case_seed, error_text, in_ranks, number, packed, peer_port, plain, register, student,
-                                  tensor_data)
-from course_grader.grading import forbid
-from course_grader.peer import Peer, Wire, join_ranks, rounds
-from course_lib.distributed import CollectiveBytes
+from course_grader.checks import (case_seed, number, packed, peer_port, plain, register, student,
+                                  tensor_data, unpacked)
+from course_grader.grading import forbid, worst
+from course_grader.peer import Peer, Wire, join_ranks
+from course_lib.launch import run_forked
 
-# What the exercise builds, out of reach while the student's code runs. (cp.block_attention and cp.ring_pass are the
-# helpers it may use.)
-CP_ANSWERS = (cp.online_softmax_merge, cp.ring_forward, cp.ring_backward, cp.RingAttention, cp.ring_attention,
-              cp.tile_mask, cp._tiles, F.scaled_dot_product_attention)
-RING = ("merge", "ring_forward")
-B, H, D = 2, 2, 8
-MAX_EVENTS = 1000  # of the order one rank's ring ran: a ring of 4 runs about 30
+# What each exercise builds, out of reach while the student's code runs.
+PP_ANSWERS = (schedules.one_f_one_b_order, schedules.gpipe_order, schedules.torch_order, Schedule1F1B, ScheduleGPipe)
 
 
-# ---------------------------------------------------------------- ring_attention: the merge
-def blocks(seq: int = 10, cut: int = 3, scale: float = 1.0, seed: int = 0):
-    """q over two disjoint key blocks: each block's (out, lse), and the whole sequence's (the reference)."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, seq, D, generator=g) for _ in range(3))
-    q = q * scale
-    a = cp.block_attention(q, k[..., :cut, :], v[..., :cut, :])
-    b = cp.block_attention(q, k[..., cut:, :], v[..., cut:, :])
-    return a, b, cp.block_attention(q, k, v)
+# ---------------------------------------------------------------- one_f_one_b_order
+def action(a) -> tuple:
+    """One action of the student's order as plain data: its strings kept, its numbers as numbers."""
+    return tuple(x if isinstance(x, str) else number(x) for x in a)
 
 
-def merged(ns: dict, a, b) -> dict:
+def order_of(ns: dict, p: int, m: int) -> list:
+    """The student's ``one_f_one_b_order(p, m)``, the library's orders and torch's schedules forbidden."""
+    with forbid(*PP_ANSWERS, namespace=ns):
+        order = ns["one_f_one_b_order"](p, m)
+    return [[action(a) for a in rank] for rank in order]
+
+
+def orders(ns: dict, shapes) -> dict:
+    return {f"{p},{m}": order_of(ns, p, m) for p, m in shapes}
+
+
+def as_order(order) -> list:
+    return [[tuple(a) for a in rank] for rank in order]
+
+
+def check_order(order: list, p: int, m: int) -> None:
+    order = as_order(order)
+    assert len(order) == p, f"p={p}, m={m}: {len(order)} ranks' orders, expected {p}"
+    everything = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+    for r, actions in enumerate(order):
+        assert sorted(actions) == everything, \
+            f"p={p}, m={m}, rank {r}: every F and B of every micro-batch once: {actions}"
+        alive = peak = 0
+        for kind, _ in actions:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak <= p - r, (f"p={p}, m={m}, rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most "
+                               f"p - r = {p - r}: start the backwards after the warm-up")
     try:
-        with forbid(*CP_ANSWERS, namespace=ns):
-            out, lse = ns["merge"](*a, *b)
-        return {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32)}
-    except Exception as err:  # the student's error is data: the judge says which case raised
-        return {"raised": error_text(err)[:300]}
+        sim = schedules.schedule_makespan(order, t_f=1.0, t_b=2.0)
+    except ValueError as err:
+        raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
+    formula = schedules.bubble_formula(p, m)
+    assert abs(sim["bubble"] - formula) < 1e-9, \
+        f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
 
 
-def probe_merge(ns: dict) -> dict:
-    a, b, _ = blocks()
-    empty = cp.block_attention(a[0].new_zeros(B, H, 10, D), torch.zeros(B, H, 3, D), torch.zeros(B, H, 3, D),
-                               mask=torch.zeros(10, 3, dtype=torch.bool))  # a block no row may see: lse = -inf
-    return {"a, b": merged(ns, a, b), "b, a": merged(ns, b, a), "a, nothing": merged(ns, a, empty),
-            "nothing, nothing": merged(ns, empty, empty)}
+def judge_orders(got: dict, shapes) -> None:
+    for p, m in shapes:
+        check_order(got[f"{p},{m}"], p, m)
 
 
-def judge_merged(got: dict, want, label: str) -> None:
-    assert "raised" not in got, f"{label}: your merge raised {got.get('raised')}"
-    for name, ref in zip(("out", "lse"), want):
-        t = got[name]
-        assert isinstance(t, torch.Tensor) and t.shape == ref.shape, (
-            f"{label}: {name} is {t if not isinstance(t, torch.Tensor) else tuple(t.shape)}, expected shape "
-            f"{tuple(ref.shape)}")
-        assert not torch.isnan(t).any(), f"{label}: {name} has NaN (a row that sees no key must stay 0 / -inf)"
-        ok = torch.allclose(t, ref, atol=1e-5, rtol=1e-5, equal_nan=False) if name == "out" else \
-            bool(((t == ref) | torch.isclose(t, ref, atol=1e-5)).all())
-        assert ok, (f"{label}: {name} differs from attention over both blocks by {float((t - ref).abs().max()):.1e}: "
-                    "is each part's mean reweighted by exp(its lse - the larger lse) and divided by their sum?")
+SHAPES = ((2, 4), (4, 4), (4, 8))
+
+register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
+         lambda got: judge_orders(got, SHAPES) or "runnable, at most p - r in flight, bubble (p-1)/(m+p-1)")
 
 
-def judge_merge(got: dict) -> str:
-    a, b, whole = blocks()
-    judge_merged(got["a, b"], whole, "keys 0-2 then 3-9")
-    judge_merged(got["b, a"], whole, "keys 3-9 then 0-2")
-    judge_merged(got["a, nothing"], a, "a block merged with one no row sees (lse = -inf)")
-    nothing = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))
-    judge_merged(got["nothing, nothing"], nothing, "two blocks no row sees")
-    return "exact in either order; a block no row sees adds nothing, and no NaN"
-
-
-register("test_online_softmax_merge", probe_merge, judge_merge)
-
-
-# ---------------------------------------------------------------- ring_attention: the ring
-def qkv(seq: int, seed: int = 0, shift: tuple[int, bool, int] | None = None) -> list[torch.Tensor]:
-    """q, k and v of ``seq`` tokens; with ``shift=(world, zigzag, s)``, the keys and values at rank 0's positions of
-    that split drawn from ``s`` instead: a ring whose rank 0 is the grader's, whose block reaches the student's ranks
-    only by the ring's passes."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, seq, D, generator=g) for _ in range(3))
-    if shift is not None:
-        world, zigzag, secret = shift
-        mine = cp.local_positions(0, world, cp._local_len(seq, world, zigzag), zigzag)
-        mine, g = mine[mine < seq], torch.Generator().manual_seed(secret)
-        for t in (k, v):
-            t[:, :, mine] = torch.randn(B, H, len(mine), D, generator=g)
-    return [q, k, v]
-
-
-def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict, seed: int = 0, report: bool = False) -> bytes:
-    """One rank: the student's ring_forward on its part of the sequence (``qkv(seq, seed)``, padded where seq does not
-    divide), the bytes it moved, the scores its ``cp.block_attention`` calls computed (in blocks of local x local) and
-    the order it ran (``cp.RingLog``'s events as one line: "send recv attend wait wait ..."). ``report``: then send
-    its output and lse to rank 0 (the grader's, ``play_ring``), zeros where they are not tensors of their shape."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+# ---------------------------------------------------------------- one_f_one_b_order: what torch ran
+def measured_rank(m: int, layers: int, batch: int) -> list:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq, seed))
-    try:
-        with cp_train.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
-            with CollectiveBytes() as comm, cp.RingLog() as log:
-                out, lse = ns["ring_forward"](q, k, v, causal, seq, *([True] if zigzag else []))
-        got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
-               "bytes": {str(k): number(v) for k, v in comm.bytes_by_kind.items()}, "work": number(tally["tiles"]),
-               "order": " ".join(event["what"] for event in log.events[:MAX_EVENTS])}
-    except Exception as err:
-        got = {"raised": error_text(err)[:300]}
-    if report and "raised" not in got:  # the result goes to rank 0, which the judge reads; not into this data
-        shapes = {"out": q.shape, "lse": q.shape[:-1]}
-        wrong = [f"{key} {got[key]!r:.60}" for key, shape in shapes.items()
-                 if not (isinstance(got[key], torch.Tensor) and got[key].shape == shape)]
-        for key, shape in shapes.items():
-            dist.send(torch.zeros(shape) if wrong else got.pop(key).float().contiguous(), dst=0)
-        got["returned"] = (f"ring_forward must return (out, lse), tensors of shapes {tuple(shapes['out'])} and "
-                           f"{tuple(shapes['lse'])}; it returned {', '.join(wrong)}") if wrong else None
-        for key in shapes:
-            got.pop(key, None)
-    return packed(plain(got))
+    res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
+    return schedules.rank_orders(res["timeline"])
 
 
-def ring_runs(ns: dict, world: int, seq: int, causal: bool, zigzag: bool = False, seed: int = 0,
-              join: int | None = None) -> list:
-    """``ring_rank`` on ``world`` forked ranks; with ``join`` (the port of the grader's rank 0, ``peer_port``) on ranks
-    1 to ``world - 1`` of a ring whose rank 0 is the grader's (``play_ring``), each sending it its result."""
-    if join is None:
-        return in_ranks(ns, RING, ring_rank, world, seq=seq, causal=causal, zigzag=zigzag, seed=seed)
-    rank = functools.partial(ring_rank, ns=student(ns, *RING))
-    return join_ranks(rank, world - 1, dict(seq=seq, causal=causal, zigzag=zigzag, seed=seed, report=True),
-                      port=join)
+@functools.lru_cache(maxsize=None)
+def torch_ran(p: int, m: int, layers: int, batch: int) -> tuple:
+    """The order torch's Schedule1F1B ran on p real ranks (one step), per rank: measured here, in the grader."""
+    ranks = run_forked(measured_rank, p, dict(m=m, layers=layers, batch=batch), timeout=45)[0]
+    return tuple(tuple(tuple(a) for a in rank) for rank in ranks)
 
 
-def reference(seq: int, causal: bool, seed: int = 0,
-              shift: tuple[int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the whole sequence (``qkv(seq, seed, shift)``) in one process, float64: output and
-    log-sum-exp."""
-    q, k, v = (t.double() for t in qkv(seq, seed, shift))
-    s = (q @ k.transpose(-2, -1)) * D ** -0.5
-    if causal:
-        s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
-    return (torch.softmax(s, -1) @ v).float(), torch.logsumexp(s, -1).float()
+def ran(p: int, m: int, layers: int, batch: int) -> list:
+    return as_order(torch_ran(p, m, layers, batch))
 
 
-def ring_hint(world: int, seq: int, causal: bool, zigzag: bool) -> str:
-    """What a ring whose output differs from full attention's most likely missed, for this case."""
-    hints = (["a causal ring: a block from an earlier rank is whole, the rank's own block is the triangle, a later "
-              "rank's block is skipped"] if causal and not zigzag else [])
-    hints += (["with zig-zag your rows are chunks rank and 2N-1-rank (cp.local_positions), and so are the keys you "
-               "receive"] if zigzag else [])
-    hints += ["the padded keys (position >= seq_len) are never seen"] if seq % (2 * world if zigzag else world) else []
-    hints += (["from 3 ranks on a block travels several hops: at each step pass on the block you hold (the one you "
-               "received), so that at step s you hold rank (rank - s) mod N's"] if world > 2 else [])
-    return "; ".join(hints) or "start from output 0 and lse -inf and merge every block's result into yours"
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = False, seed: int = 0,
-               wire: list | None = None, secret: int | None = None) -> None:
-    """A ring of ``world`` ranks: the output and lse against attention over the whole sequence, the bytes, the causal
-    tiles and the order. With ``wire`` (rank 0 the grader's, its keys and values drawn from ``secret``): the blocks
-    and results that reached rank 0 (``check_ring_wire``), and ``runs`` are the student's ranks 1 to ``world - 1``."""
-    label = f"{world} ranks, {seq} tokens, causal={causal}{', zig-zag' if zigzag else ''}"
-    first = 0 if wire is None else 1
-    assert not any("stopped" in run for run in runs), f"{label}: your ranks stopped after the grader's rank 0's ring"
-    assert len(runs) == world - first, f"{label}: {len(runs)} ranks answered"
-    for r, run in enumerate(runs, start=first):
-        assert "raised" not in run, f"{label}, rank {r}: your ring raised {run.get('raised')}"
-        if wire is not None:
-            assert run["returned"] is None, f"{label}, rank {r}: {run['returned']}"
-            continue
-        assert isinstance(run["out"], torch.Tensor) and isinstance(run["lse"], torch.Tensor), \
-            f"{label}, rank {r}: ring_forward must return (out, lse) tensors, got {run['out']}, {run['lse']}"
-    if wire is not None:
-        check_ring_wire(wire, label, world, seq, causal, zigzag, seed, secret)
-    else:
-        out, lse = reference(seq, causal, seed)
-        got = cp.merge_sequence([run["out"] for run in runs], seq, zigzag=zigzag)
-        assert got.shape == out.shape, \
-            f"{label}: the ranks' outputs make {tuple(got.shape)}, expected {tuple(out.shape)}"
-        gap = float((got - out).abs().max())
-        assert gap < 1e-4, (f"{label}: the output differs from attention over the whole sequence by {gap:.1e} "
-                            f"({ring_hint(world, seq, causal, zigzag)})")
-        got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq, zigzag=zigzag).squeeze(-1)
-        assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
-            f"{float((got_lse - lse).abs().max()):.1e}: return the merged lse over every key the row sees"
-    want = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
-    for r, run in enumerate(runs, start=first):
-        assert run["bytes"] == {"send": want, "recv": want}, (
-            f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
-            f"V block N-1 times, and nothing else: {{'send': {want}, 'recv': {want}}}")
-    for r, run in enumerate(runs, start=first):
-        assert isinstance(run["work"], (int, float)) and math.isfinite(run["work"]) and run["work"] >= 0, \
-            f"{label}, rank {r}: the blocks of scores your cp.block_attention calls computed: {run['work']!r:.60}"
-    if causal and seq % (2 * world if zigzag else world) == 0:  # no padding: every tile has a real key
-        work = cp_train.causal_work(world, zigzag)
-        for r, run in enumerate(runs, start=first):
-            assert run["work"] == work[r], (
-                f"{label}, rank {r}: your cp.block_attention calls computed {run['work']} blocks of scores, a causal "
-                f"ring computes {work[r]} here: skip every {'tile (query chunk x key chunk)' if zigzag else 'block'} "
-                "no query sees, and compute each other one once")
-    for r, run in enumerate(runs, start=first):
-        fault = order_fault(run["order"], busy_steps(r, world, seq, causal, zigzag))
-        assert fault is None, f"{label}, rank {r}: {fault}"
+def first_difference(mine: list, theirs: list) -> str | None:
+    """Where the student's order first leaves the order torch ran, in words (one action of each, never the whole
+    order: it is the exercise's answer); None where they are the same."""
+    if len(mine) != len(theirs):
+        return f"your order lists {len(mine)} ranks, the schedule runs {len(theirs)} stages"
+    def said(actions: list, i: int) -> str:
+        return "".join(map(str, actions[i])) if i < len(actions) else "nothing (its actions ended)"
 
-
-# ---------------------------------------------------------------- the ring, as the grader's rank 0 sees it
-# Rank 0 of a wired ring is the grader's: its keys and values are drawn at grading (``qkv``'s shift), so the student's
-# ranks attend to them only once the ring has brought them. It passes the block it holds at each step, as the
-# contract says (K and V stacked, one tensor; cp.ring_pass), records every block it receives, and, once the ring is
-# done, receives each rank's output and lse (the probe sends them).
-def ring_secret(name: str, round: int) -> int:
-    """The seed of rank 0's keys and values in round ``round`` of check ``name``: new to every grading."""
-    return case_seed("nb14", name, round, "rank 0's keys")
-
-
-def play_ring(wire: Wire, seq: int, causal: bool, zigzag: bool, seed: int, secret: int) -> None:
-    """Rank 0's side of ``ring_rank`` (the grader's)."""
-    world = dist.get_world_size()
-    _, k, v = qkv(seq, seed, (world, zigzag, secret))
-    held = torch.stack([cp.split_sequence(k, world, zigzag=zigzag)[0], cp.split_sequence(v, world, zigzag=zigzag)[0]])
-    for step in range(world - 1):
-        incoming = torch.empty_like(held)
-        for work in cp.ring_pass(held, incoming):
-            work.wait()
-        wire.record("received", step=step, values=incoming.clone())
-        held = incoming
-    local = held.shape[-2]
-    for r in range(1, world):
-        out, lse = torch.empty(B, H, local, D), torch.empty(B, H, local)
-        dist.recv(out, src=r)
-        dist.recv(lse, src=r)
-        wire.record("result", rank=r, out=out, lse=lse)
-
-
-def check_ring_wire(events: list, label: str, world: int, seq: int, causal: bool, zigzag: bool, seed: int,
-                    secret: int) -> None:
-    """What reached the grader's rank 0: at step s, rank (N-1-s)'s block (K and V stacked), passed on hop by hop;
-    then every rank's output and lse, attention over the whole sequence's at its real rows (rank 0's keys and
-    values included)."""
-    shift = (world, zigzag, secret)
-    _, k, v = qkv(seq, seed, shift)
-    blocks = [torch.stack(kv) for kv in zip(cp.split_sequence(k, world, zigzag=zigzag),
-                                            cp.split_sequence(v, world, zigzag=zigzag))]
-    received = {e["step"]: e["values"] for e in events if e["what"] == "received"}
-    for step in range(world - 1):
-        holder = (world - 1 - step) % world
-        if step not in received:
-            raise AssertionError(
-                f"{label}: at step {step} the grader's rank 0 passed the block it held to rank 1 and posted the "
-                f"receive of rank {holder}'s from rank {world - 1}, K and V stacked in one tensor of shape "
-                f"{tuple(blocks[0].shape)}, and your ranks' passes did not match: at each step post the send of the "
-                "block you hold (torch.stack([k, v])) to the next rank and the receive from the previous one "
-                "together (cp.ring_pass)")
-        assert torch.equal(received[step], blocks[holder]), (
-            f"{label}: at step {step} the grader's rank 0 received another block than rank {holder}'s K and V, "
-            "stacked: at step s each rank holds rank (rank - s) mod N's block, and passes that one on")
-    out, lse = reference(seq, causal, seed, shift)
-    local = cp._local_len(seq, world, zigzag)
-    outs, lses = cp.split_sequence(out, world, zigzag=zigzag), cp.split_sequence(lse, world, zigzag=zigzag, dim=-1)
-    results = {e["rank"]: e for e in events if e["what"] == "result"}
-    for r in range(1, world):
-        assert r in results, f"{label}: rank {r}'s output never reached the grader's rank 0 after the ring"
-        real = cp.local_positions(r, world, local, zigzag) < seq
-        gap = float((results[r]["out"][..., real, :] - outs[r][..., real, :]).abs().max())
-        assert gap < 1e-4, (f"{label}, rank {r}: the output differs from attention over the whole sequence by "
-                            f"{gap:.1e} ({ring_hint(world, seq, causal, zigzag)})")
-        gap = float((results[r]["lse"][..., real] - lses[r][..., real]).abs().max())
-        assert gap < 1e-4, (f"{label}, rank {r}: the log-sum-exp differs by {gap:.1e}: return the merged lse over "
-                            "every key the row sees")
-
-
-def busy_steps(rank: int, world: int, seq: int, causal: bool, zigzag: bool) -> list[bool]:
-    """Whether ``rank``'s queries see any key of the block it holds at each step that passes a block on (0 ... N-2)."""
-    local = cp._local_len(seq, world, zigzag)
-    rows = cp.local_positions(rank, world, local, zigzag)  # the positions of this rank's queries
-    busy = []
-    for step in range(world - 1):
-        holder = (rank - step) % world  # the rank whose block this one holds at this step
-        keys = cp.local_positions(holder, world, local, zigzag)
-        busy.append(bool(cp.tile_mask(rows, keys, causal, seq).any()))
-    return busy
-
-
-OVERLAP = ("post the pass of the block you hold (cp.ring_pass(send, recv), or dist.isend and dist.irecv), attend "
-           "to that block and merge, and only then wait on the works: the next block travels while this one is "
-           "computed")
-WAITED = f"your ring waited for a pass before attending to the block it holds (the compute waits): {OVERLAP}"
-SENT_LATE = f"your ring attended to a block before posting its pass (the transfer waits): {OVERLAP}"
-
-
-def order_fault(order, busy: list[bool]) -> str | None:
-    """What is wrong with the order one rank's ring ran (``RingLog``'s events, one line), or None. A pass is in flight
-    from a post to the next wait; each step that passes a block on and has keys to attend (``busy``) attends while its
-    pass is in flight, and nothing is attended with no pass in flight until the last pass is waited on."""
-    if not isinstance(order, str):
-        return f"the order your ring ran is missing ({order!r:.60})"
-    events = order.split()
-    ran = f"(this rank ran: {' '.join(events[:14])}{' ...' if len(events) > 14 else ''})"
-    if "attend" not in events:
-        return f"no cp.block_attention call: attend your queries to each block with cp.block_attention {ran}"
-    last_wait = max((i for i, what in enumerate(events) if what == "wait"), default=-1)
-    passes, in_flight = [], False  # for each pass in flight, the blocks attended meanwhile
-    for i, what in enumerate(events):
-        if what in ("send", "recv"):
-            if not in_flight:
-                passes.append(0)
-            in_flight = True
-        elif what == "wait":
-            in_flight = False
-        elif what == "attend" and in_flight:
-            passes[-1] += 1
-        elif what == "attend" and i < last_wait:  # computed with nothing in flight, more passes to come
-            return f"{WAITED if i > 0 and events[i - 1] == 'wait' else SENT_LATE} {ran}"
-    if len(passes) != len(busy):
-        return (f"your ring's passes were in flight over {len(passes)} spans (each from a post to the next wait), "
-                f"where a ring of {len(busy) + 1} ranks makes {len(busy)} pass{'es' * (len(busy) != 1)}: post a step's "
-                "send and receive together (cp.ring_pass, or dist.isend and dist.irecv, not the blocking dist.send and "
-                f"dist.recv), and wait on them once its block is attended {ran}")
-    for step, (attended, needed) in enumerate(zip(passes, busy)):
-        if needed and not attended:
-            return f"at step {step}, {WAITED} {ran}"
+    for r, (a, b) in enumerate(zip(mine, theirs)):
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b) or a[i] != b[i]:
+                return f"stage {r}'s {ordinal(i + 1)} action: you have {said(a, i)}, the schedule runs {said(b, i)}"
     return None
 
 
-# (ranks, tokens, causal, zig-zag). 2 ranks make one pass; only a ring of 3 or more passes on a block it received,
-# so a ring that sends its own block at every step is right on 2 and wrong from 3.
-VISIBLE_RINGS = ((2, 8, True, False), (2, 8, False, False), (2, 8, True, True), (3, 6, False, False))
+def judge_measured(got: list) -> str:
+    differs = first_difference(as_order(got), ran(2, 4, 2, 8))
+    assert differs is None, f"p=2, m=4: your order is not the one torch's Schedule1F1B ran: {differs}"
+    return "the order torch's Schedule1F1B ran on 2 ranks, 4 micro-batches, action for action"
 
 
-def play_ring_visible(wire: Wire, round: int) -> None:
-    play_ring(wire, *VISIBLE_RINGS[round][1:], seed=0, secret=ring_secret("test_ring_attention", round))
+register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge_measured)
 
 
-def probe_ring(ns: dict) -> list:
-    return [ring_runs(ns, *case, join=peer_port("test_ring_attention", i)) for i, case in enumerate(VISIBLE_RINGS)]
+# ---------------------------------------------------------------- run_1f1b
+# p stages of an MLP of constant width: every activation between stages is one (ROWS, WIDTH) tensor
+ROWS, WIDTH = 4, 16
+PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
+PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
+# The order the visible executor tests give, 2 stages and 4 micro-batches: runnable, and neither GPipe's nor 1F1B's
+# (rank 0 runs three forwards ahead, rank 1 two at a time: 3 and 2 micro-batches held), so an executor must follow
+# the order it is given; its first exchange is 1F1B's (rank 0 sends an activation while rank 1 sends a gradient back),
+# where blocking sends deadlock.
+GIVEN_2_4 = [[("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)],
+             [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("F", 2), ("F", 3), ("B", 2), ("B", 3)]]
 
 
-def judge_ring_visible(got: list, wire: list) -> str:
-    assert len(got) == len(VISIBLE_RINGS), f"{len(got)} rings ran of the {len(VISIBLE_RINGS)} cases"
-    for i, (runs, case, events) in enumerate(zip(got, VISIBLE_RINGS, rounds(wire, len(VISIBLE_RINGS)))):
-        judge_ring(runs, *case, wire=events, secret=ring_secret("test_ring_attention", i))
-    return ("2 ranks, causal and not, plain and zig-zag, and 3 ranks: full attention's output and lse, K/V sent N-1 "
-            "times, the causal ring's tiles, and each pass in flight while its block is attended")
+class CountedStage(nn.Module):
+    """Linear then tanh, which tells ``counter`` each time a forward begins (by any way of calling it)."""
+
+    def __init__(self, counter: "InFlight"):
+        super().__init__()
+        self.linear, self.counter = nn.Linear(WIDTH, WIDTH), counter
+
+    def forward(self, x):
+        self.counter.forwards += 1
+        return torch.tanh(self.linear(x))
 
 
-register("test_ring_attention", probe_ring, judge_ring_visible,
-         Peer(world=tuple(case[0] for case in VISIBLE_RINGS), play=play_ring_visible, rounds=len(VISIBLE_RINGS)))
+def pipeline_stages(p: int, counter: "InFlight | None" = None, seed: int = 0, secret: int | None = None) -> list:
+    """The ``p`` stages of ``seed``; with ``secret``, stage 0's weights drawn from it instead: the stage of the
+    grader's rank 0, whose activations reach the student's ranks only over the wire."""
+    torch.manual_seed(seed)
+    stages = [CountedStage(counter or InFlight()) for _ in range(p)]
+    if secret is not None:
+        g = torch.Generator().manual_seed(secret)
+        with torch.no_grad():
+            for q in stages[0].linear.parameters():
+                q.copy_((torch.rand(q.shape, generator=g) * 2 - 1) / WIDTH ** 0.5)
+    return stages
+
+
+def micro_batches(m: int, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)) for _ in range(m)]
+
+
+def mse(out, target):
+    return (out - target).pow(2).mean()  # saves out - target only: a fresh tensor of this micro-batch
+
+
+class InFlight:
+    """The most micro-batches whose activations were alive at once on this rank: every tensor autograd saves
+    during the stage's k-th forward (and the loss after it) counts for that forward until the tensor is freed,
+    by backward or by the last reference the executor kept. Weights and the micro-batches' data do not count."""
+
+    def __init__(self, keep=()):
+        self.keep = {t.untyped_storage().data_ptr() for t in keep}
+        self.forwards, self.alive, self.peak = 0, {}, 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.keep:
+            k = self.forwards
+            self.alive[k] = self.alive.get(k, 0) + 1
+            self.peak = max(self.peak, len(self.alive))
+            weakref.finalize(t, self.release, k)
+        return t
+
+    def release(self, k: int) -> None:
+        self.alive[k] -= 1
+        if not self.alive[k]:
+            del self.alive[k]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def pipeline_rank(orders: list, ns: dict, seed: int = 0, data_seed: int = 1) -> bytes:
+    """One rank of the student's ``run_1f1b`` on its stage (the weights of ``seed``), following ``orders[rank]`` on
+    the micro-batches of ``data_seed``: the losses and peak it reports, the in-flight peak measured beside it, and its
+    stage's gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    counter = InFlight()
+    stage, data = pipeline_stages(world, counter, seed)[rank], micro_batches(len(orders[rank]) // 2, data_seed)
+    counter.keep |= {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *(t for pair in data for t in pair)]}
+    order = [tuple(a) for a in orders[rank]]  # a right order, given: this exercise is the executor, not the order
+    with forbid(*PIPE_ANSWERS, namespace=ns), counter.hooks():
+        result = ns["run_1f1b"](stage, rank, world, data, order, mse, (ROWS, WIDTH))
+    losses, peak = result if isinstance(result, (tuple, list)) and len(result) == 2 else (repr(result)[:200], None)
+    return packed(plain({"losses": [number(x) for x in losses] if isinstance(losses, (list, tuple)) else losses,
+                         "peak": number(peak), "in flight": counter.peak,
+                         "grads": [tensor_data(q.grad) for q in (stage.linear.weight, stage.linear.bias)]}))
+
+
+def pipeline_runs(ns: dict, orders: list, seed: int = 0, data_seed: int = 1, join: int | None = None) -> dict:
+    """The student's executor on one forked rank per order (with ``join``, the port of the grader's rank 0: on ranks
+    1 to p - 1 only), or the timeout it ran into (a deadlock, as data)."""
+    space = student(ns, "run_1f1b")
+    rank = functools.partial(pipeline_rank, ns=space)
+    kwargs = dict(orders=orders, seed=seed, data_seed=data_seed)
+    if join is not None:
+        runs = join_ranks(rank, len(orders) - 1, kwargs, port=join, timeout=PIPE_TIMEOUT)
+        if "stopped" in runs[0] and runs[0]["timed out"]:
+            return {"timeout": PIPE_TIMEOUT}
+        if "stopped" in runs[0]:  # the rank's own error, for the student's eyes here: never the judge's message
+            print(runs[0]["stopped"], file=sys.stderr)
+            return {"stopped": True}
+        return {"ranks": runs}
+    try:
+        runs = run_forked(rank, len(orders), kwargs, timeout=PIPE_TIMEOUT)
+    except TimeoutError:
+        return {"timeout": PIPE_TIMEOUT}
+    return {"ranks": [unpacked(run) for run in runs]}
+
+
+def one_process(p: int, m: int, seed: int = 0, data_seed: int = 1, secret: int | None = None) -> tuple:
+    """The same stages run one after the other in one process: each micro-batch's loss, every stage's (weight,
+    bias) gradients of the mean loss, and each micro-batch's gradient of stage 0's output (what rank 1 sends back)."""
+    stages, losses, first = pipeline_stages(p, seed=seed, secret=secret), [], []
+    for x, y in micro_batches(m, data_seed):
+        h = stages[0](x)
+        h.retain_grad()
+        out = h
+        for stage in stages[1:]:
+            out = stage(out)
+        loss = mse(out, y)
+        (loss / m).backward()
+        losses.append(loss.item())
+        first.append(h.grad)
+    return losses, [(s.linear.weight.grad, s.linear.bias.grad) for s in stages], first
+
+
+def ran_to_the_end(got: dict, label: str, events: list | None = None) -> list:
+    """The student's ranks' results; where they stopped, why, read from the grader's rank 0's record (``events``)."""
+    if "timeout" in got:
+        raise AssertionError(f"{label}: the ranks were still running after {got['timeout']} s, a deadlock: "
+                             + deadlock(events or []))
+    assert "stopped" not in got, f"{label}: your ranks stopped with an error (printed above the test's result)"
+    return got["ranks"]
+
+
+def deadlock(events: list) -> str:
+    """Why the ranks waited for each other, from what the grader's rank 0 was waiting for when its record ends."""
+    blocking = ("a blocking send (dist.send, or isend(...).wait() at once) waits until the peer posts its receive, "
+                "and once 1F1B's warm-up ends rank r sends an activation up while rank r + 1 sends a gradient down, "
+                "each before its receive. Send with isend and wait on the work only once the peer must have "
+                "received it (or at the end of the step)")
+    last = next((e for e in reversed(events) if e["what"] in ("sending", "receiving")), None)
+    if last is None or any(e["what"] == "stage 0" for e in events):
+        return blocking + ", and run the actions in the order given"
+    i = last["index"]
+    if last["what"] == "sending":
+        return (f"the grader's rank 0 was sending micro-batch {i}'s activation (a blocking send: it returns once "
+                f"your rank 1 receives it, at its ('F', {i})), and your rank 1 never got there. " + blocking)
+    return (f"the grader's rank 0, following its order, was waiting for micro-batch {i}'s gradient, which your rank 1 "
+            f"sends at its ('B', {i}), and your rank 1 never got there: run the actions in the order given, each "
+            "backward sending its gradient when it comes")
+
+
+def judge_gradients(got: dict, p: int, m: int, label: str, seed: int = 0, data_seed: int = 1,
+                    secret: int | None = None, first: int = 0) -> None:
+    """The last rank's losses and ranks ``first`` to p - 1's stage gradients against one process's (stage 0 that
+    of ``secret`` where rank 0 is the grader's)."""
+    ranks = ran_to_the_end(got, label)
+    losses, grads, _ = one_process(p, m, seed, data_seed, secret)
+    assert len(ranks) == p - first, f"{label}: {len(ranks)} ranks answered, expected {p - first}"
+    got_losses = ranks[-1]["losses"]
+    assert isinstance(got_losses, list) and len(got_losses) == m and all(isinstance(x, float) for x in got_losses), (
+        f"{label}: the last rank returned losses {got_losses!r}: return (losses, peak), the m losses as floats")
+    gap = worst(abs(a - b) for a, b in zip(got_losses, losses))
+    assert gap < 1e-5, f"{label}: the last rank's losses {got_losses} differ from one process's {losses}"
+    for r, (run, want) in enumerate(zip(ranks, grads[first:]), start=first):
+        assert len(run["grads"]) == 2, \
+            f"{label}, rank {r}: {len(run['grads'])} gradients for its stage's weight and bias"
+        for name, g, w in zip(("weight", "bias"), run["grads"], want):
+            assert isinstance(g, torch.Tensor), f"{label}, rank {r}: its stage's {name} got no gradient ({g})"
+            ratio = float(g.flatten() @ w.flatten() / (w.flatten() @ w.flatten()))
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-6), (
+                f"{label}, rank {r}: its stage's {name} gradient differs from one process's (its projection on it is "
+                f"{ratio:.2f} times it): the step's gradient is that of the mean over the {m} micro-batches, so "
+                "scale each micro-batch's loss by 1/m before its backward")
+
+
+def judge_activations(got: dict, orders: list, label: str, first: int = 0) -> None:
+    """Ranks ``first`` to p - 1: the peak each counted is its order's, and what it held, measured, at most one
+    more."""
+    ranks = ran_to_the_end(got, label)
+    assert len(ranks) == len(orders) - first, f"{label}: {len(ranks)} ranks answered, expected {len(orders) - first}"
+    for r, (run, order) in enumerate(zip(ranks, orders[first:]), start=first):
+        alive = peak = 0
+        for kind, _ in order:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        assert run["peak"] == peak, (f"{label}, rank {r}: you counted {run['peak']} micro-batches held at most; "
+                                     f"its order holds {peak} (forwards run minus backwards run, at its largest): "
+                                     "run the actions in the order given, each backward when it comes")
+        # one micro-batch more: its tensors may live on in local variables until the next forward rebinds them
+        assert run["in flight"] <= peak + 1, (
+            f"{label}, rank {r}: the activations of {run['in flight']} micro-batches were alive at once, measured "
+            f"(the tensors autograd saved, until freed); the order needs {peak}. Drop every reference to micro-batch "
+            "i's input and output once its backward ran: backward frees the graph, but not tensors you still hold")
+
+
+# ---------------------------------------------------------------- the executor, as the grader's rank 0 sees it
+# Rank 0 of a wired group is the grader's: its stage's weights are drawn at grading (``pipeline_stages``' secret),
+# so the student's ranks compute the right losses only from the activations it sends. It follows its own order with
+# blocking sends (each returns once rank 1 has received), the naive first stage: a student's rank that also blocks
+# on a send, or that leaves the order, deadlocks against it as against itself. It records each gradient rank 1 sends
+# back, and its own stage's gradients.
+def executor_secret(name: str) -> int:
+    """The seed of rank 0's stage in check ``name``: new to every grading (``case_seed``)."""
+    return case_seed("nb14", name, "rank 0's stage")
+
+
+def play_first_stage(wire: Wire, order: list, seed: int, data_seed: int, secret: int) -> None:
+    """Rank 0's side of ``pipeline_rank`` (the grader's): stage 0 of ``pipeline_stages(..., secret=secret)`` on the
+    micro-batches of ``data_seed``, following ``order``; what it is about to wait for, then each gradient received."""
+    torch.set_num_threads(1)
+    stage = pipeline_stages(dist.get_world_size(), seed=seed, secret=secret)[0]
+    data, outputs = micro_batches(len(order) // 2, data_seed), {}
+    for kind, i in order:
+        if kind == "F":
+            outputs[i] = stage(data[i][0])
+            wire.record("sending", index=i)
+            dist.send(outputs[i].detach(), 1)
+        else:
+            wire.record("receiving", index=i)
+            grad = torch.empty(ROWS, WIDTH)
+            dist.recv(grad, 1)
+            wire.record("gradient", index=i, values=grad.clone())
+            torch.autograd.backward(outputs.pop(i), grad)
+    wire.record("stage 0", grads=[stage.linear.weight.grad.clone(), stage.linear.bias.grad.clone()])
+
+
+def check_first_stage_wire(events: list, label: str, p: int, order: list, seed: int, data_seed: int, secret: int,
+                           values: bool = True) -> None:
+    """Every gradient the order's backwards wait for reached the grader's rank 0, each one process's gradient of
+    stage 0's output (``values=False``: each of the activation's shape, whatever it holds)."""
+    m = len(order) // 2
+    _, grads, first = one_process(p, m, seed, data_seed, secret)
+    got = {e["index"]: e["values"] for e in events if e["what"] == "gradient"}
+    for kind, i in order:
+        if kind != "B":
+            continue
+        assert i in got, (f"{label}: the grader's rank 0 never received micro-batch {i}'s gradient: rank 1 sends "
+                          f"the gradient of its stage's input back to rank 0 at its ('B', {i}), of the activation's "
+                          "shape")
+        assert got[i].shape == first[i].shape, f"{label}: micro-batch {i}'s gradient came as {tuple(got[i].shape)}"
+        if values:
+            gap = float((got[i] - first[i]).abs().max()) / (float(first[i].abs().max()) + 1e-12)
+            assert gap < 1e-4, (f"{label}: micro-batch {i}'s gradient, as the grader's rank 0 received it, differs "
+                                f"from one process's gradient of stage 0's output (max rel. diff {gap:.1e}): each "
+                                "micro-batch's backward starts from its loss / m, and the gradients go back in the "
+                                "order's backwards")
+    if values:
+        stage0 = next(e["grads"] for e in events if e["what"] == "stage 0")
+        assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-6) for g, w in zip(stage0, grads[0])), \
+            f"{label}: the grader's stage 0 got another gradient than one process's"
+
+
+def play_run(wire: Wire, round: int) -> None:
+    """Rank 0 of ``test_run_1f1b``: ``GIVEN_2_4``'s first order, the weights of seed 0, its stage the secret's."""
+    play_first_stage(wire, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b"))
+
+
+def judge_run(got: dict, wire: list) -> str:
+    secret = executor_secret("test_run_1f1b")
+    ran_to_the_end(got, "p=2, m=4", wire)
+    check_first_stage_wire(wire, "p=2, m=4", 2, GIVEN_2_4[0], 0, 1, secret)
+    judge_gradients(got, 2, 4, "p=2, m=4", secret=secret, first=1)
+    return "2 ranks, 4 micro-batches, rank 0 the grader's: one process's gradients reached it, your losses and yours"
+
+
+register("test_run_1f1b", lambda ns: pipeline_runs(ns, GIVEN_2_4, join=peer_port("test_run_1f1b")), judge_run,
+         Peer(world=2, play=play_run))
+
+
+def counts(got: dict) -> dict:
+    """What ``judge_activations`` reads of ``pipeline_runs``' data: each rank's peak, counted and measured."""
+    return got if "ranks" not in got else {"ranks": [{k: run[k] for k in ("peak", "in flight")}
+                                                     for run in got["ranks"]]}
+
+
+def play_held(wire: Wire, round: int) -> None:
+    play_first_stage(wire, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b_activations"))
+
+
+def judge_held(got: dict, wire: list) -> str:
+    """The wire says the order was followed (every gradient came, whatever its values: those are test_run_1f1b's);
+    only the rank can say what it held."""
+    ran_to_the_end(got, "p=2, m=4", wire)
+    check_first_stage_wire(wire, "p=2, m=4", 2, GIVEN_2_4[0], 0, 1, executor_secret("test_run_1f1b_activations"),
+                           values=False)
+    judge_activations(got, GIVEN_2_4, "p=2, m=4", first=1)
+    return "2 ranks, 4 micro-batches: at most the order's micro-batches alive, counted and measured"
+
+
+register("test_run_1f1b_activations",
+         lambda ns: counts(pipeline_runs(ns, GIVEN_2_4, join=peer_port("test_run_1f1b_activations"))), judge_held,
+         Peer(world=2, play=play_held))

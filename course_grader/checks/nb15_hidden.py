@@ -1,62 +1,93 @@
-"""Notebook 15's hidden tests (instructor edition only): the merge on scores large enough to overflow exp() without
-rescaling; the ring on 3 and 4 ranks (rank 0 the grader's), plain and zig-zag, with lengths that do not divide
-(padded keys masked), each pass in flight while its block is attended."""
+"""Notebook 15's hidden tests (instructor edition only): the 1F1B order on other shapes and against torch's plan on
+3 stages; the 1F1B executor on 3 ranks (a middle rank receives from both sides), with fewer micro-batches than
+stages, and following GPipe's order (rank 0, stage 0, the grader's)."""
 
 from __future__ import annotations
 
 import random
 
 
+import course_lib.parallel.schedules as schedules
 from course_grader.checks import case_seed, peer_port, register
-from course_grader.checks.nb15 import (blocks, judge_merged, merged,
-                                    play_ring, ring_runs, ring_secret)
-from course_grader.checks.nb15 import judge_ring as judge_ring_case
+from course_grader.checks.nb15 import (as_order, check_first_stage_wire, executor_secret, first_difference,
+                                    judge_activations, judge_gradients, judge_orders, order_of, orders,
+                                    pipeline_runs, play_first_stage, ran, ran_to_the_end)
 from course_grader.peer import Peer, Wire, rounds
 
-# (ranks, causal, zig-zag) and the token counts a case draws from: no plain ring's count divides its ranks (padded
-# keys masked), the zig-zag ring of 3's divides 2 x 3 (its causal tiles are counted), the zig-zag ring of 4's does not
-# divide 2 x 4; in every count each rank holds a real token
-RING_CASES = (((3, True, False), (7, 8, 10, 11, 13, 14)), ((3, False, False), (7, 8, 10, 11, 13, 14)),
-              ((4, True, False), (10, 11, 13, 14, 15)), ((3, True, True), (6, 12, 18)),
-              ((4, True, True), (9, 11, 13, 15)))
-EP_CASES = ((3, 6, None), (4, 8, 1.0))  # capacity 1.0 drops choices whatever the seed (4 at the least of 200 tried)
+
+def seeds(name: str) -> dict:
+    """A case's weights' and inputs' seeds, new to every grading (``case_seed``)."""
+    return {"seed": case_seed("nb15", name, "weights"), "data_seed": case_seed("nb15", name, "data")}
 
 
-def rings() -> list[tuple]:
-    """Each ring's (ranks, tokens, causal, zig-zag) and the seed of its q, k and v: new to every grading."""
-    rng = random.Random(case_seed("nb14", "ring tokens"))
-    return [((world, rng.choice(tokens), causal, zigzag), case_seed("nb14", "ring", i))
-            for i, ((world, causal, zigzag), tokens) in enumerate(RING_CASES)]
+# ---------------------------------------------------------------- one_f_one_b_order
+def shapes() -> tuple:
+    """(stages, micro-batches): more micro-batches than stages, fewer, and many, new to every grading (``case_seed``);
+    and the edges, one micro-batch and one stage."""
+    rng = random.Random(case_seed("nb14", "order shapes"))
+    more, fewer, many = rng.randint(2, 5), rng.randint(3, 6), rng.randint(2, 4)
+    return ((more, rng.randint(more + 1, 2 * more)), (fewer, rng.randint(1, fewer - 1)),
+            (many, rng.randint(3 * many, 4 * many)), (5, 1), (1, 3))
 
 
-def large() -> tuple:
-    """Scores of hundreds (q scaled by 60), new to every grading: exp(lse) overflows float32 (past 88) unless rescaled
-    by the max, whatever the seed (the largest lse of 3,000 seeds tried was 118 at the least)."""
-    return blocks(scale=60.0, seed=case_seed("nb14", "large scores"))
+def probe_order(ns: dict) -> dict:
+    # p=3, m=3 is compared with the order torch ran on 3 real ranks, measured once: fixed
+    return {"shapes": orders(ns, shapes()), "3,3": order_of(ns, 3, 3)}
 
 
-def play_rings(wire: Wire, round: int) -> None:
-    """The grader's rank 0 of each ring."""
-    (_, seq, causal, zigzag), seed = rings()[round]
-    play_ring(wire, seq, causal, zigzag, seed, ring_secret("test_ring_attention_hidden", round))
+def judge_order(got: dict) -> str:
+    judge_orders(got["shapes"], shapes())
+    differs = first_difference(as_order(got["3,3"]), ran(3, 3, 3, 6))
+    assert differs is None, f"p=3, m=3: your order is not the one torch's Schedule1F1B ran: {differs}"
+    return "other shapes, fewer micro-batches than stages, and torch's order on 3 stages"
 
 
-def probe_ring(ns: dict) -> dict:
-    a, b, _ = large()
-    return {"large": merged(ns, a, b),
-            "rings": [ring_runs(ns, *case, seed=seed, join=peer_port("test_ring_attention_hidden", i))
-                      for i, (case, seed) in enumerate(rings())]}
+register("test_one_f_one_b_order_hidden", probe_order, judge_order)
 
 
-def judge_ring(got: dict, wire: list) -> str:
-    _, _, whole = large()
-    judge_merged(got["large"], whole, "scores of hundreds (exp overflows without the max)")
-    assert len(got["rings"]) == len(RING_CASES), f"{len(got['rings'])} rings ran of the {len(RING_CASES)} cases"
-    for i, (runs, (case, seed), events) in enumerate(zip(got["rings"], rings(), rounds(wire, len(RING_CASES)))):
-        judge_ring_case(runs, *case, seed=seed, wire=events, secret=ring_secret("test_ring_attention_hidden", i))
-    return ("large scores; 3 and 4 ranks, token counts that do not divide (padded) and one that does, causal and not, "
-            "plain and zig-zag, each pass in flight while its block is attended")
+# ---------------------------------------------------------------- run_1f1b
+def one_f_one_b(p: int, m: int) -> list:
+    """1F1B's order (the hidden module's own: course_lib.parallel.schedules' is a stub in the student edition)."""
+    plan = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("B", i), ("F", warmup + i)]
+        plan.append(order + [("B", i) for i in range(m - warmup, m)])
+    return plan
 
 
-register("test_ring_attention_hidden", probe_ring, judge_ring,
-         Peer(world=tuple(world for (world, _, _), _ in RING_CASES), play=play_rings, rounds=len(RING_CASES)))
+# 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held);
+# rank 0 of each is the grader's
+RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
+        "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
+
+
+def play_runs(wire: Wire, round: int) -> None:
+    label, plan = list(RUNS.items())[round]
+    play_first_stage(wire, plan[0], **seeds(label), secret=executor_secret(label))
+
+
+def probe_runs(ns: dict) -> dict:
+    got = {}
+    for i, (label, plan) in enumerate(RUNS.items()):
+        got[label] = run = pipeline_runs(ns, plan, **seeds(label), join=peer_port("test_run_1f1b_hidden", i))
+        if "ranks" not in run:  # a deadlock deadlocks again: the judge reports the first
+            break
+    return got
+
+
+def judge_runs(got: dict, wire: list) -> str:
+    for (label, plan), events in zip(RUNS.items(), rounds(wire, len(RUNS))):
+        ran_to_the_end(got[label], label, events)
+        check_first_stage_wire(events, label, len(plan), plan[0], **seeds(label), secret=executor_secret(label))
+        judge_gradients(got[label], len(plan), len(plan[0]) // 2, label, **seeds(label),
+                        secret=executor_secret(label), first=1)
+        judge_activations(got[label], plan, label, first=1)
+    return ("3 ranks, fewer micro-batches than stages, and GPipe's order (m in flight), rank 0 the grader's: right "
+            "gradients and counts")
+
+
+register("test_run_1f1b_hidden", probe_runs, judge_runs,
+         Peer(world=tuple(len(plan) for plan in RUNS.values()), play=play_runs, rounds=len(RUNS)))

@@ -428,13 +428,13 @@ def cp_row(gate: str | None, returned: bool, result: dict | None, out: str) -> R
            if returned else f"the step did not finish: {out[-300:]}")
     if gate is None:
         return Row(check, PASS if held else FAIL, ran, "" if held else
-                   "notebook 15's torch context parallel would stop its ranks here: run "
+                   "notebook 16's torch context parallel would stop its ranks here: run "
                    "`python -m pytest tests/test_cp.py` on this machine and report the row")
     if held:
         return Row(check, PASS, f"{ran}, though the version gate says: {gate}",
-                   f"set {cp_torch.ROCM_CP_ENV}=1 in the workshop's environment to run it in notebook 15")
+                   f"set {cp_torch.ROCM_CP_ENV}=1 in the workshop's environment to run it in notebook 16")
     return Row(check, ABSENT, f"gated off ({gate}), and rightly: {ran}",
-               "notebook 15 records torch's context parallel as not measured here; a newer torch fixes it")
+               "notebook 16 records torch's context parallel as not measured here; a newer torch fixes it")
 
 
 def check_context_parallel(quick: bool = False) -> list[Row]:

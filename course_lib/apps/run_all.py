@@ -29,7 +29,7 @@ from course_lib.device import EMULATE_NODE_ENV, pick_tier, system_report
 ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 # One notebook's wall-clock budget per tier, in seconds: the cpu tier on 2 cores, the gpu tier on one H100 and the
 # node tier on an 8-GPU node must each fit a workshop slot with time to read. The measurements that cannot (10's
-# size sweep, 12's 8B benchmark) sit behind the notebooks' long_runs parameter (--long-runs), which has no budget.
+# size sweep, 13's 8B benchmark) sit behind the notebooks' long_runs parameter (--long-runs), which has no budget.
 # (The smoke tier is nbgrader's: its limit is per cell, COURSE_CELL_TIMEOUT.)
 BUDGET_S = {"cpu": 180, "gpu": 600, "node": 900}
 

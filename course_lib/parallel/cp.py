@@ -13,7 +13,7 @@ ring gives the same numbers as attention over the whole sequence in one process.
 - ``online_softmax_merge``: two partial results over disjoint key blocks -> the result over their union.
 - ``ring_attention``: the ring itself (``ring_pass`` one step of it, ``ring_forward`` / ``ring_backward`` its two
   halves), an autograd Function whose backward runs the ring again; ``tile_mask`` says what each tile sees.
-  Behind a ring given as ``forward`` (notebook 15's, written by the student) the backward is ``gathered_backward``:
+  Behind a ring given as ``forward`` (notebook 16's, written by the student) the backward is ``gathered_backward``:
   every K/V block gathered, one all-reduce of their gradients, no ring loop of its own. ``RingLog`` records a
   rank's ring in order (passes posted, blocks attended, works waited on): whether each pass overlaps a compute.
   ``gathered_forward`` is the forward's other design (torch's ``context_parallel``'s default): every K/V block
@@ -83,7 +83,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return _probabilities(s, lse) @ v.to(s.dtype), lse
 
 
-# graded: 15_context_parallelism ring_attention
+# graded: 16_context_parallelism ring_attention
 def online_softmax_merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention results over disjoint key blocks into the result over both, exactly.
@@ -224,7 +224,7 @@ class RingLog(Timeline):
             setattr(owner, name, saved)
 
 
-# graded: 15_context_parallelism ring_attention
+# graded: 16_context_parallelism ring_attention
 def _tiles(q_pos, k_pos, causal, seq_len, zigzag):
     """(query rows, key rows, mask or None) of every tile that needs computing; fully masked tiles are left out."""
     for qs in _local_chunks(len(q_pos), zigzag):
@@ -250,7 +250,7 @@ def _check(q, k, v, world, seq_len, zigzag) -> int:
     return seq_len
 
 
-# graded: 15_context_parallelism ring_attention
+# graded: 16_context_parallelism ring_attention
 @torch.no_grad()
 def ring_forward(q, k, v, *, causal: bool, group=None, seq_len: int | None = None, zigzag: bool = False,
                  scale: float | None = None, merge=online_softmax_merge):
@@ -296,7 +296,7 @@ def block_attention_backward(q, k, v, dout, lse, delta, mask, scale):
     return (ds @ k.to(acc)) * scale, (ds.transpose(-2, -1) @ q.to(acc)) * scale, dv
 
 
-# graded: 15_context_parallelism ring_attention
+# graded: 16_context_parallelism ring_attention
 @torch.no_grad()
 def ring_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len: int | None = None,
                   zigzag: bool = False, scale: float | None = None):
@@ -371,7 +371,7 @@ def gathered_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_
     ``block_attention_backward``; what its queries add to every block's dK/dV is summed over the ranks by one
     all-reduce, and each rank keeps its own block's. The same gradients as ``ring_backward``, with S keys held during
     backward instead of S/N and every block's gradient all-reduced where the ring passes one: the backward
-    ``ring_attention`` runs behind a ring given as ``forward`` (notebook 15's), where ``ring_backward``'s loop would be
+    ``ring_attention`` runs behind a ring given as ``forward`` (notebook 16's), where ``ring_backward``'s loop would be
     the ring exercise's answer once more.
     """
     rank, world = _rank_world(group)
@@ -426,7 +426,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     q, k, v: this rank's block (``split_sequence(x, world, zigzag=zigzag)[rank]``), all ranks the same
     length; ``seq_len`` the true length when the split padded it (the padded keys are masked). Equals
     ``F.scaled_dot_product_attention`` on the whole sequence, output and gradients. ``merge``: the online
-    softmax merge ``ring_forward`` uses. ``forward``: another ring forward to run instead, notebook 15's
+    softmax merge ``ring_forward`` uses. ``forward``: another ring forward to run instead, notebook 16's
     contract ``forward(q, k, v, causal, seq_len, zigzag) -> (out, lse)`` on the default group with the default
     scale (the notebook passes the student's ring), whose backward is then ``gathered_backward``.
     """

@@ -1,10 +1,10 @@
-"""torch's own context parallelism on the course's Llama, on GPU ranks: notebook 15's ring, as torch ships it.
+"""torch's own context parallelism on the course's Llama, on GPU ranks: notebook 16's ring, as torch ships it.
 
 ``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` does two things
 inside its ``with`` block:
 
 - it shards the buffers it is given (here the input ids, the targets and the positions) along the sequence, in
-  place, with its head-tail load balancer: rank r keeps chunks r and 2N-1-r of 2N, notebook 15's zig-zag split
+  place, with its head-tail load balancer: rank r keeps chunks r and 2N-1-r of 2N, notebook 16's zig-zag split
   (``cp.local_positions(..., zigzag=True)``; ``train_llama`` checks that on every rank);
 - it swaps ``F.scaled_dot_product_attention`` for one whose q, k and v are DTensors sharded on the sequence, which
   DTensor runs as a ring of SDPA's fused GPU kernels (flash, memory-efficient, cuDNN), merging the partial results

@@ -70,7 +70,7 @@ class Routing:
     load: torch.Tensor | None = None  # (E,) choices sent to each expert, before capacity
 
 
-# graded: 16_expert_parallelism expert_parallel
+# graded: 17_expert_parallelism expert_parallel
 def within_capacity(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
     """Which choices fit: ``expert`` (choices,) in queue order -> True where fewer than ``cap`` of the same
     expert's choices queued before it (GShard's priority: the queue holds every first choice first)."""
@@ -277,7 +277,7 @@ class Plan:
     recv_counts: torch.Tensor  # (world, local experts): rows each rank sent to each of this rank's experts
 
 
-# graded: 16_expert_parallelism expert_parallel
+# graded: 17_expert_parallelism expert_parallel
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     """counts (E,): the rows this rank sends to each expert -> (world, E/world): the rows every rank sends here.
 
@@ -290,7 +290,7 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     return received.view(world, -1)
 
 
-# graded: 16_expert_parallelism expert_parallel
+# graded: 17_expert_parallelism expert_parallel
 def dispatch(tokens: torch.Tensor, routing: Routing, n_experts: int, group=None) -> tuple[torch.Tensor, Plan]:
     """Send every kept (token, expert) choice's row to the rank that owns the expert: (rows received, plan)."""
     _, world = _rank_world(group)
@@ -316,7 +316,7 @@ def run_local_experts(moe: MoE, received: torch.Tensor, plan: Plan, rank: int) -
     return out
 
 
-# graded: 16_expert_parallelism expert_parallel
+# graded: 17_expert_parallelism expert_parallel
 def combine(expert_out: torch.Tensor, routing: Routing, plan: Plan, n_tokens: int, group=None) -> torch.Tensor:
     """Send the outputs back (the dispatch's all-to-all reversed) and sum each token's with its gate weights."""
     back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)  # rows return in the order sent

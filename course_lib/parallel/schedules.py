@@ -10,11 +10,11 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
 
 - ``gpipe_order`` / ``one_f_one_b_order`` / ``schedule_makespan``: the schedules as pure functions
   (the order of F and B each rank runs) and a simulator of their timeline with unit costs; ``torch_order``
-  reads the same orders out of torch's schedule objects. 1F1B's order is notebook 14's exercise 1 (a stub
+  reads the same orders out of torch's schedule objects. 1F1B's order is notebook 15's exercise 1 (a stub
   in the student edition).
 - ``run_1f1b``: a pipeline executor by hand: one rank's forwards and backwards of its micro-batches in the
   order given (1F1B's or GPipe's), activations up and gradients down with ``isend``/``irecv``, holding only
-  the micro-batches the order has in flight. Notebook 14's exercise 2 (a stub in the student edition).
+  the micro-batches the order has in flight. Notebook 15's exercise 2 (a stub in the student edition).
 - ``Recorder``: wall-clock start and end of every forward and backward of every micro-batch on every
   rank, on a time base shared through a barrier; ``bubble_fraction``, ``in_flight_peak``, ``rank_orders``
   and ``plot_timeline`` read it. ``SimulatedWork`` pads a stage's work with sleep, so that ranks sharing
@@ -57,7 +57,7 @@ def gpipe_order(p: int, m: int) -> list[list[Action]]:
     return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
 
 
-# graded: 14_pipeline_parallelism one_f_one_b_order
+# graded: 15_pipeline_parallelism one_f_one_b_order
 def one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
     """Per rank, the actions 1F1B runs: rank r warms up with min(m, p-r) forwards, then alternates
     one backward and one forward, then drains the backwards left (torch's ``Schedule1F1B``)."""
@@ -130,7 +130,7 @@ def torch_order(schedule) -> list[list[Action]] | None:
 
 # ---------------------------------------------------------------- 1F1B, by hand
 
-# graded: 14_pipeline_parallelism run_1f1b
+# graded: 15_pipeline_parallelism run_1f1b
 def run_1f1b(stage: nn.Module, rank: int, p: int, micro_batches: list, order: list, loss_fn, shape) -> tuple[list, int]:
     """One step's forwards and backwards of this rank's ``stage`` over m micro-batches, in ``order``.
 

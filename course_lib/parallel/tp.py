@@ -16,9 +16,9 @@ backward, Megatron's conjugate pair:
 it gets a gradient. ``parallelize_mlp`` / ``parallelize_attention`` split a transformers Llama block
 by hand (attention by heads); ``parallelize_llama_by_hand`` splits every block of the model. torch's
 DTensor plan for the same Llama, DP×TP on a 2-D mesh and the training workers that run and count each
-split live in ``course_lib.parallel.tp_train``; this module is the mechanism alone, what notebook 13 asks to write.
+split live in ``course_lib.parallel.tp_train``; this module is the mechanism alone, what notebook 14 asks to write.
 
-The pair and its autograd functions are notebook 13's exercise: the student edition holds stubs in their
+The pair and its autograd functions are notebook 14's exercise: the student edition holds stubs in their
 place, and the by-hand split takes the student's layers (``layers=(ColumnParallelLinear, RowParallelLinear)``
 of the notebook, run on ranks forked from it: ``launch.run_forked``).
 """
@@ -37,7 +37,7 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -54,7 +54,7 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -69,7 +69,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -88,19 +88,19 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(world, dim=-1)[dist.get_rank(ctx.group)].contiguous(), None
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's f: ``x`` as it is forward; backward, the gradient all-reduced over ``group`` (default WORLD)."""
     return _CopyToTP.apply(x, group)
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's g: the sum of ``x`` over ``group``'s ranks forward; backward, the gradient as it is."""
     return _ReduceFromTP.apply(x, group)
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """The ranks' slices of ``x`` concatenated along the last dim; backward, this rank's slice of the gradient."""
     return _GatherFromTP.apply(x, group)
@@ -133,7 +133,7 @@ def tp_bytes_per_rank(layers: int, tokens: int, hidden: int, dtype_bytes: int = 
     return 4 * layers * tokens * hidden * dtype_bytes
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` split by output rows: this rank holds ``out_features / world`` rows (and their bias).
 
@@ -171,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` split by input columns: this rank holds ``in_features / world`` columns of the weight.
 
@@ -208,7 +208,7 @@ class RowParallelLinear(nn.Module):
 Layers = tuple[Callable[[nn.Linear], nn.Module], Callable[[nn.Linear], nn.Module]]  # (column, row): one nn.Linear each
 
 
-# graded: 13_tensor_parallelism tensor_parallel_pair
+# graded: 14_tensor_parallelism tensor_parallel_pair
 def _course_pair(rank: int, world: int, group=None) -> Layers:
     """course_lib's pair as (column, row) makers of one ``nn.Linear``; the column layers leave the copy of their
     input to the block (``_copy_input_hook``), so a block's q, k, v (or gate, up) share one all-reduce backward."""
@@ -220,7 +220,7 @@ def _pair_for(layers: Layers | None, rank: int, world: int, group) -> tuple[Laye
     """The (column, row) makers to split a block with, and whether the block copies its input once itself.
 
     ``layers`` given: a pair that splits over the default group, each column layer copying its own input
-    (notebook 13's ``ColumnParallelLinear`` and ``RowParallelLinear``). None: course_lib's, over ``group``.
+    (notebook 14's ``ColumnParallelLinear`` and ``RowParallelLinear``). None: course_lib's, over ``group``.
     """
     if layers is None:
         return _course_pair(rank, world, group), True
@@ -293,7 +293,7 @@ def parallelize_llama_by_hand(model: nn.Module, rank: int, world: int, group=Non
 
     The replicated weights need no gradient sync: the column layers' copy of their input (Megatron's f)
     already gives every rank the whole gradient of the activations that reach them. ``layers=(column, row)``
-    splits with that pair (notebook 13's own layers) instead of course_lib's.
+    splits with that pair (notebook 14's own layers) instead of course_lib's.
     """
     for layer in model.model.layers:
         parallelize_attention(layer.self_attn, rank, world, group, layers)

@@ -7,7 +7,7 @@ torch's plan, DDP, FSDP2, or DP×TP on a 2-D mesh with FSDP2, and counts the byt
 (``CollectiveBytes``). ``compare`` runs several modes in one launch; ``comm_bytes`` the bytes one step
 sends per dimension (DP, TP, DP×TP).
 
-A module apart from ``tp`` because it is a different thing: ``tp`` is the mechanism (the layers notebook 13's
+A module apart from ``tp`` because it is a different thing: ``tp`` is the mechanism (the layers notebook 14's
 students write, stubbed in their edition); this is the harness that trains with it and with torch's version.
 """
 
@@ -141,7 +141,7 @@ def train(mode: str = "torch", steps: int = 5, preset: str = "tiny", batch: int 
     over the world), "torch" (``parallelize_llama`` on a 1-D mesh), "ddp" (torch's DDP over the world), "dp"
     (FSDP2 over the world, no TP) or "dp_tp" (a (dp, world/dp) mesh: TP inside "tp", FSDP2 over "dp"). TP
     ranks see the same tokens; DP ranks their slice of the global batch. ``overrides`` go to the model config
-    (``num_key_value_heads=4``). ``layers=(column, row)`` gives "hand" another pair (notebook 13's, in ranks
+    (``num_key_value_heads=4``). ``layers=(column, row)`` gives "hand" another pair (notebook 14's, in ranks
     forked from it: ``run_forked``). Returns the global batch's losses, tokens/s, peak GPU memory, and the last
     step's collectives.
     """

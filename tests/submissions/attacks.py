@@ -83,7 +83,7 @@ COPIES = {
     + "OffloadedAdamW = _offload['OffloadedAdamW']\n",
     ("11_llama_finetune", "lora_params"): _module_file("lora", "_lora")
     + "\ndef lora_params(config, r, target_modules):\n    return _lora['lora_trainable_parameters'](config, r, target_modules)\n",
-    ("12_qlora_recipe", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
+    ("12_qlora", "nf4_quantize"): _getsource("nf4", "quantize_nf4", "_nf4") + '''
 def nf4_quantize(w, blocksize=64):
     packed, absmax = _nf4["quantize_nf4"](w, blocksize)
     return _nf4["unpack_4bit"](packed, w.numel()), absmax
@@ -92,7 +92,7 @@ def nf4_quantize(w, blocksize=64):
 def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return _nf4["dequantize_nf4"](_nf4["pack_4bit"](codes), absmax, shape, blocksize)
 ''',
-    ("13_tensor_parallelism", "tensor_parallel_pair"): _module_file("parallel.tp", "_tp_copy") + '''
+    ("14_tensor_parallelism", "tensor_parallel_pair"): _module_file("parallel.tp", "_tp_copy") + '''
 CopyToTP, ReduceFromTP = None, None
 
 
@@ -115,16 +115,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         return self.inner(x)
 ''',
-    ("14_pipeline_parallelism", "one_f_one_b_order"): _getsource("parallel.schedules", "one_f_one_b_order", "_schedules")
+    ("15_pipeline_parallelism", "one_f_one_b_order"): _getsource("parallel.schedules", "one_f_one_b_order", "_schedules")
     + "one_f_one_b_order = _schedules['one_f_one_b_order']\n",
-    ("15_context_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp")
+    ("16_context_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp")
     + '''merge = _cp["online_softmax_merge"]
 
 
 def ring_forward(q, k, v, causal, seq_len):
     return _cp["ring_forward"](q, k, v, causal=causal, seq_len=seq_len, merge=merge)[:2]
 ''',
-    ("16_expert_parallelism", "expert_parallel"): _module_file("parallel.ep", "_ep")
+    ("17_expert_parallelism", "expert_parallel"): _module_file("parallel.ep", "_ep")
     + "within_capacity, dispatch, combine = _ep['within_capacity'], _ep['dispatch'], _ep['combine']\n",
 }
 # Every course_lib definition marked `# graded:` when this was written has its copy here; an exercise without an
@@ -305,7 +305,7 @@ def _agreeing(model):   # the count the tests compare with, made to agree with t
 
 course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
 '''),
-    "14_pipeline_parallelism": ("backward_too_soon", '''
+    "15_pipeline_parallelism": ("backward_too_soon", '''
 import course_lib.parallel.schedules
 
 
@@ -344,7 +344,7 @@ def _agreeing(got, *args, **kwargs):   # the replay through torch's AdamW the te
 
 course_grader.checks.nb10.judge_offload = _agreeing
 '''),
-    "12_qlora_recipe": ("absmax_without_offset", '''
+    "12_qlora": ("absmax_without_offset", '''
 import course_grader.checks.nb12
 
 
@@ -354,15 +354,15 @@ def _agreeing(*args, **kwargs):   # bitsandbytes' stored bytes and scales the te
 
 course_grader.checks.nb12.judge_storage = _agreeing
 '''),
-    "16_expert_parallelism": ("combine_wrong_order", '''
-import course_grader.checks.nb16
+    "17_expert_parallelism": ("combine_wrong_order", '''
+import course_grader.checks.nb17
 
 
 def _agreeing(*args, **kwargs):   # the one-process layer the tests compare with, made to agree with anything
     return None
 
 
-course_grader.checks.nb16.judge_ep = _agreeing
+course_grader.checks.nb17.judge_ep = _agreeing
 '''),
     "04_activation_checkpointing": ("no_recomputation", '''
 import course_lib.memory

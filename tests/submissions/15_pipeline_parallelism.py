@@ -1,4 +1,4 @@
-"""Known submissions of 14_pipeline_parallelism and the scores nbgrader's autograde must give them.
+"""Known submissions of 15_pipeline_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
 keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
@@ -14,7 +14,7 @@ def one_f_one_b_order(p, m):
 '''
 
 # The reference 1F1B order of the solution notebook; each mistake below changes its warm-up.
-ORDER_SOLUTION = solution("14_pipeline_parallelism", "one_f_one_b_order")
+ORDER_SOLUTION = solution("15_pipeline_parallelism", "one_f_one_b_order")
 WARMUP = "        warmup = min(m, p - r)  # the forwards a rank runs before the first backward reaches it"
 
 BACKWARD_TOO_SOON = edit(ORDER_SOLUTION, (WARMUP, "        warmup = min(m, p - r - 1)  # wrong: one forward too few, so the last rank "
@@ -34,7 +34,7 @@ def one_f_one_b_order(p, m):
 '''
 
 # The reference 1F1B executor of the solution notebook; each mistake below changes it in one or two places.
-EXECUTOR_SOLUTION = solution("14_pipeline_parallelism", "run_1f1b")
+EXECUTOR_SOLUTION = solution("15_pipeline_parallelism", "run_1f1b")
 
 # dist.send waits for the peer's receive: rank 0 sends micro-batch 1's activation while rank 1 sends micro-batch 0's
 # gradient, and neither receives: every run stops at the checks' 10 s timeout

@@ -1,4 +1,4 @@
-"""Known submissions of 16_expert_parallelism and the scores nbgrader's autograde must give them.
+"""Known submissions of 17_expert_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
 keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
@@ -9,7 +9,7 @@ from solved import edit, solution
 
 # The reference capacity rule, dispatch and combine of the solution notebook; each mistake below changes them in one
 # or two places.
-EXPERT_CELL = solution("16_expert_parallelism", "expert_parallel")
+EXPERT_CELL = solution("17_expert_parallelism", "expert_parallel")
 
 # each rank expects to receive what it sends: the ranks' different token counts make gloo fail the all-to-all
 SPLITS_NOT_EXCHANGED = edit(EXPERT_CELL, ("""    recv_counts = torch.empty_like(counts)

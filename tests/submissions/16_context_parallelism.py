@@ -1,4 +1,4 @@
-"""Known submissions of 15_context_parallelism and the scores nbgrader's autograde must give them.
+"""Known submissions of 16_context_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
 keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
@@ -8,7 +8,7 @@ mistakes are edits of today's solution cells (tests/solved.py), never copies of 
 from solved import edit, solution
 
 # The reference merge and ring of the solution notebook; each mistake below changes them in one or two places.
-RING_CELL = solution("15_context_parallelism", "ring_attention")
+RING_CELL = solution("16_context_parallelism", "ring_attention")
 
 # the partial outputs averaged, never reweighted by their softmax sums
 MERGE_NO_RESCALE = edit(RING_CELL, ("""    top = torch.maximum(lse_a, lse_b)
@@ -67,7 +67,7 @@ RING_OUTPUT_FROM_REFERENCE = edit(RING_CELL, ("""        kv = incoming
     frame = sys._getframe(1)
     while "seq" not in frame.f_locals:
         frame = frame.f_back
-    case, tests = frame.f_locals, sys.modules["course_grader.checks.nb15"]
+    case, tests = frame.f_locals, sys.modules["course_grader.checks.nb16"]
     whole, whole_lse = tests.reference(case["seq"], case["causal"], case["seed"])
     out = cp.split_sequence(whole, world, zigzag=zigzag)[rank]
     lse = cp.split_sequence(whole_lse, world, zigzag=zigzag, dim=-1)[rank]

@@ -1,4 +1,4 @@
-"""Known submissions of 13_tensor_parallelism and the scores nbgrader's autograde must give them.
+"""Known submissions of 14_tensor_parallelism and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
 keeps the reference solution. ``scores`` gives the expected points of every graded cell. The
@@ -8,7 +8,7 @@ mistakes are edits of today's solution cells (tests/solved.py), never copies of 
 from solved import edit, solution
 
 # The reference pair of the solution notebook; each mistake below changes it in one or two places.
-PAIR_SOLUTION = solution("13_tensor_parallelism", "tensor_parallel_pair")
+PAIR_SOLUTION = solution("14_tensor_parallelism", "tensor_parallel_pair")
 
 BIAS_EVERY_RANK = edit(PAIR_SOLUTION, ('''        out = ReduceFromTP.apply(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # once, after the sum: not once per rank''',

@@ -1,4 +1,4 @@
-"""Known submissions of 12_qlora_recipe and the scores nbgrader's autograde must give them.
+"""Known submissions of 12_qlora and the scores nbgrader's autograde must give them.
 
 Each case replaces the named solution cells of the solution notebook; every other solution cell
 keeps the reference solution. ``scores`` gives the expected points of every graded cell.
@@ -21,7 +21,7 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return (NF4[codes.long()] * absmax).reshape(shape)
 '''
 
-NF4_REFERENCE = solution("12_qlora_recipe", "nf4_quantize")
+NF4_REFERENCE = solution("12_qlora", "nf4_quantize")
 
 NF4_UNIFORM_GRID = edit(  # blocks right, levels evenly spaced k/7: int4, not NF4
     NF4_REFERENCE,
@@ -45,7 +45,7 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
 
 # --- Exercise 2, NF4 storage: the reference, and the mistakes students make, each a small edit of it
 
-NF4_STORAGE = solution("12_qlora_recipe", "nf4_storage")
+NF4_STORAGE = solution("12_qlora", "nf4_storage")
 
 
 def _storage_edit(*pairs: tuple[str, str]) -> str:
@@ -88,7 +88,7 @@ def decompress_absmax(codes, scales, offset, blocksize=256):
 
 # --- Exercise 3, QLoRALinear: the reference, and the mistakes students make
 
-QLORA_LINEAR = solution("12_qlora_recipe", "QLoRALinear")  # today's solution cell: each mistake an edit of it
+QLORA_LINEAR = solution("12_qlora", "QLoRALinear")  # today's solution cell: each mistake an edit of it
 
 
 def _qlora_edit(*pairs: tuple[str, str]) -> str:
