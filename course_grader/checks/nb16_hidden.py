@@ -19,7 +19,6 @@ from course_grader.peer import Peer, Wire, rounds
 RING_CASES = (((3, True, False), (7, 8, 10, 11, 13, 14)), ((3, False, False), (7, 8, 10, 11, 13, 14)),
               ((4, True, False), (10, 11, 13, 14, 15)), ((3, True, True), (6, 12, 18)),
               ((4, True, True), (9, 11, 13, 15)))
-EP_CASES = ((3, 6, None), (4, 8, 1.0))  # capacity 1.0 drops choices whatever the seed (4 at the least of 200 tried)
 
 
 def rings() -> list[tuple]:
