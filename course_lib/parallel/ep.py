@@ -158,7 +158,8 @@ class MoE(nn.Module):
         return out.view_as(x)
 
 
-def _keep_all(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+def keep_every_choice(expert: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    """The capacity rule of a layer with no capacity (``within_capacity``'s signature): every choice kept."""
     return torch.ones_like(expert, dtype=torch.bool)
 
 
@@ -178,9 +179,8 @@ def dropless_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     expert's SwiGLU run as one group of three grouped matmuls over the experts' stacked weights. Equals ``moe`` with
     ``capacity_factor=None`` in output and gradients; sets ``moe.aux_loss``, ``moe.dropped`` (0) and ``moe.load``."""
     tokens = x.reshape(-1, x.shape[-1])
-    r = moe.route(tokens, keep=_keep_all)
-    order = torch.argsort(r.expert, stable=True)
-    counts = torch.bincount(r.expert, minlength=moe.n_experts)
+    r = moe.route(tokens, keep=keep_every_choice)
+    order, counts = torch.argsort(r.expert, stable=True), r.load  # every choice kept: the load is each group's rows
     stacked = {name: torch.stack([getattr(e, name).weight.t() for e in moe.experts]) for name in ("gate", "up", "down")}
     rows = tokens[r.token[order]]
     hidden = F.silu(grouped_mm(rows, stacked["gate"], counts)) * grouped_mm(rows, stacked["up"], counts)
@@ -212,7 +212,7 @@ def balancing_runs(d_model: int, n_experts: int, top_k: int, tokens: int, steps:
         history = []
         for x in batches:
             with torch.set_grad_enabled(way == "Switch loss"):
-                r = moe.route(x, keep=_keep_all)
+                r = moe.route(x, keep=keep_every_choice)
             history.append(imbalance(r.load))
             if way == "Switch loss":
                 sgd.zero_grad()
