@@ -7,11 +7,15 @@ and one that does not), and again with the ring given as ``forward`` (notebook 1
 the formula (``CollectiveBytes`` sees ``isend``/``irecv``), the order it ran (``RingLog``: each pass posted before
 its block's attention, waited on after it), the activation bytes against the prediction,
 and two known mistakes (a merge that does not rescale, a causal mask on the wrong side) that the
-comparison must catch. The course's Llama trains with the ring loss for loss with one process.
+comparison must catch. The course's Llama trains with the ring loss for loss with one process. With grouped K/V heads
+(GQA) both forwards, the ring and the all-gather design, equal full attention, and side by side (``compare_designs``)
+they send and build what ``ring_bytes_per_rank`` and ``largest_kv_bytes`` predict, kv_heads / heads of MHA's.
 torch's own context parallelism (``cp_torch``) needs GPUs: here its path runs up to the kernel, and torch's split
 is checked to be the zig-zag.
 """
 
+import dataclasses
+import json
 import traceback
 
 import pytest
@@ -150,6 +154,78 @@ def test_ring_attention_equals_full_attention(world):
     for mistake in ("wrong merge", "wrong mask"):
         got = cp.merge_sequence([torch.from_numpy(r[mistake]) for r in ranks], seq)
         assert not torch.allclose(got, want, atol=1e-3), mistake
+
+
+GQA_HEADS, GQA_SEQ = (8, 2), 30  # query heads, K/V heads; 30 tokens pad to 32 on 4 zig-zag ranks
+
+
+def _gqa_reference(seq, causal):
+    """SDPA over the whole sequence, the K/V heads repeated to the query's: grouped-query attention."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, GQA_HEADS[0], seq, D, generator=g)
+    k, v = torch.randn(2, B, GQA_HEADS[1], seq, D, generator=g)
+    n_rep = GQA_HEADS[0] // GQA_HEADS[1]
+    return (q, k, v), F.scaled_dot_product_attention(q, attention.repeat_kv(k, n_rep), attention.repeat_kv(v, n_rep),
+                                                     is_causal=causal)
+
+
+def _grouped_designs(specs):
+    """This rank's grouped-heads outputs of both forwards (causal or not, plain or zig-zag), then ``compare_designs``
+    of every spec."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outs = {}
+    for causal in (True, False):
+        for zigzag in (False, True):
+            q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _gqa_reference(GQA_SEQ, causal)[0])
+            kw = dict(causal=causal, seq_len=GQA_SEQ, zigzag=zigzag)
+            outs[causal, zigzag] = [f(q, k, v, **kw)[0].numpy() for f in (cp.ring_forward, cp.gathered_forward)]
+    return outs, [cp_train.compare_designs(spec, repeats=2) for spec in specs]
+
+
+def test_grouped_heads_in_both_designs_bytes_kv_memory_and_time():
+    """4 ranks, 8 query heads on 8 K/V heads (MHA) and on 2 (GQA). Both forwards equal full attention with grouped
+    heads; each rank sends the formula's bytes by either design, GQA a quarter of MHA's; the largest K/V tensor the
+    all-gather builds is the whole (padded) sequence's, N times the ring's one block."""
+    world, (heads, kv_heads) = 4, GQA_HEADS
+    specs = [cp_train.AttentionSpec(seq=GQA_SEQ, heads=heads, head_dim=D, kv_heads=kv, batch=B)
+             for kv in (heads, kv_heads)]
+    ranks = run_forked(_grouped_designs, world, dict(specs=specs), timeout=120)
+    for causal, zigzag in ranks[0][0]:
+        want = _gqa_reference(GQA_SEQ, causal)[1]
+        for i, design in enumerate(("ring_forward", "gathered_forward")):
+            got = cp.merge_sequence([torch.from_numpy(r[0][causal, zigzag][i]) for r in ranks], GQA_SEQ, zigzag=zigzag)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{design}: {causal=} {zigzag=}")
+    sent = {}
+    for spec, runs in zip(specs, zip(*(r[1] for r in ranks))):
+        shape = (spec.seq, spec.kv, spec.head_dim, world, 4)
+        fwd = cp_train.ring_bytes_per_rank(*shape, batch=B, zigzag=True)
+        block = cp_train.largest_kv_bytes(*shape, batch=B, zigzag=True)
+        whole = cp_train.largest_kv_bytes(*shape, batch=B, zigzag=True, gathered=True)
+        assert whole == world * block == 2 * B * spec.kv * 32 * D * 4  # 30 tokens padded to 32
+        for run in runs:
+            assert run["spec"] == dataclasses.asdict(spec) and run["gap"] < 1e-5, run
+            assert run["ring"]["sent"] == run["all-gather"]["sent"] == fwd, (run, fwd)
+            assert run["ring"]["kv_bytes"] == block and run["all-gather"]["kv_bytes"] == whole, (run, block, whole)
+            assert run["ring"]["seconds"] > 0 and run["all-gather"]["seconds"] > 0, run
+        sent[spec.kv] = fwd
+    assert sent[kv_heads] * heads == sent[heads] * kv_heads  # GQA sends kv_heads / heads of MHA's
+
+
+def test_grouped_heads_one_rank_and_refusals():
+    """One rank: both forwards and block_attention take grouped K/V heads (no repeat) and equal SDPA on repeated ones;
+    ring_attention, whose backward needs equal heads, refuses them; a spec whose K/V heads do not divide is refused."""
+    (q, k, v), want = _gqa_reference(9, True)
+    torch.testing.assert_close(cp.ring_forward(q, k, v, causal=True)[0], want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cp.gathered_forward(q, k, v, causal=True)[0], want, atol=2e-5, rtol=1e-4)
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close(cp.block_attention(q, k, v, mask)[0], want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="repeat them first"):
+        cp.ring_attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="do not group"):
+        cp.block_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1))
+    with pytest.raises(ValueError, match="must divide"):
+        cp_train.AttentionSpec(seq=8, heads=8, head_dim=4, kv_heads=3)
+    assert json.loads(json.dumps(dataclasses.asdict(cp_train.AttentionSpec(seq=8, heads=8, head_dim=4))))["seq"] == 8
 
 
 def test_ring_llama_trains_like_one_process():

@@ -44,6 +44,22 @@ def test_the_all_gather_design_gives_the_rings_output_for_the_same_bytes(execute
     assert claim(res, "the all-gather design of context parallelism")["held"]
 
 
+def test_with_grouped_query_attention_both_designs_send_and_build_a_quarter(executed):
+    res = executed("16_context_parallelism")
+    designs = value(res, "cp_designs")
+    kv, q_heads, world = designs["kv_heads"], designs["q_heads"], designs["world"]
+    assert kv["MHA"] == q_heads == 4 * kv["GQA"], kv
+    by = designs["by_heads"]
+    for design in ("ring", "all-gather"):
+        assert by["MHA"][design]["sent"] == by["GQA"][design]["sent"] * 4 > 0  # the formula with the K/V heads
+        assert by["MHA"][design]["kv_bytes"] == by["GQA"][design]["kv_bytes"] * 4 > 0
+        assert all(by[h][design]["as_predicted"] and by[h][design]["ms"] > 0 for h in by), by
+    for heads in by.values():  # the all-gather builds the whole sequence's K/V, the ring one block of it
+        assert heads["all-gather"]["kv_bytes"] == world * heads["ring"]["kv_bytes"]
+        assert heads["all-gather"]["sent"] == heads["ring"]["sent"]
+    assert claim(res, "with GQA")["held"] is True
+
+
 def test_claims_and_figures(executed):
     res = executed("16_context_parallelism")
     kinds = {c["claim"]: c["kind"] for c in res["claims"]}

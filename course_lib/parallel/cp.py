@@ -9,7 +9,8 @@ block of keys; the online softmax (FlashAttention's rescaling) merges the partia
 ring gives the same numbers as attention over the whole sequence in one process.
 
 - ``block_attention``: attention of queries over one block of keys, returning the output *and* the
-  log-sum-exp of the scores (the softmax's denominator), which is what the merge needs.
+  log-sum-exp of the scores (the softmax's denominator), which is what the merge needs; K/V may have fewer heads
+  than the queries (grouped-query attention, GQA), and then so do the blocks that travel.
 - ``online_softmax_merge``: two partial results over disjoint key blocks -> the result over their union.
 - ``ring_attention``: the ring itself (``ring_pass`` one step of it, ``ring_forward`` / ``ring_backward`` its two
   halves), an autograd Function whose backward runs the ring again; ``tile_mask`` says what each tile sees.
@@ -17,7 +18,7 @@ ring gives the same numbers as attention over the whole sequence in one process.
   every K/V block gathered, one all-reduce of their gradients, no ring loop of its own. ``RingLog`` records a
   rank's ring in order (passes posted, blocks attended, works waited on): whether each pass overlaps a compute.
   ``gathered_forward`` is the forward's other design (torch's ``context_parallel``'s default): every K/V block
-  gathered at once, no ring.
+  gathered at once, no ring. Both forwards take grouped K/V heads; ``ring_attention``'s backward takes equal ones.
 - ``split_sequence`` / ``merge_sequence`` (``zigzag_split`` / ``zigzag_merge``): each rank's block; with a
   causal mask the plain split leaves rank 0 one block of work and rank N-1 N blocks; the zig-zag split
   gives rank r chunks r and 2N-1-r of 2N, an early and a late one, and every rank the same work.
@@ -76,11 +77,23 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     ``mask`` (q_len, k_len), True where a query may see a key (SDPA's convention), None for all.
     ``out`` is normalised over this block's keys only; ``lse`` = log sum_j exp(score_j) over them
     (-inf for a row that sees none) is the weight the merge needs to combine it with other blocks.
+    Grouped-query attention: ``k`` and ``v`` (batch, kv_heads, k_len, head_dim) with ``kv_heads`` a divisor of ``q``'s
+    heads; query head h attends with K/V head h // (heads / kv_heads), as ``attention.repeat_kv`` pairs them.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    shape, groups = q.shape, 1
+    if q.dim() == k.dim() == 4 and k.shape[1] != q.shape[1]:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads do not group onto {k.shape[1]} K/V heads: give K/V heads "
+                             "that divide the query's")
+        # the query heads that share a K/V head become that head's rows: K/V are never repeated
+        groups = q.shape[1] // k.shape[1]
+        q = q.reshape(shape[0], k.shape[1], groups * shape[2], shape[3])
+        mask = None if mask is None else mask.repeat(groups, 1)
     s = _scores(q, k, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
-    return _probabilities(s, lse) @ v.to(s.dtype), lse
+    out = _probabilities(s, lse) @ v.to(s.dtype)
+    return (out, lse) if groups == 1 else (out.reshape(*shape[:-1], out.shape[-1]), lse.reshape(shape[:-1]))
 
 
 # graded: 16_context_parallelism ring_attention
@@ -235,10 +248,11 @@ def _tiles(q_pos, k_pos, causal, seq_len, zigzag):
 
 
 def _check(q, k, v, world, seq_len, zigzag) -> int:
-    """The global length, after checking the local blocks agree with it."""
-    if not (q.dim() == 4 and q.shape == k.shape and k.shape[:-1] == v.shape[:-1]):
-        raise ValueError(f"q, k, v must be (batch, heads, local_seq, head_dim) and match: got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)} (GQA: repeat the K/V heads first)")
+    """The global length, after checking the local blocks agree with it (K/V heads may group the query's: GQA)."""
+    grouped = q.dim() == k.dim() == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    if not (grouped and (q.shape[0], *q.shape[2:]) == (k.shape[0], *k.shape[2:]) and k.shape[:-1] == v.shape[:-1]):
+        raise ValueError(f"q, k, v must be (batch, heads, local_seq, head_dim) and match, the K/V heads a divisor of "
+                         f"the query's: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     local = q.shape[SEQ_DIM]
     if zigzag and local % 2:
         raise ValueError(f"zig-zag blocks hold two equal chunks, so the local length must be even, got {local}: "
@@ -330,35 +344,43 @@ def ring_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_len:
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-def _gathered_kv(k: torch.Tensor, v: torch.Tensor, group, world: int, local: int, zigzag: bool):
-    """Every rank's K/V block, gathered (one all-gather), and their keys' global positions: rank r's block at rows
-    r*local ... (r+1)*local - 1."""
+def _gathered_kv(k: torch.Tensor, v: torch.Tensor, group, world: int, local: int, zigzag: bool) -> torch.Tensor:
+    """Every rank's K/V block, gathered (one all-gather), in sequence order: (2, batch, kv_heads, world x local,
+    head_dim), row i the key at global position i (the padding last)."""
     kv = torch.stack([k, v]).contiguous()
-    blocks = [kv]
-    if world > 1:
-        blocks = [torch.empty_like(kv) for _ in range(world)]
-        dist.all_gather(blocks, kv, group=group)
-    k_pos = torch.cat([local_positions(r, world, local, zigzag, k.device) for r in range(world)])
-    return torch.cat(blocks, dim=SEQ_DIM), k_pos
+    if world == 1:  # one rank's block, zig-zag's two chunks included, is the sequence in order
+        return kv
+    blocks = [torch.empty_like(kv) for _ in range(world)]
+    dist.all_gather(blocks, kv, group=group)
+    return merge_sequence(blocks, zigzag=zigzag)
 
 
 @torch.no_grad()
 def gathered_forward(q, k, v, *, causal: bool, group=None, seq_len: int | None = None, zigzag: bool = False,
                      scale: float | None = None):
     """Context parallelism's other design, (out, lse) of this rank's queries: every K/V block gathered at once (one
-    all-gather), then attention over the whole sequence's keys in one masked tile.
+    all-gather), then each of the rank's chunks of queries (one block, or zig-zag's two) attended to the keys it
+    may see: causal, a prefix of the sequence, so it computes the scores the ring computes, no more.
 
     torch's ``context_parallel`` does this by default, and Llama 3's long-context training did. It sends what the
     ring sends, (N-1)/N of the sequence's K/V per rank, in one collective before any compute instead of N-1 passes
     that hide behind it, and holds all N blocks where the ring holds two: simpler, and small where K/V are a few
-    grouped heads; a document mask needs every key anyway.
+    grouped heads (GQA: ``k`` and ``v`` may have fewer heads than ``q``); a document mask needs every key anyway.
     """
     rank, world = _rank_world(group)
     seq_len, local = _check(q, k, v, world, seq_len, zigzag), q.shape[SEQ_DIM]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    every_kv, k_pos = _gathered_kv(k, v, group, world, local, zigzag)
-    mask = tile_mask(local_positions(rank, world, local, zigzag, q.device), k_pos, causal, seq_len)
-    return block_attention(q, every_kv[0], every_kv[1], mask, scale)
+    every_kv = _gathered_kv(k, v, group, world, local, zigzag)
+    q_pos = local_positions(rank, world, local, zigzag, q.device)
+    outs, lses = [], []
+    for qs in _local_chunks(local, zigzag):
+        seen = min(int(q_pos[qs].max()) + 1, seq_len) if causal else seq_len  # keys past it: later, or padding
+        mask = tile_mask(q_pos[qs], torch.arange(seen, device=q.device), causal, seq_len)
+        out, lse = block_attention(q[..., qs, :], every_kv[0][..., :seen, :], every_kv[1][..., :seen, :],
+                                   None if mask.all() else mask, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=SEQ_DIM), torch.cat(lses, dim=-1)
 
 
 @torch.no_grad()
@@ -377,14 +399,15 @@ def gathered_backward(dout, q, k, v, out, lse, *, causal: bool, group=None, seq_
     rank, world = _rank_world(group)
     seq_len, local = _check(q, k, v, world, seq_len, zigzag), q.shape[SEQ_DIM]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    every_kv, k_pos = _gathered_kv(k, v, group, world, local, zigzag)
-    mask = tile_mask(local_positions(rank, world, local, zigzag, q.device), k_pos, causal, seq_len)
+    every_kv = _gathered_kv(k, v, group, world, local, zigzag)
+    q_pos = local_positions(rank, world, local, zigzag, q.device)
+    mask = tile_mask(q_pos, torch.arange(every_kv.shape[SEQ_DIM], device=q.device), causal, seq_len)
     dout = dout.to(out.dtype)
     dq, dk, dv = block_attention_backward(q, every_kv[0], every_kv[1], dout, lse, (dout * out).sum(-1), mask, scale)
     dkv = torch.stack([dk, dv])
     if world > 1:
         dist.all_reduce(dkv, group=group)  # every rank's queries' share of every block
-    mine = dkv[..., rank * local:(rank + 1) * local, :]
+    mine = dkv[..., q_pos, :]  # this rank's rows: its block's positions in the sequence
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 
@@ -401,6 +424,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, group, seq_len, zigzag, scale, merge, forward):
+        # both backwards accumulate dK/dV in the query's heads: grouped K/V heads would need each group summed
+        if q.dim() == k.dim() == 4 and k.shape[1] != q.shape[1]:
+            raise ValueError(f"ring_attention's backward takes as many K/V heads as query heads, got {k.shape[1]} "
+                             f"for {q.shape[1]}: repeat them first (attention.repeat_kv); ring_forward and "
+                             "gathered_forward take grouped heads")
         if forward is None:
             out, lse, _ = ring_forward(q, k, v, causal=causal, group=group, seq_len=seq_len, zigzag=zigzag,
                                        scale=scale, merge=merge)

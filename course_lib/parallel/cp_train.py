@@ -11,6 +11,9 @@ autograd); this module uses it and accounts for it, so that cp reads as the mech
   what it costs and buys; ``llama_activation_bytes_per_rank`` and ``longest_sequence``: the same for a whole
   Llama (predicted); ``llama_activations_by_length``: a whole Llama's, measured at several lengths;
   ``measure_longest_sequence``: where one GPU really runs out (``longest_from_peaks``: the arithmetic).
+- ``compare_designs``: the ring and the all-gather design (``cp.gathered_forward``) side by side on one
+  ``AttentionSpec`` (grouped K/V heads or not): the bytes each rank sends, the largest K/V tensor it builds
+  (``LargestKV``; ``largest_kv_bytes`` predicts it) and its time per forward.
 
 torch's own context parallelism, on the same Llama, is ``cp_torch``'s.
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
+from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
@@ -32,8 +37,9 @@ from course_lib.attention import repeat_kv
 from course_lib.parallel import cp
 from course_lib.parallel.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
 from course_lib.data import lm_batch
+from course_lib.distributed import CollectiveBytes
 from course_lib.loss import IGNORE_INDEX, next_token_loss
-from course_lib.memory import SavedTensorMeter, activation_bytes, llama_activation_bytes
+from course_lib.memory import LargestTensor, SavedTensorMeter, activation_bytes, llama_activation_bytes
 from course_lib.models import build_llama
 from course_lib.train import fit
 
@@ -172,9 +178,22 @@ def ring_bytes_per_rank(seq: int, heads: int, head_dim: int, world: int, dtype_b
     """Bytes of K and V one rank sends in one forward: N-1 passes of its (padded) block, K and V each.
 
     It does not fall with N: a rank sends (N-1)/N of the sequence's K/V whatever N is, and the time to send
-    it must hide behind the attention of one block, which shrinks as (S/N)^2.
+    it must hide behind the attention of one block, which shrinks as (S/N)^2. ``heads``: the K/V heads (grouped-query
+    attention sends fewer than the query has). The all-gather design (``cp.gathered_forward``) sends the same.
     """
     return (world - 1) * 2 * batch * heads * _local_len(seq, world, zigzag) * head_dim * dtype_bytes
+
+
+def largest_kv_bytes(seq: int, kv_heads: int, head_dim: int, world: int, dtype_bytes: int = 4, *, batch: int = 1,
+                     zigzag: bool = False, gathered: bool = False) -> int:
+    """Bytes of the largest K/V tensor (K and V stacked) one rank builds in one forward (predicted).
+
+    The ring's is one (padded) block, 2 x batch x kv_heads x S/N x head_dim values (it holds two at once: the block it
+    attends and the one arriving); the all-gather design's (``gathered=True``) is the whole padded sequence's, N
+    blocks in one tensor. Both scale with the K/V heads: grouped-query attention shrinks them by heads / kv_heads.
+    """
+    block = 2 * batch * kv_heads * _local_len(seq, world, zigzag) * head_dim * dtype_bytes
+    return block * world if gathered else block
 
 
 def ring_backward_bytes_per_rank(seq: int, heads: int, head_dim: int, world: int, dtype_bytes: int = 4, *,
@@ -328,3 +347,91 @@ def measure_ring_memory(seq: int, heads: int, head_dim: int, *, causal: bool = T
         out = ring_attention(q, k, v, causal=causal, group=group, seq_len=seq, zigzag=zigzag, forward=forward)
     out.sum().backward()  # every rank runs the backward and its collectives, so no peer is left waiting
     return meter.bytes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ring beside the all-gather design, grouped K/V heads or not
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One context-parallel attention forward's shape, JSON-able (``dataclasses.asdict``): ``seq`` tokens in all,
+    ``heads`` query heads and ``kv_heads`` K/V heads (None: as many, multi-head attention; fewer, a divisor:
+    grouped-query attention), split plainly or zig-zag across the ranks."""
+
+    seq: int
+    heads: int
+    head_dim: int
+    kv_heads: int | None = None
+    batch: int = 1
+    causal: bool = True
+    zigzag: bool = True
+
+    def __post_init__(self):
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads}: each K/V head serves "
+                             "heads / kv_heads query heads")
+
+    @property
+    def kv(self) -> int:
+        """The K/V heads: ``kv_heads``, or ``heads`` where that is None."""
+        return self.kv_heads or self.heads
+
+
+class LargestKV(LargestTensor):
+    """``LargestTensor`` counting K/V tensors only: K and V stacked, (2, batch, kv_heads, rows, head_dim) with the
+    batch, heads and head_dim of ``k``, as the ring passes them and the all-gather gathers them. ``bytes`` of the
+    largest: one block for a ring, the whole sequence's for the all-gather design (``largest_kv_bytes``)."""
+
+    def __init__(self, k: torch.Tensor):
+        super().__init__()
+        self.bytes, self._kv = 0, (2, k.shape[0], k.shape[1], k.shape[-1])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(t, torch.Tensor) and t.dim() == 5 and (*t.shape[:3], t.shape[-1]) == self._kv
+                    and t.numel() > self.numel):
+                self.numel, self.shape, self.bytes = t.numel(), tuple(t.shape), t.numel() * t.element_size()
+        return out
+
+
+def _library_ring(q, k, v, causal, seq_len, zigzag):
+    """``cp.ring_forward`` in notebook 16's contract ``forward(q, k, v, causal, seq_len, zigzag) -> (out, lse)``."""
+    return cp.ring_forward(q, k, v, causal=causal, seq_len=seq_len, zigzag=zigzag)[:2]
+
+
+def compare_designs(spec: AttentionSpec | dict, *, forward=None, repeats: int = 3, seed: int = 0) -> dict:
+    """A worker (``launch.run_forked``; call on every rank): this rank's attention forward on ``spec``'s blocks by the
+    ring and by the all-gather design (``cp.gathered_forward``), what each sent, built and took.
+
+    ``forward``: the ring, in notebook 16's contract (the student's ``ring_forward``; course_lib's by default).
+    Returns ``gap``, the largest |difference| of the two outputs, and for "ring" and "all-gather": ``sent`` the bytes
+    this rank sent (``CollectiveBytes``: the ring's sends, a recv being its peer's send; the all-gather's (N-1)/N
+    share), ``kv_bytes`` the largest K/V tensor it built (``LargestKV``), ``seconds`` its wall time per forward (the
+    median of ``repeats``, the ranks starting each one together; the first run, counted, is not timed).
+    """
+    spec = AttentionSpec(**spec) if isinstance(spec, dict) else spec
+    rank, world = _rank_world()
+    torch.manual_seed(seed)  # the same whole sequence on every rank; each keeps its part
+    q = torch.randn(spec.batch, spec.heads, spec.seq, spec.head_dim)
+    k, v = torch.randn(2, spec.batch, spec.kv, spec.seq, spec.head_dim)
+    q, k, v = (split_sequence(t, world, zigzag=spec.zigzag)[rank] for t in (q, k, v))
+    ring = forward or _library_ring
+    designs = {"ring": lambda: ring(q, k, v, spec.causal, spec.seq, spec.zigzag)[0],
+               "all-gather": lambda: cp.gathered_forward(q, k, v, causal=spec.causal, seq_len=spec.seq,
+                                                         zigzag=spec.zigzag)[0]}
+    measured, outs = {}, {}
+    for name, run in designs.items():
+        with CollectiveBytes() as comm, LargestKV(k) as held:
+            outs[name] = run()
+        times = []
+        for _ in range(repeats):
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        measured[name] = {"sent": sum(b for kind, b in comm.sent_bytes_by_kind.items() if kind != "recv"),
+                          "kv_bytes": held.bytes, "seconds": statistics.median(times) if times else float("nan")}
+    return {"spec": asdict(spec), "gap": float((outs["ring"] - outs["all-gather"]).abs().max()), **measured}
