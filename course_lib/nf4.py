@@ -23,12 +23,13 @@ scales its 8-bit "dynamic" code book (``dynamic_code``). Beside NF4, the same bl
 4-bit levels (uniform int4, FP4 E2M1) and bf16, to compare: their round trips, the bits stored per weight
 (``bits_per_parameter``, ``stored_bytes``) and the error of each on a model's linear layers (``layer_errors``).
 
-Notebook 12's exercises, stubs in the student edition: the quantiser and its round trip (``quantize_nf4``,
+Notebook 12's first exercise, stubs in the student edition: the quantiser and its round trip (``quantize_nf4``,
 ``dequantize_nf4``, ``nf4_round_trip``, ``blockwise_absmax``, and the blocks, the nearest level and the round trip
 onto any levels they are made of: ``_blocks``, ``nearest_level``, ``absmax_round_trip``, which ``int4_round_trip``
-and ``fp4_round_trip`` call) and the storage (``pack_4bit``, ``unpack_4bit``, ``compress_absmax``,
-``decompress_absmax``). What measures them (``round_trip_model``, ``layer_errors``) takes the student's as an
-argument; the notebook compares int4 and FP4 with NF4 on the student's quantiser, their levels in NF4's place.
+and ``fp4_round_trip`` call). The storage (``pack_4bit``, ``unpack_4bit``, ``compress_absmax``,
+``decompress_absmax``) is given: the notebook measures its bytes against bitsandbytes'. What measures them
+(``round_trip_model``, ``layer_errors``) takes the student's as an argument; the notebook compares int4 and FP4 with
+NF4 on the student's quantiser, their levels in NF4's place.
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ def nearest_level(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, midpoints)
 
 
-# graded: 12_qlora nf4_storage
 def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     """Indices 0..15 (any shape, row-major) → uint8, two per byte, the first in the high nibble.
 
@@ -114,7 +114,6 @@ def pack_4bit(indices: torch.Tensor) -> torch.Tensor:
     return (flat[0::2] << 4) | flat[1::2]
 
 
-# graded: 12_qlora nf4_storage
 def unpack_4bit(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` indices (int64) held in ``packed`` (``pack_4bit``'s layout)."""
     pairs = torch.stack([packed >> 4, packed & 0xF], dim=1)
@@ -175,23 +174,26 @@ class CompressedAbsmax(NamedTuple):
     offset: torch.Tensor
 
 
-# graded: 12_qlora nf4_storage
 def compress_absmax(absmax: torch.Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> CompressedAbsmax:
     """Double quantisation: absmax − mean, in blocks of ``blocksize``, each as 8-bit codes of its own absmax."""
     offset = absmax.float().mean()
-    centred = _blocks(absmax.float() - offset, check_blocksize(blocksize))
-    scales = centred.abs().amax(dim=1)
-    scaled = centred / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
-    codes = nearest_level(scaled, dynamic_code(absmax.device)).reshape(-1)[: absmax.numel()].to(torch.uint8)
+    n = absmax.numel()
+    centred = torch.nn.functional.pad(absmax.float() - offset, (0, -n % check_blocksize(blocksize)))
+    blocks = centred.view(-1, blocksize)
+    scales = blocks.abs().amax(dim=1)
+    scaled = blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    # the nearest level, a tie to the lower one; not nearest_level, the quantiser's own (a stub where it is an exercise)
+    code = dynamic_code(absmax.device)
+    codes = torch.bucketize(scaled, (code[1:] + code[:-1]) / 2).reshape(-1)[:n].to(torch.uint8)
     return CompressedAbsmax(codes, scales, offset)
 
 
-# graded: 12_qlora nf4_storage
-def decompress_absmax(c: CompressedAbsmax, blocksize: int = ABSMAX_BLOCKSIZE) -> torch.Tensor:
-    """The absmax scales that ``compress_absmax`` stored (to its 8-bit precision)."""
-    n = c.codes.numel()
-    values = torch.nn.functional.pad(dynamic_code(c.codes.device)[c.codes.long()], (0, -n % blocksize))
-    return (values.view(-1, blocksize) * c.scales[:, None]).reshape(-1)[:n] + c.offset
+def decompress_absmax(codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor,
+                      blocksize: int = ABSMAX_BLOCKSIZE) -> torch.Tensor:
+    """The absmax scales that ``compress_absmax`` stored (to its 8-bit precision): ``decompress_absmax(*stored)``."""
+    n = codes.numel()
+    values = torch.nn.functional.pad(dynamic_code(codes.device)[codes.long()], (0, -n % blocksize))
+    return (values.view(-1, blocksize) * scales[:, None]).reshape(-1)[:n] + offset
 
 
 # graded: 12_qlora nf4_quantize
@@ -199,7 +201,7 @@ def nf4_round_trip(w: torch.Tensor, blocksize: int = BLOCKSIZE, double_quant: bo
     """``w`` quantised to NF4 and back (what a QLoRA matmul computes with), in ``w``'s dtype and shape."""
     packed, absmax = quantize_nf4(w, blocksize)
     if double_quant:
-        absmax = decompress_absmax(compress_absmax(absmax))
+        absmax = decompress_absmax(*compress_absmax(absmax))
     return dequantize_nf4(packed, absmax, w.shape, blocksize, dtype=w.dtype)
 
 

@@ -31,7 +31,7 @@ from course_lib.device import free_memory
 from course_lib.lora import ALL_LINEAR, apply_lora
 from course_lib.memory import PeakMemory, SavedTensorMeter
 from course_lib.models import build_llama, llama_num_parameters
-from course_lib.nf4 import (BLOCKSIZE, CompressedAbsmax, bits_per_parameter, compress_absmax, decompress_absmax,
+from course_lib.nf4 import (BLOCKSIZE, bits_per_parameter, compress_absmax, decompress_absmax,
                             dequantize_nf4, nf4_code, quantize_nf4, quantized_linears, relative_rms_error)
 from course_lib.train import fit, tokens_per_second
 
@@ -92,7 +92,7 @@ class QLoRALinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the buffers hold, in ``dtype``: made anew at every call, never kept."""
-        absmax = decompress_absmax(CompressedAbsmax(self.absmax_codes, self.absmax_scales, self.absmax_offset))
+        absmax = decompress_absmax(self.absmax_codes, self.absmax_scales, self.absmax_offset)
         return dequantize_nf4(self.packed, absmax, self.shape, self.blocksize, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,21 @@ def test_qlora_memory_table_and_nothing_fake_on_a_cpu(executed):
     assert value(res, "qlora_70b_total_gb") < 48 < 140 < value(res, "bf16_lora_70b_total_gb")
     # the GPU comparison records only where it ran
     assert not any(k.startswith("qlora_tokens") or k.startswith("bf16_lora_tokens") for k in res["values"])
-    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 4
+    assert len([c for c in res["claims"] if "QLoRA" in c["claim"] or "NF4" in c["claim"]]) == 5
+
+
+def test_the_given_storage_is_bitsandbytes_bytes_in_4_13_bits(executed):
+    """The storage cell stores the base's largest layer from the student's codes: two codes a byte and 8-bit scales
+    (a float32 scale per 256 of them and the offset: a little over 4.127 bits on a layer this small), compared byte
+    for byte with bitsandbytes' quantize_4bit where its 4-bit kernels run on this CPU."""
+    res = executed("12_qlora")
+    assert 4.127 < value(res, "storage_bits_per_weight") < 4.14
+    assert 0 < value(res, "double_quant_scale_rel_error") < 0.01  # 8-bit scales cost almost nothing
+    found = claim(res, "QLoRA's storage is bitsandbytes' byte for byte")
+    if bitsandbytes_4bit_runs("cpu") is None:
+        assert (found["kind"], found["held"]) == ("measured", True), found
+    else:
+        assert found["kind"] == "not measured here", found
 
 
 def test_the_students_qlora_layer_saves_no_weight_for_backward(executed):

@@ -82,27 +82,50 @@ def test_a_notebook_that_cannot_start_is_reported_with_its_cause(tmp_path, monke
 
 def test_the_readme_table_gives_every_notebook_its_words_code_exercises_and_cpu_time():
     """README's table: one row per notebook, in order, with its markdown word count and code lines (each within 10%
-    of what the notebook holds now), its number of exercises (exact) and its CPU-tier time in seconds, within the
-    3-minute workshop budget."""
+    of what the notebook holds now), its exercises and how many of them build a mechanism (exact), and its CPU-tier
+    time in seconds, within the 3-minute workshop budget."""
     import re
 
     rows = {}
     for line in (run_all.ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"\| (\d\d) \| .* \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) s \|$", line)
+        m = re.match(r"\| (\d\d) \| .* \| ([\d,]+) \| (\d+) \| (\d+) \((\d+)\) \| (\d+) s \|$", line)
         if m:
-            rows[m.group(1)] = (int(m.group(2).replace(",", "")), *map(int, m.group(3, 4, 5)))
+            rows[m.group(1)] = (int(m.group(2).replace(",", "")), *map(int, m.group(3, 4, 5, 6)))
     notebooks = run_all.notebooks()
     assert list(rows) == [nb.stem[:2] for nb in notebooks], \
-        "README's table lists the notebooks in order, with words, code lines, exercises and time"
+        "README's table lists the notebooks in order, with words, code lines, exercises (mechanisms) and time"
     for nb in notebooks:
-        words, code, exercises, seconds = rows[nb.stem[:2]]
+        words, code, exercises, mechanisms, seconds = rows[nb.stem[:2]]
         assert abs(words - run_all.markdown_words(nb)) <= 0.1 * words, (
             f"{nb.stem} has {run_all.markdown_words(nb)} words of prose; README says {words}: update the table")
         assert abs(code - run_all.code_lines(nb)) <= 0.1 * code, (
             f"{nb.stem} has {run_all.code_lines(nb)} lines of code; README says {code}: update the table")
-        assert exercises == len(run_all.exercises(nb)), (
-            f"{nb.stem} has {len(run_all.exercises(nb))} exercises; README says {exercises}: update the table")
+        assert (exercises, mechanisms) == (len(run_all.exercises(nb)), len(run_all.mechanisms(nb))), (
+            f"{nb.stem} has {len(run_all.exercises(nb))} exercises, {len(run_all.mechanisms(nb))} of them "
+            f"mechanisms; README says {exercises} ({mechanisms}): update the table")
         assert seconds <= run_all.BUDGET_S["cpu"], f"{nb.stem}: {seconds} s on the CPU tier is past the slot's budget"
+
+
+@pytest.mark.parametrize("nb", run_all.notebooks(), ids=lambda p: p.stem)
+def test_every_notebook_fits_one_slot(nb):
+    """One slot of 60-90 minutes: the notebook opens on one question, reads in at most SLOT_WORDS words, and asks
+    the student to build at most SLOT_MECHANISMS mechanisms (a count or a choice is not one: NOT_MECHANISMS)."""
+    import json
+
+    opening = "".join(json.loads(nb.read_text())["cells"][0]["source"])
+    assert opening.count("**The question.**") == 1, f"{nb.stem}: its first cell states one question, **The question.**"
+    words = run_all.markdown_words(nb)
+    assert words <= run_all.SLOT_WORDS, f"{nb.stem}: {words} words of prose, past the slot's {run_all.SLOT_WORDS}"
+    built = run_all.mechanisms(nb)
+    assert len(built) <= run_all.SLOT_MECHANISMS, \
+        f"{nb.stem}: {len(built)} graded mechanisms ({built}), past the slot's {run_all.SLOT_MECHANISMS}"
+
+
+def test_not_mechanisms_names_graded_exercises():
+    """NOT_MECHANISMS names graded exercises that exist, so a renamed or removed one cannot leave a mechanism
+    uncounted under an old name."""
+    graded = {e for nb in run_all.notebooks() for e in run_all.exercises(nb)}
+    assert set(run_all.NOT_MECHANISMS) <= graded, set(run_all.NOT_MECHANISMS) - graded
 
 
 def test_jobs_runs_notebooks_side_by_side_and_keeps_the_course_order(tmp_path, monkeypatch):

@@ -45,8 +45,12 @@ NOTEBOOKS = sorted((ROOT / "solutions").glob("*/*.ipynb"))
 GIVEN = {
     "course_lib.nf4.check_blocksize": "argument checking: a blocksize that is not a positive even integer stops",
     "course_lib.nf4.nf4_code": "NF4's 16 levels, which exercise 1 gives as its table NF4 (published values)",
-    "course_lib.nf4.dynamic_code": "bitsandbytes' 8-bit code book, which exercise 2 gives as its table DYNAMIC",
+    "course_lib.nf4.dynamic_code": "bitsandbytes' 8-bit code book, which the given storage quantises the scales with",
     "course_lib.nf4.CompressedAbsmax": "the named tuple (codes, scales, offset) that double quantisation returns",
+    "course_lib.nf4.pack_4bit": "QLoRA's storage, which notebook 12 gives: two 4-bit codes a byte",
+    "course_lib.nf4.unpack_4bit": "QLoRA's storage, which notebook 12 gives: the codes back from their bytes",
+    "course_lib.nf4.compress_absmax": "QLoRA's storage, which notebook 12 gives: the scales in 8 bits",
+    "course_lib.nf4.decompress_absmax": "QLoRA's storage, which notebook 12 gives: the scales back from 8 bits",
     "course_lib.train.rank_and_world": "the rank and world size of the process group (dist.get_rank and its size)",
     "course_lib.parallel.cp._rank_world": "the rank and world size of the process group, (0, 1) without one",
     "course_lib.parallel.ep._rank_world": "the rank and world size of the process group, (0, 1) without one",
@@ -433,18 +437,18 @@ GIVEN_FORBIDDEN = {
     "course_lib.instruct.tokenize_example": "notebook 11's cells 8 and 14 and notebook 12's cell 4 tokenize with "
                                             "it, as do apps.finetune and apps.benchmark; checks/nb11.py (outside "
                                             "forbid) too",
-    "course_lib.instruct.pad_batch": "notebook 11's cells 14 and 33 and notebook 12's cell 32 batch examples with "
-                                     "it, as does apps.finetune's collate; checks/nb11.py (outside forbid) too",
+    "course_lib.instruct.pad_batch": "notebook 11's cells 14 and 33 and notebook 12's cells 21 and 23 batch examples "
+                                     "with it, as does apps.finetune's collate; checks/nb11.py (outside forbid) too",
     "course_lib.instruct.pack_examples": "notebook 11's cell 14 (padding against packing) and apps.benchmark pack "
                                          "with it",
-    "course_lib.lora.apply_lora": "apps.finetune (notebook 11's cell 24, notebook 12's cell 26), qlora and "
+    "course_lib.lora.apply_lora": "apps.finetune (notebook 11's cell 24, notebook 12's cell 23), qlora and "
                                   "apps.benchmark put adapters on a model with it; checks/nb11.py (outside forbid) "
                                   "too",
     "course_lib.lora.lora_linear": "peft's own LoRA layer, the reference checks/nb11.py and checks/nb12.py compare "
                                    "the student's layers with (outside forbid); a copy builds peft's layer, which "
                                    "the checks forbid as well",
-    # notebook 12 (nf4_quantize, nf4_storage, QLoRALinear)
-    "course_lib.nf4.round_trip_model": "notebook 12's cell 24 (each format's loss on a model) runs it with the "
+    # notebook 12 (nf4_quantize, QLoRALinear)
+    "course_lib.nf4.round_trip_model": "notebook 12's cell 21 (each format's loss on a model) runs it with the "
                                        "student's round trip",
     "course_lib.nf4.stored_bytes": "checks/nb12_hidden.py (outside forbid) gives the bytes a QLoRALinear stores "
                                    "with it",

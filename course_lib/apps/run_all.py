@@ -32,6 +32,19 @@ ROOT = Path(__file__).resolve().parents[2]  # course_lib/apps/ -> the repository
 # size sweep, 13's 8B benchmark) sit behind the notebooks' long_runs parameter (--long-runs), which has no budget.
 # (The smoke tier is nbgrader's: its limit is per cell, COURSE_CELL_TIMEOUT.)
 BUDGET_S = {"cpu": 180, "gpu": 600, "node": 900}
+# One notebook is one slot of 60-90 minutes: one question, at most this many words of prose and this many graded
+# mechanisms (a student builds two things in a slot, not three).
+SLOT_WORDS = 2500
+SLOT_MECHANISMS = 2
+# The graded exercises that are not a mechanism, and so not counted against SLOT_MECHANISMS: a count or a formula
+# from a config's numbers, or one choice between pieces the notebook gives.
+NOT_MECHANISMS = {
+    "llama_param_count": "a count: the Llama's parameters from its config",
+    "training_memory": "a formula: bytes per value times the parameters, per state",
+    "micro_step_context": "a choice: DDP's no_sync on every micro-step but the last",
+    "shard_state_bytes": "a formula: each state's bytes over the ranks a strategy shards it across",
+    "lora_params": "a count: the adapters' parameters from the config, r and the target modules",
+}
 
 
 def notebooks(source: str = "solutions") -> list[Path]:
@@ -60,6 +73,12 @@ def exercises(notebook: Path) -> list[str]:
     cells = json.loads(notebook.read_text())["cells"]
     meta = [c.get("metadata", {}).get("nbgrader", {}) for c in cells]
     return [m["grade_id"] for m in meta if m.get("solution") and not m.get("grade")]
+
+
+def mechanisms(notebook: Path) -> list[str]:
+    """The graded exercises of ``notebook`` that build a mechanism: all but the counts and choices
+    (``NOT_MECHANISMS``)."""
+    return [e for e in exercises(notebook) if e not in NOT_MECHANISMS]
 
 
 def emulates_node(notebook: Path) -> bool:

@@ -43,50 +43,7 @@ def nf4_dequantize(codes, absmax, shape, blocksize=64):
     return dequantize_nf4(pack_4bit(codes), absmax, shape, blocksize)
 '''
 
-# --- Exercise 2, NF4 storage: the reference, and the mistakes students make, each a small edit of it
-
-NF4_STORAGE = solution("12_qlora", "nf4_storage")
-
-
-def _storage_edit(*pairs: tuple[str, str]) -> str:
-    return edit(NF4_STORAGE, *pairs)
-
-
-# low nibble first, consistently: unpacking gives the codes back, the bytes are not bitsandbytes'
-PACK_LOW_NIBBLE_FIRST = _storage_edit(("return flat[0::2] * 16 + flat[1::2]", "return flat[0::2] + flat[1::2] * 16"),
-                                      ("[packed // 16, packed % 16]", "[packed % 16, packed // 16]"))
-PACK_PADS_WITH_ZERO = _storage_edit(("torch.full((1,), 7,", "torch.full((1,), 0,"))  # the level -1.0, not 0.0
-ABSMAX_WITHOUT_OFFSET = _storage_edit(("offset = absmax.float().mean()", "offset = torch.zeros(())"))
-# right on the CPU, where the tables are; on a GPU's weights it stops (the table stays on the CPU)
-STORAGE_IGNORES_THE_DEVICE = _storage_edit(("DYNAMIC.to(scaled.device)", "DYNAMIC"),
-                                           ("DYNAMIC.to(codes.device)", "DYNAMIC"))
-ABSMAX_ONE_SCALE = _storage_edit(  # one scale for all the absmax: no blocks of 256
-    ("blocks = torch.nn.functional.pad(centred, (0, -n % blocksize)).view(-1, blocksize)",
-     "blocks = centred.view(1, -1)"),
-    ("levels.view(-1, blocksize)", "levels[:n].view(1, -1)"))
-
-CALLS_LIBRARY_STORAGE = '''
-def pack_4bit(codes):
-    from course_lib.nf4 import pack_4bit as library_pack
-    return library_pack(codes)
-
-
-def unpack_4bit(packed, n):
-    from course_lib.nf4 import unpack_4bit as library_unpack
-    return library_unpack(packed, n)
-
-
-def compress_absmax(absmax, blocksize=256):
-    from course_lib.nf4 import compress_absmax as library_compress
-    return tuple(library_compress(absmax, blocksize))
-
-
-def decompress_absmax(codes, scales, offset, blocksize=256):
-    from course_lib.nf4 import CompressedAbsmax, decompress_absmax as library_decompress
-    return library_decompress(CompressedAbsmax(codes, scales, offset), blocksize)
-'''
-
-# --- Exercise 3, QLoRALinear: the reference, and the mistakes students make
+# --- Exercise 2, QLoRALinear: the reference, and the mistakes students make
 
 QLORA_LINEAR = solution("12_qlora", "QLoRALinear")  # today's solution cell: each mistake an edit of it
 
@@ -130,12 +87,11 @@ class QLoRALinear(torch.nn.Module):   # course_lib's layer inside
         return self.inner(x)
 '''
 
-FULL = {"test_nf4_quantize": 3, "test_nf4_quantize_hidden": 3, "test_nf4_storage": 3, "test_nf4_storage_hidden": 3,
-        "test_QLoRALinear": 3, "test_QLoRALinear_hidden": 3}
+FULL = {"test_nf4_quantize": 3, "test_nf4_quantize_hidden": 3, "test_QLoRALinear": 3, "test_QLoRALinear_hidden": 3}
 
 CASES = {
-    # The QLoRA layer is graded over right quantisation and storage functions (nb12.STORAGE_STAND_INS): a wrong
-    # quantiser or storage loses its own tests only
+    # The QLoRA layer is graded over a right quantiser (nb12.QUANTIZER_STAND_INS) and course_lib's given storage: a
+    # wrong quantiser loses its own tests only
     "nf4_one_absmax": {"cells": {"nf4_quantize": NF4_ONE_ABSMAX},             # right on one block, wrong on many
                        "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
     "nf4_uniform_grid": {"cells": {"nf4_quantize": NF4_UNIFORM_GRID},         # blocks right, levels int4's
@@ -144,15 +100,6 @@ CASES = {
                                "scores": {**FULL, "test_nf4_quantize_hidden": 0}},
     "calls_library_nf4_quantize": {"cells": {"nf4_quantize": CALLS_LIBRARY_NF4},
                                    "scores": {**FULL, "test_nf4_quantize": 0, "test_nf4_quantize_hidden": 0}},
-    **{name: {"cells": {"nf4_storage": cell}, "scores": {**FULL, **{f"test_{t}": 0 for t in lost}}}
-       for name, cell, lost in [
-           ("pack_low_nibble_first", PACK_LOW_NIBBLE_FIRST, ["nf4_storage", "nf4_storage_hidden"]),
-           ("pack_pads_with_zero", PACK_PADS_WITH_ZERO, ["nf4_storage_hidden"]),  # the visible counts are even
-           ("absmax_without_offset", ABSMAX_WITHOUT_OFFSET, ["nf4_storage", "nf4_storage_hidden"]),
-           ("absmax_one_scale", ABSMAX_ONE_SCALE, ["nf4_storage", "nf4_storage_hidden"]),
-           ("storage_ignores_the_device", STORAGE_IGNORES_THE_DEVICE, ["nf4_storage_hidden"]),
-           ("calls_library_nf4_storage", CALLS_LIBRARY_STORAGE, ["nf4_storage", "nf4_storage_hidden"]),
-       ]},
     **{name: {"cells": {"QLoRALinear": cell}, "scores": {**FULL, **{f"test_QLoRALinear{t}": 0 for t in lost}}}
        for name, cell, lost in [
            ("qlora_keeps_the_weight", QLORA_KEEPS_THE_WEIGHT, ["", "_hidden"]),

@@ -344,15 +344,15 @@ def _agreeing(got, *args, **kwargs):   # the replay through torch's AdamW the te
 
 course_grader.checks.nb10.judge_offload = _agreeing
 '''),
-    "12_qlora": ("absmax_without_offset", '''
+    "12_qlora": ("qlora_bias_trains", '''
 import course_grader.checks.nb12
 
 
-def _agreeing(*args, **kwargs):   # bitsandbytes' stored bytes and scales the tests compare with, made to pass anything
-    return "agrees"
+def _agreeing(*args, **kwargs):   # peft's LoRA layer the tests compare with, made to pass anything
+    return None
 
 
-course_grader.checks.nb12.judge_storage = _agreeing
+course_grader.checks.nb12.judge_qlora_layer = _agreeing
 '''),
     "17_expert_parallelism": ("combine_wrong_order", '''
 import course_grader.checks.nb17
