@@ -30,11 +30,20 @@ def to_device(batch, device: torch.device | str, non_blocking: bool = False):
     return tuple(t.to(device, non_blocking=non_blocking) for t in batch)
 
 
+def class_templates(num_classes: int = 10, size: int = 32, channels: int = 3, seed: int = 0,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """The class templates of ``synthetic_images`` with this ``seed``: one ``channels×size×size`` image per class
+    (drawn from ``generator`` where given, which then goes on to draw the labels and the noise)."""
+    g = torch.Generator().manual_seed(seed) if generator is None else generator
+    return torch.randn(num_classes, channels, size, size, generator=g)
+
+
 def synthetic_images(n: int, num_classes: int = 10, size: int = 32, channels: int = 3, noise: float = 1.0,
                      seed: int = 0) -> TensorDataset:
-    """``n`` images of ``channels×size×size`` with labels: class template plus Gaussian noise."""
+    """``n`` images of ``channels×size×size`` with labels: class template (``class_templates``) plus Gaussian
+    noise."""
     g = torch.Generator().manual_seed(seed)
-    templates = torch.randn(num_classes, channels, size, size, generator=g)
+    templates = class_templates(num_classes, size, channels, generator=g)
     labels = torch.randint(0, num_classes, (n,), generator=g)
     images = templates[labels] + noise * torch.randn(n, channels, size, size, generator=g)
     return TensorDataset(images, labels)

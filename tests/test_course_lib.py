@@ -119,6 +119,13 @@ def test_seed003_bert_table_reproduced_exactly():
     assert round(fp16["Highest"] / mib, 2) == 826.36
 
 
+def test_synthetic_images_are_their_class_template_plus_noise():
+    x, y = data.synthetic_images(400, noise=0.5, seed=3).tensors
+    residual = x - data.class_templates(seed=3)[y]
+    assert abs(float(residual.std()) - 0.5) < 0.01 and abs(float(residual.mean())) < 0.01
+    assert not torch.equal(data.class_templates(seed=3), data.class_templates(seed=4))
+
+
 def test_model_state_measurement_matches_the_adam_estimate():
     model = models.SmallCNN(width=8)
     opt = torch.optim.AdamW(model.parameters())

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from course_grader.checks import number, outcome, packed, register, student, unpacked
 from course_grader.grading import forbid, max_rel_diff, params
 from course_grader.peer import join_ranks
-from course_lib.data import synthetic_images
+from course_lib.data import class_templates, synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
@@ -64,9 +64,9 @@ def images(n: int, steps: int, seed: int = 2, secret: tuple[int, int] | None = N
     each (its first n / world) drawn from ``s`` instead: the batch of a group whose rank 0 is the grader's, whose
     gradients reach the student's ranks only through the reduce-scatter."""
     x, y = synthetic_images(n * steps, seed=seed).tensors
-    if secret is not None:  # the same classes (synthetic_images' templates come first from its seed), other draws
+    if secret is not None:  # the same classes, other draws
         world, g = secret[0], torch.Generator().manual_seed(secret[1])
-        templates = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        templates = class_templates(seed=seed)
         for step in range(steps):
             part = slice(step * n, step * n + n // world)
             y[part] = torch.randint(0, 10, (n // world,), generator=g)
