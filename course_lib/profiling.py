@@ -6,6 +6,10 @@ GPU) and exports Chrome's trace format, which https://ui.perfetto.dev and chrome
 turns the file into a table with one row per event: every op with its thread, start and duration, each labelled
 by what it is (a collective's work, the call that launched it, a backward op, the optimizer), so a notebook can ask
 the trace what it shows, e.g. whether the all-reduces ran while backward still computed (``hidden``).
+
+On a GPU the caching allocator keeps its own record: ``memory_snapshot`` runs a function with it recording every
+allocation and its stack, and writes the snapshot https://pytorch.org/memory_viz draws; ``snapshot_peak`` replays it
+to the peak and the tensors alive there.
 """
 
 from __future__ import annotations
@@ -95,3 +99,67 @@ def hidden(frame: pd.DataFrame, kind: str = "collective", behind: str = "backwar
     # min: sums of floats can pass 1 by an ulp where every collective ran under backward
     return {"total_ms": total, "hidden_ms": covered, "share": min(covered / total, 1.0) if total else 0.0,
             "began_before_end": early}
+
+
+# ---------------------------------------------------------------- the allocator's memory snapshot (GPU)
+
+def memory_snapshot(fn: Callable[[], object], path: Path | str, max_entries: int = 200_000) -> Path:
+    """``fn()`` once with the CUDA caching allocator recording every allocation and free (with its Python stack),
+    then its snapshot pickled to ``path``, which https://pytorch.org/memory_viz opens (ROCm's allocator too).
+
+    The CPU has no caching allocator to record: there the course's meters (``course_lib.memory``) measure instead.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("memory_snapshot records the CUDA caching allocator: it needs a GPU (CUDA or ROCm). On a "
+                           "CPU, measure with course_lib.memory (SavedTensorMeter, model_state_bytes)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return path
+
+
+def snapshot_peak(snapshot: dict | Path | str, device: int = 0) -> dict:
+    """The allocated bytes over a snapshot's trace (``memory_snapshot``'s file, or ``torch.cuda.memory._snapshot()``):
+    ``peak_bytes`` and ``end_bytes`` (allocated, everything alive before the recording included), ``start_bytes``,
+    and ``at_peak``: the live allocations at the peak that the recording saw made, largest first, as
+    (bytes, where: the innermost stack frame outside torch).
+
+    The start is what the segments hold at the end minus what the trace added (a block made before the recording
+    may be freed in it): the whole trace is needed, so ``max_entries`` must hold every event of the step.
+    """
+    import pickle
+
+    if not isinstance(snapshot, dict):
+        snapshot = pickle.loads(Path(snapshot).read_bytes())
+    trace = snapshot["device_traces"][device]
+    end = sum(seg["allocated_size"] for seg in snapshot["segments"] if seg.get("device", device) == device)
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            now += event["size"]
+            if now > peak:
+                peak, peak_live = now, dict(live)
+        elif event["action"] == "free_completed":  # a block made before the recording may go too (old grads)
+            live.pop(event["addr"], None)
+            now -= event["size"]
+    start = end - now
+    return {"start_bytes": start, "peak_bytes": start + peak, "end_bytes": end,
+            "at_peak": sorted(peak_live.values(), reverse=True)}
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frame of an allocation's stack that is not torch's own (the course's or the user's line)."""
+    for frame in frames:
+        if "/torch/" not in frame.get("filename", "") and frame.get("filename", "").endswith(".py"):
+            return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
+    return "(no Python frame)"

@@ -70,3 +70,30 @@ def test_ddp_s_all_reduces_show_in_the_trace_on_gloo_s_thread_while_backward_run
         assert not set(all_reduces.thread) & set(frame.thread[frame.kind == "backward"])
         got = profiling.hidden(frame, named="all_reduce")
         assert got["began_before_end"] >= 1 and 0 < got["total_ms"] and 0 <= got["share"] <= 1
+
+
+def test_memory_snapshot_needs_a_gpu_and_says_what_measures_on_a_cpu(tmp_path):
+    if torch.cuda.is_available():
+        path = profiling.memory_snapshot(lambda: torch.ones(1024, device="cuda").sum(), tmp_path / "snap.pickle")
+        assert profiling.snapshot_peak(path)["peak_bytes"] >= 4096
+    else:
+        with pytest.raises(RuntimeError, match="needs a GPU.*course_lib.memory"):
+            profiling.memory_snapshot(lambda: None, tmp_path / "snap.pickle")
+
+
+def test_snapshot_peak_replays_the_trace_from_what_was_alive_before_it():
+    """A snapshot in torch's documented layout (torch.cuda.memory._snapshot): 1,000 bytes alive before the recording
+    (one old gradient of 400 among them, freed in it), then a 300-byte activation and a 500-byte one, the first
+    freed: the peak is 1,000 + 800 = 1,800 bytes, with the two activations live at it, named by their frames."""
+    def frames(line):
+        return [{"filename": "/site-packages/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+                {"filename": "/course/course_lib/models.py", "line": line, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 10, "size": 300, "frames": frames(7)},
+             {"action": "alloc", "addr": 20, "size": 500, "frames": frames(9)},
+             {"action": "free_requested", "addr": 10, "size": 300, "frames": []},
+             {"action": "free_completed", "addr": 10, "size": 300, "frames": []},
+             {"action": "free_completed", "addr": 99, "size": 400, "frames": []}]  # the old gradient
+    snapshot = {"segments": [{"device": 0, "allocated_size": 1000 - 400 + 500}], "device_traces": [trace]}
+    peak = profiling.snapshot_peak(snapshot)
+    assert (peak["start_bytes"], peak["peak_bytes"], peak["end_bytes"]) == (1000, 1800, 1100)
+    assert peak["at_peak"] == [(500, "models.py:9 forward"), (300, "models.py:7 forward")]
