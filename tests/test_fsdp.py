@@ -5,6 +5,8 @@ The strategies against one process, bytes per rank, the mixed-precision and offl
 meta-device init and the DCP resume are measured by notebook 08 and tested in test_notebook_08.py.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,6 +52,50 @@ def test_sharding_by_hand_gives_one_process_and_fully_shard_gradients_with_a_sli
     for gaps, held in run_forked(_hand_sharded_against_one_process_and_fully_shard, world, timeout=120):
         assert max(gaps) < 1e-6
         assert total / world <= held <= total / world + 4  # 4 parameters: at most one padding value each
+
+
+def _traced_step_read(trace_dir):
+    """fsdp.trace_step, and its traces read on the rank: pandas stays out of this process, which forks later tests."""
+    from course_lib import profiling
+
+    out = fsdp.trace_step(trace_dir)
+    for how, path in out["paths"].items():
+        frame = fsdp.label_step(profiling.read_trace(path))
+        out[how] = {"collectives": fsdp.step_collectives(frame).to_dict("records"),
+                    **{behind: profiling.hidden(frame, behind=behind, named="all_gather")["share"]
+                       for behind in ("compute", "gather_wait")}}
+    return out
+
+
+def test_a_traced_fsdp_step_gathers_each_unit_per_pass_and_prefetch_only_moves_the_issue(tmp_path):
+    """On 2 gloo ranks: one all-gather per unit in forward and again in backward for every unit forward resharded,
+    one gradient reduction per unit (gloo runs FSDP's reduce-scatter as an all-reduce), backward prefetching by
+    default and forward only when asked; the all-gathers block the rank, so none of them runs under a matmul."""
+    chain = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    for r in run_forked(_traced_step_read, 2, dict(trace_dir=str(tmp_path)), timeout=240):
+        assert r["units"] == ["root", *chain]
+        assert set(chain) <= set(r["resharded"])  # the root too where torch honours reshard_after_forward=True
+        for how in ("default", "prefetch"):
+            rows = r[how]["collectives"]
+            gathers = {p: [c for c in rows if c["name"] == "gloo:all_gather" and c["phase"] == p]
+                       for p in ("forward", "backward")}
+            assert [c["unit"] for c in gathers["forward"]] == r["units"], how
+            assert sorted(c["unit"] for c in gathers["backward"]) == sorted(r["resharded"]), how
+            assert [c["unit"] for c in gathers["backward"] if c["unit"] != "root"] == chain[::-1], how
+            reductions = [c for c in rows if c["name"] != "gloo:all_gather"]
+            assert {c["name"] for c in reductions} == {"gloo:all_reduce"}, how
+            assert sorted(c["unit"] for c in reductions) == sorted(r["units"]), how
+            assert all(c["phase"] == "backward" for c in reductions), how
+            # the gathers whose previous unit computes: layers.1 and lm_head in forward, the 3 below lm_head in backward
+            forward, backward = ([c for c in gathers[p] if not math.isnan(c["previous_first_mm_ms"])]
+                                 for p in ("forward", "backward"))
+            assert [c["unit"] for c in forward] == chain[2:] and [c["unit"] for c in backward] == chain[:-1][::-1]
+            if how == "prefetch":  # issued by the previous unit's pre-forward hook, before its first matmul
+                assert all(c["prefetch"] and c["issued_ms"] < c["previous_first_mm_ms"] for c in forward), forward
+            else:  # issued by the unit's own pre-forward hook, after the previous unit's last matmul
+                assert all(not c["prefetch"] and c["issued_ms"] > c["previous_last_mm_ms"] for c in forward), forward
+            assert all(c["prefetch"] and c["issued_ms"] < c["previous_first_mm_ms"] for c in backward), backward
+            assert r[how]["compute"] < 0.01 and r[how]["gather_wait"] > 0.99, r[how]
 
 
 def test_accumulation_under_fsdp2_syncs_once_and_equals_the_whole_batch():

@@ -29,6 +29,8 @@ exercise: the student edition holds stubs in their place (``train`` and ``sweep`
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,9 @@ from course_lib.loss import forward_loss
 from course_lib.memory import estimate_model_state, optimizer_state_bytes, tensor_bytes
 from course_lib.models import build_llama, empty_llama, llama_config, llama_num_parameters
 from course_lib.train import Dims, fit, rank_and_world, worker_result
+
+if TYPE_CHECKING:  # pandas starts a thread when imported, and nothing the grader forks may import one
+    import pandas as pd
 
 STRATEGIES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
 
@@ -238,3 +243,126 @@ def sweep(runs: list[dict] = ()) -> dict:
     """Several ``train`` runs in one process group (process start-up is the slow part on a CPU): a worker for
     ``launch.on_ranks(sweep, n, device, runs=[...])``, which puts the ranks on GPUs or CPU ranks."""
     return each_run(train, runs)
+
+
+# The compute an all-gather could hide behind: the matmuls of forward and of backward, both on the rank's main
+# thread (autograd runs a CPU backward on the thread that called it)
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# FSDP2's record_function spans: "FSDP::all_gather (model.layers.0)", the root's without a name in brackets
+_FSDP_SPAN = r"FSDP::(\w+)(?: \((.*)\))?$"
+
+
+def trace_step(trace_dir: str, preset: str = "tiny", batch: int = 4, seq: int = 32, seed: int = 0) -> dict:
+    """A worker for ``launch.run_forked``: one FULL_SHARD step (forward and backward) of a Llama wrapped by
+    ``shard_model``, traced by ``profiling.trace`` twice: as wrapped ("default"), then with explicit prefetching,
+    each unit all-gathering the next one in forward and the previous one in backward ("prefetch").
+
+    Writes ``08_fsdp_step_{default,prefetch}_rank{r}.json`` into ``trace_dir``. Returns ``paths`` (theirs, by
+    "default" and "prefetch"), ``units`` (in forward order, as ``step_collectives`` names them: "root" the
+    outermost) and ``resharded``: the units that forward left sharded again, so that backward gathers them again.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from course_lib import profiling
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)  # one core per rank on a CPU: the ranks' matmuls do not compete for cores
+    model = shard_model(build_llama(preset, seed=seed), make_mesh("full", device_type="cpu"))
+    chain = {"model.embed_tokens": model.model.embed_tokens,
+             **{f"model.layers.{i}": layer for i, layer in enumerate(model.model.layers)}, "lm_head": model.lm_head}
+    tokens = lm_batch(0, batch, seq, model.config.vocab_size, seed).chunk(world)[rank]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        forward_loss(model, tokens).backward()
+
+    # an untraced step: FSDP's lazy init, and which units hold sharded weights (DTensors) between forward and
+    # backward; read after forward, since an unsharded unit's modules hold other (plain) parameters than a sharded's
+    loss = forward_loss(model, tokens)
+    nested = {id(p) for unit in chain.values() for p in unit.parameters()}
+    own = {"root": [p for p in model.parameters() if id(p) not in nested],
+           **{name: list(unit.parameters()) for name, unit in chain.items()}}
+    resharded = [name for name, params in own.items() if all(isinstance(p, DTensor) for p in params)]
+    loss.backward()
+    paths = {"default": profiling.trace(step, Path(trace_dir) / f"08_fsdp_step_default_rank{rank}.json")}
+    units = list(chain.values())
+    for unit, after in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([unit])
+    paths["prefetch"] = profiling.trace(step, Path(trace_dir) / f"08_fsdp_step_prefetch_rank{rank}.json")
+    return {"paths": {k: str(p) for k, p in paths.items()}, "units": list(own), "resharded": resharded}
+
+
+def label_step(frame: pd.DataFrame) -> pd.DataFrame:
+    """A ``trace_step`` trace (``profiling.read_trace``) with two kinds more, for ``profiling.hidden``: the main
+    thread's matmuls are "compute", its spans that issue an all-gather and wait for it are "gather_wait"."""
+    main = frame.thread[frame.name.str.startswith("FSDP::")].mode()[0]  # FSDP's hooks run on the main thread
+    on_main = frame.thread == main
+    kind = frame.kind.mask(on_main & frame.name.isin(MATMULS), "compute")
+    return frame.assign(kind=kind.mask(on_main & frame.name.str.fullmatch(r"FSDP::all_gather( \(.*\))?"),
+                                       "gather_wait"))
+
+
+def step_collectives(frame: pd.DataFrame) -> pd.DataFrame:
+    """The collectives of a ``trace_step`` trace, one row each in the order they ran: name, thread (gloo's),
+    start_ms, duration_ms; the unit and phase ("forward", "backward") of the FSDP span on the main thread that
+    issued the collective and waited for it, and that span's start (``issued_ms``); ``prefetch``: issued by
+    another unit's prefetch. An all-gather also gets ``previous``, the unit that computes just before its own in
+    that phase, and ``previous_first_mm_ms``, ``previous_last_mm_ms``: when that unit's matmuls began and ended
+    (NaN where there is none: no unit before it, or the embedding, which has no matmul)."""
+    import pandas as pd
+
+    frame = label_step(frame)
+    main = frame.thread[frame.name.str.startswith("FSDP::")].mode()[0]
+    spans = frame[(frame.thread == main) & frame.name.str.startswith("FSDP::")]
+    ends = spans.start_ms + spans.duration_ms
+    parsed = spans.name.str.extract(_FSDP_SPAN)  # the prefetch spans match neither group: NaN
+    what, unit = parsed[0], parsed[1].fillna("root").str.strip().replace("", "root")
+    backward_at = spans.start_ms[what == "pre_backward"].min()
+    compute = frame[frame.kind == "compute"].start_ms
+
+    windows = []  # (start, end, unit, phase): from a unit's pre-hook to its post-hook, its compute in between
+    for phase, pre, post in (("forward", "pre_forward", "post_forward"), ("backward", "pre_backward", "post_backward")):
+        for i in spans.index[(what == pre) & (unit != "root")]:
+            after = spans.start_ms[(unit == unit[i]) & what.str.startswith(post) & (spans.start_ms > ends[i])]
+            if len(after):
+                windows.append((ends[i], after.min(), unit[i], phase))
+    mm = {(u, p): compute[(compute >= a) & (compute <= b)] for a, b, u, p in windows}
+    order = {p: [u for _, _, u, q in sorted(windows) if q == p] for p in ("forward", "backward")}
+
+    rows = []
+    issuing = spans[what.isin(["all_gather", "post_backward_reduce"])]
+    prefetches = spans[spans.name.str.contains("_prefetch for ")]
+    for c in frame[frame.kind == "collective"].itertuples():
+        holds = issuing[(issuing.start_ms <= c.start_ms) & (ends[issuing.index] >= c.start_ms)]
+        if holds.empty:
+            raise ValueError(f"{c.name} at {c.start_ms:.3f} ms: no FSDP span on the main thread issued it")
+        i = holds.index[holds.start_ms.argmax()]  # the innermost
+        phase = "forward" if spans.start_ms[i] < backward_at else "backward"
+        chain = order[phase]
+        before = chain[chain.index(unit[i]) - 1] if unit[i] in chain[1:] else None
+        gather = c.name.endswith("all_gather")
+        times = mm.get((before, phase), pd.Series(dtype=float)) if gather else pd.Series(dtype=float)
+        rows.append({"name": c.name, "thread": c.thread, "unit": unit[i], "phase": phase,
+                     "issued_ms": spans.start_ms[i], "start_ms": c.start_ms, "duration_ms": c.duration_ms,
+                     "prefetch": bool(((prefetches.start_ms <= spans.start_ms[i])
+                                       & (prefetches.start_ms + prefetches.duration_ms >= ends[i])).any()),
+                     "previous": before if gather else None,
+                     "previous_first_mm_ms": times.min(), "previous_last_mm_ms": times.max()})
+    return pd.DataFrame(rows)
+
+
+def step_summary(collectives: pd.DataFrame) -> dict:
+    """``step_collectives``'s table counted: all-gathers per phase, the reductions by name, and per phase the
+    all-gathers whose previous unit computes ("paced"), of which those issued before its first matmul ("early") and
+    after its last ("late")."""
+    gathers = collectives[collectives.name.str.endswith("all_gather")]
+    paced = gathers[gathers.previous_first_mm_ms.notna()]
+
+    def per_phase(rows: pd.DataFrame) -> dict:
+        return {phase: int((rows.phase == phase).sum()) for phase in ("forward", "backward")}
+
+    reductions = collectives.name[~collectives.name.str.endswith("all_gather")].value_counts()
+    return {"all_gathers": per_phase(gathers), "reductions": {k: int(n) for k, n in reductions.items()},
+            "paced": per_phase(paced), "early": per_phase(paced[paced.issued_ms < paced.previous_first_mm_ms]),
+            "late": per_phase(paced[paced.issued_ms > paced.previous_last_mm_ms])}
