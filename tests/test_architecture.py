@@ -180,6 +180,7 @@ OWNS_BACKWARD_OR_STEP = {
     "finetune.node_step": "the learning-rate schedule's step after train_step (scheduler.step), not an optimizer's",
     "memory.measure_training_step": "one step split into forward, backward and optimizer step, to measure each",
     "checkpointing.activation_memory": "a probe: one backward to measure what checkpointing keeps, no optimizer",
+    "fsdp.trace_step": "a probe: one forward and backward under the profiler, to trace FSDP's collectives",
     "ep.balancing_runs": "the router alone, stepped on the Switch balancing loss (no model, no task loss) to set "
                          "beside the bias that balances without a gradient",
     "precision.activation_gradients": "a probe: one backward to read the activations' gradients, no optimizer",

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.func import functional_call
 
+from course_lib import profiling
 from course_lib.data import lm_batch
 from course_lib.distributed import each_run, gather_slices, param_digest, rank_device, rank_slice
 from course_lib.loss import forward_loss
@@ -262,8 +263,6 @@ def trace_step(trace_dir: str, preset: str = "tiny", batch: int = 4, seq: int = 
     outermost) and ``resharded``: the units that forward left sharded again, so that backward gathers them again.
     """
     from torch.distributed.tensor import DTensor
-
-    from course_lib import profiling
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # one core per rank on a CPU: the ranks' matmuls do not compete for cores
