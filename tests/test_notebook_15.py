@@ -46,10 +46,36 @@ def test_pipeline_bubble_and_memory(executed):
     assert saved["1f1b"] < 0.6 * saved["gpipe"]  # 2 micro-batches in flight instead of 4
 
 
+def test_zero_bubble_schedules(executed):
+    """Section 2: torch's plans for p = 4, m = 8 simulated with F = I = W (a stage of a 2-stage-per-rank schedule costs
+    half), beside GPipe and the student's 1F1B; then the zero-bubble schedules this torch runs over gloo train."""
+    from torch.distributed import pipelining
+
+    res = executed("15_pipeline_parallelism")
+    sims = value(res, "zb_simulated")
+    assert ("ScheduleDualPipeV" in sims) == hasattr(pipelining, "ScheduleDualPipeV")
+    assert sims["GPipe"]["bubble"] == pytest.approx(3 / 11) == sims["1F1B"]["bubble"]
+    assert sims["1F1B"]["in_flight"] == [4, 3, 2, 1] and sims["1F1B"]["makespan"] == 33
+    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"):
+        zb = sims[name]
+        assert zb["bubble"] < sims["ScheduleInterleaved1F1B"]["bubble"] < sims["1F1B"]["bubble"], name
+        assert zb["bubble"] == pytest.approx(1.5 / 25.5)  # the fill: rank r waits r half-stage forwards
+        assert zb["makespan"] == pytest.approx(25.5) and zb["in_flight"] == [8, 8, 8, 8], zb  # 4 whole micro-batches
+    gaps, not_run = value(res, "zb_loss_gaps"), value(res, "zb_not_run")
+    assert "zb" in gaps and set(gaps) | set(not_run) == {"zb", "zbv", "dualpipev"} and not set(gaps) & set(not_run)
+    assert all(0 <= g < 1e-5 for g in gaps.values()), gaps
+    assert value(res, "zb_in_flight")["zb"] == [4, 4]
+    assert all(ms > 0 for ms in value(res, "zb_costs_ms").values())
+    assert claim(res, "with the backward split into I and W")["kind"] == "simulated"
+    for text in ("the zero-bubble schedules train the same model", "each rank runs the F, I and W torch planned"):
+        found = claim(res, text)
+        assert found["kind"] == "measured" and found["held"], found
+
+
 def test_claims_and_figures(executed):
     res = executed("15_pipeline_parallelism")
     assert len(res["claims"]) >= 6 and all(c["held"] or c["agrees"] for c in res["claims"]), res["claims"]
     # the CPU tier pads its stages with sleep: the bubbles show the schedule, simulated, not a verdict on compute
     for text in ("GPipe's measured bubble", "seed 002's pipeline keeps one device busy"):
         assert claim(res, text)["kind"] == "simulated", claim(res, text)
-    assert len(res["figures"]) >= 4
+    assert len(res["figures"]) >= 5

@@ -38,7 +38,35 @@ from course_lib.parallel.schedules import (Recorder, SimulatedWork, bubble_formu
                                            torch_order)
 from course_lib.train import fit, rank_and_world, worker_result
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+# torch's multi-stage schedules: name -> (class, V layout: rank r holds stages r and 2p-1-r, else r, r+p, ...)
+MULTI_STAGE = {"interleaved": ("ScheduleInterleaved1F1B", False), "zb": ("ScheduleInterleavedZeroBubble", False),
+               "zbv": ("ScheduleZBVZeroBubble", True), "dualpipev": ("ScheduleDualPipeV", True)}
+SCHEDULES = ("naive", "gpipe", "1f1b", *MULTI_STAGE)
+
+
+def unsupported(schedule: str) -> str | None:
+    """Why this torch cannot run ``schedule``, or None where it can.
+
+    ``ScheduleDualPipeV`` came after torch 2.7. A V puts two adjacent stages on the last rank (p - 1 and p), whose
+    activation and gradient must stay in the process: torch hands them over in place only in
+    ``_PipelineScheduleRuntime``, which later torch's ZBV runs on (2.13's does); 2.7's ZBV is a
+    ``PipelineScheduleMulti`` that sends them to its own rank, which gloo cannot do ("writev: Bad file descriptor"),
+    so it is left out there.
+    Asked, not read at import: importing ``torch.distributed.pipelining`` takes seconds.
+    """
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if schedule not in MULTI_STAGE:
+        return None if schedule in SCHEDULES else f"no schedule {schedule!r}: use one of {SCHEDULES}"
+    cls = getattr(pipelining, MULTI_STAGE[schedule][0], None)
+    if cls is None:
+        return f"torch {torch.__version__} has no {MULTI_STAGE[schedule][0]}"
+    runtime = getattr(torch_schedules, "_PipelineScheduleRuntime", None)
+    if MULTI_STAGE[schedule][1] and not (runtime and issubclass(cls, runtime)):
+        return (f"torch {torch.__version__}'s {cls.__name__} sends stage p-1's output to stage p on its own rank, "
+                "and gloo cannot send to itself")
+    return None
 
 
 # ---------------------------------------------------------------- the model, cut into stages
@@ -88,8 +116,11 @@ def split_llama(model: nn.Module, n_stages: int, simulate_ms=None) -> list[Llama
             for s in range(n_stages)]
 
 
-def stage_indices(rank: int, world: int, stages_per_rank: int = 1) -> list[int]:
-    """The stages rank ``rank`` holds: rank, rank + world, ... (the looped layout of interleaved 1F1B)."""
+def stage_indices(rank: int, world: int, stages_per_rank: int = 1, v_shape: bool = False) -> list[int]:
+    """The stages rank ``rank`` holds: rank, rank + world, ... (the looped layout of interleaved 1F1B), or with
+    ``v_shape`` rank and 2 world - 1 - rank (ZBV's and DualPipeV's V: the last stage sits with the first)."""
+    if v_shape:
+        return [rank, 2 * world - 1 - rank]
     return [rank + k * world for k in range(stages_per_rank)]
 
 
@@ -129,14 +160,14 @@ def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> t
 def make_schedule(name: str, stages: list, microbatches: int):
     """torch's schedule for ``name`` over this rank's ``PipelineStage``s, with the mean next-token loss
     per micro-batch; ``scale_grads=True`` divides the summed gradients by m: the global batch's mean."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
     loss_fn = next_token_loss
-    if name == "interleaved":
-        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
+    if name in MULTI_STAGE:
+        return getattr(pipelining, MULTI_STAGE[name][0])(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     if name == "gpipe":
         return gpipe_schedule(stages[0], microbatches, loss_fn)
-    return Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
+    return pipelining.Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def gpipe_schedule(stage, microbatches: int, loss_fn):
@@ -215,14 +246,14 @@ def _torch_stages(model: nn.Module, indices: list[int], n_stages: int, mb_rows: 
     return out
 
 
-def _step(schedule, tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor | None:
-    """One pipelined step: rank 0 feeds the tokens, the last rank the targets; the last returns the mean loss."""
+def _step(schedule, tokens: torch.Tensor, first: bool, last: bool) -> torch.Tensor | None:
+    """One pipelined step: the rank with the first stage feeds the tokens, the rank with the last the targets
+    (rank 0 both in a V) and returns the mean loss."""
     losses: list = []
-    args = (tokens,) if rank == 0 else ()
+    args = (tokens,) if first else ()
     # torch >= 2.10 can skip merging the last stage's logits (return_outputs=False); older step() has no such
     # argument and hands every unknown keyword to the model's forward as an input, so it is passed only where known
     skip = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
-    last = rank == world - 1
     with waits_for_every_p2p():
         schedule.step(*args, **({"target": tokens, "losses": losses} if last else {}), **skip)
     return torch.stack(losses).mean().detach() if last else None  # micro-batch means, equal sizes: the batch mean
@@ -234,15 +265,17 @@ def train(schedule: str = "gpipe", microbatches: int = 4, steps: int = 5, preset
     """Train a Llama preset pipelined over this process group; the worker of ``launch("course_lib.parallel.pp:train")``.
 
     ``schedule``: "naive" (hand-written send/recv, the whole batch: ``microbatches`` is ignored),
-    "gpipe", "1f1b" or "interleaved" (``stages_per_rank`` stages per rank, 2 unless told). ``layers``
+    "gpipe", "1f1b", or a multi-stage one: "interleaved" (1F1B), "zb" (interleaved zero bubble: backwards split
+    into I and W), "zbv" (zero bubble in a V) or "dualpipev" (where torch has it), ``stages_per_rank`` stages per
+    rank, 2 unless told (the V schedules need 2). ``layers``
     overrides the preset's decoder layers (it needs one per stage at least). Returns the losses (the
     global batch's, on every rank), the last step's gathered timeline, its measured bubble and the
     formula's (``bubble`` is the least over the steps after the first, ``bubble_median`` their median,
     ``bubbles`` every step's), the in-flight peak per rank, this rank's peak bytes saved for
     backward, tokens/s over the steps after the first, and the per-rank order torch planned.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if why := unsupported(schedule):
+        raise ValueError(f"schedule={schedule!r}: {why}")
     with warnings.catch_warnings():  # torch.distributed.pipelining warns about its API; keep the cell clean
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
@@ -256,18 +289,21 @@ def _build(schedule: str, model: nn.Module, m: int, v: int, batch: int, seq: int
     if schedule == "naive":
         stage = split_llama(model, world, simulate_ms)[rank].to(device)
         return stage, lambda tokens: naive_step(stage, tokens, recorder), None
-    stages = _torch_stages(model, stage_indices(rank, world, v), world * v, batch // m, seq, device, simulate_ms)
+    v_shape = MULTI_STAGE.get(schedule, (None, False))[1]
+    stages = _torch_stages(model, stage_indices(rank, world, v, v_shape), world * v, batch // m, seq, device,
+                           simulate_ms)
     for st in stages:
         recorder.wrap(st)
     sched = make_schedule(schedule, stages, m)
-    return (nn.ModuleList(st.submod for st in stages), lambda tokens: _step(sched, tokens, rank, world),
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    return (nn.ModuleList(st.submod for st in stages), lambda tokens: _step(sched, tokens, first, last),
             torch_order(sched))
 
 
 def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms) -> dict:
     rank, world = rank_and_world()
     m = 1 if schedule == "naive" else microbatches
-    v = stages_per_rank or (2 if schedule == "interleaved" else 1)
+    v = stages_per_rank or (2 if schedule in MULTI_STAGE else 1)
     if batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m}")
     # untied: the embedding and the LM head live on the first and the last stage (the 1b preset ties them)
@@ -284,7 +320,7 @@ def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(recorder.now())  # from the step's shared t0: the barrier before it is not the step's time
-        return {"loss": _from_last_rank(loss, recorder.device)}
+        return {"loss": _on_every_rank(loss, recorder.device)}
 
     def timed(step: int, record: dict) -> bool:
         bubbles.append(bubble_fraction(recorder.gathered(step)))
@@ -312,10 +348,11 @@ def _step_started(recorder: Recorder, step: int):
     yield
 
 
-def _from_last_rank(loss: torch.Tensor | None, device: torch.device) -> float:
-    """The step's loss, which only the last rank has, on every rank (a broadcast from it)."""
+def _on_every_rank(loss: torch.Tensor | None, device: torch.device) -> float:
+    """The step's loss, which only the rank holding the last stage has, on every rank: a sum of it and the others'
+    zeros, exact (the last stage is on the last rank, or on rank 0 in a V)."""
     t = loss.reshape(1).float() if loss is not None else torch.zeros(1, device=device)
-    dist.broadcast(t, dist.get_world_size() - 1)
+    dist.all_reduce(t)
     return float(t)
 
 

@@ -12,6 +12,10 @@ micro-batches of activations alive instead of m; interleaved 1F1B gives each ran
   (the order of F and B each rank runs) and a simulator of their timeline with unit costs; ``torch_order``
   reads the same orders out of torch's schedule objects. 1F1B's order is notebook 15's exercise 1 (a stub
   in the student edition).
+- Zero bubble: a backward split in two, I (the gradient of the stage's input, which the stage before waits
+  for) and W (the gradient of its weights, which nothing waits for), so W can fill the bubble.
+  ``schedule_makespan`` runs I and W too; ``planned_orders`` reads torch's plans (interleaved 1F1B, the zero
+  bubble schedules, DualPipeV where torch has it) without a process group.
 - ``run_1f1b``: a pipeline executor by hand: one rank's forwards and backwards of its micro-batches in the
   order given (1F1B's or GPipe's), activations up and gradients down with ``isend``/``irecv``, holding only
   the micro-batches the order has in flight. Notebook 15's exercise 2 (a stub in the student edition).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import socket
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -35,7 +40,9 @@ from torch import nn
 
 from course_lib.distributed import Timeline
 
-Action = tuple  # ("F" or "B", micro-batch) or ("F" or "B", micro-batch, stage)
+# (kind, micro-batch) or (kind, micro-batch, stage); kind: "F" forward, "B" full backward, or the backward
+# split in two: "I" the gradient of the stage's input, "W" the gradient of its weights (B = I then W)
+Action = tuple
 
 
 # ---------------------------------------------------------------- the schedules as pure functions
@@ -72,15 +79,32 @@ def one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
     return orders
 
 
-def schedule_makespan(order: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0) -> dict:
+def _needs(kind: str, mb: int, s: int, last_stage: int) -> list[tuple]:
+    """What action (kind, mb, s) waits for. ("dx", mb, s) is the gradient of stage s's input, made by its I or B."""
+    if kind == "F":
+        return [("F", mb, s - 1)] if s > 0 else []
+    if kind == "W":  # the weights' gradient reuses what I computed (the output's gradient, the saved inputs)
+        return [("I", mb, s)]
+    if kind in ("B", "I"):
+        return [("F", mb, s)] + ([("dx", mb, s + 1)] if s < last_stage else [])
+    raise ValueError(f"unknown action kind {kind!r}: use F, B, I or W")
+
+
+def schedule_makespan(order: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None) -> dict:
     """Simulate the timeline of ``order`` (per rank, its actions) with forward cost ``t_f``, backward ``t_b``.
 
-    An action ("F", i) or ("B", i) runs stage = rank; ("F", i, s) names its stage. F of micro-batch i
-    on stage s waits for F i on s-1; B i on s for B i on s+1 and F i on s. A rank runs its actions in
-    order, each as soon as it is free and the inputs are there; communication is free. Returns per rank
-    its (kind, mb, stage, start, end) intervals, the makespan, and bubble = 1 - busy / (p × makespan).
+    An action ("F", i) runs stage = rank; ("F", i, s) names its stage. A backward is B (whole) or split:
+    I (the input's gradient, ``t_b - t_w``) then W (the weights' gradient, ``t_w``; half of ``t_b`` unless
+    told). F of micro-batch i on stage s waits for F i on s-1; B or I of i on s for F i on s and for B or
+    I of i on s+1 (not its W: the stage before needs only the input's gradient); W for I of i on the same
+    stage. A rank runs its actions in order, each as soon as it is free and the inputs are there;
+    communication is free. Returns per rank its (kind, mb, stage, start, end) intervals, the makespan,
+    bubble = 1 - busy / (p × makespan), and ``in_flight``: per rank the most micro-batch-stages whose
+    activations were held at once (``in_flight_peak``: from F until W or B).
     """
     p = len(order)
+    t_w = t_b / 2 if t_w is None else t_w
+    cost = {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
     acts = [[(a[0], a[1], a[2] if len(a) > 2 else r) for a in actions] for r, actions in enumerate(order)]
     last_stage = max(s for actions in acts for _, _, s in actions)
     done: dict[tuple, float] = {}  # (kind, mb, stage) -> end time
@@ -91,41 +115,77 @@ def schedule_makespan(order: list[list[Action]], t_f: float = 1.0, t_b: float = 
         for r in range(p):
             while nxt[r] < len(acts[r]):
                 kind, mb, s = acts[r][nxt[r]]
-                deps = [("F", mb, s - 1)] if kind == "F" and s > 0 else []
-                if kind == "B":
-                    deps = [("F", mb, s)] + ([("B", mb, s + 1)] if s < last_stage else [])
+                deps = _needs(kind, mb, s, last_stage)
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                free[r] = done[(kind, mb, s)] = start + (t_f if kind == "F" else t_b)
+                free[r] = done[(kind, mb, s)] = start + cost[kind]
+                if kind in ("B", "I"):
+                    done[("dx", mb, s)] = free[r]
                 intervals[r].append((kind, mb, s, start, free[r]))
                 nxt[r], progressed = nxt[r] + 1, True
         if not progressed:
             raise ValueError(f"the order deadlocks: next actions {[acts[r][nxt[r]:nxt[r] + 1] for r in range(p)]}")
     makespan = max(free)
     busy = sum(e - s for rank in intervals for *_, s, e in rank)
-    return {"intervals": intervals, "makespan": makespan, "bubble": 1 - busy / (p * makespan)}
+    return {"intervals": intervals, "makespan": makespan, "bubble": 1 - busy / (p * makespan),
+            "in_flight": in_flight_peak(simulated_timeline(intervals))}
+
+
+def simulated_timeline(intervals: list[list[tuple]]) -> list[dict]:
+    """``schedule_makespan``'s intervals as a ``Recorder`` timeline (one dict per action, times in the simulator's
+    units), so that ``bubble_fraction``, ``in_flight_peak``, ``rank_orders`` and ``plot_timeline`` read it."""
+    return [dict(rank=r, kind=kind, mb=mb, stage=s, start=start, end=end)
+            for r, rank in enumerate(intervals) for kind, mb, s, start, end in rank]
 
 
 # torch's action kinds by member name: their values were ints (FORWARD = 1) up to torch 2.10 and are the
 # letters ("F") since, and the names are what stayed the same
-_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
 def torch_order(schedule) -> list[list[Action]] | None:
     """The compute actions torch's schedule object plans per rank (its ``pipeline_order``), as
-    ("F"/"B", mb) for one stage per rank and ("F"/"B", mb, stage) for several; None if it has none
-    (older torch, 2.7 among them, plans ahead only for the multi-stage schedules: GPipe and 1F1B have none)."""
+    (kind, mb) for one stage per rank and (kind, mb, stage) for several, kind one of F, B, I, W; None if it has
+    none (older torch, 2.7 among them, plans ahead only for the multi-stage schedules: GPipe and 1F1B have none).
+    A composite action (DualPipeV's OVERLAP_F_B: a forward and a backward issued together) counts as its
+    parts, in order: one device runs them one after the other."""
     plan = getattr(schedule, "pipeline_order", None)
     if not plan:
         return None
-    multi = len({a.stage_index for actions in plan.values() for a in actions if a is not None}) > len(plan)
+    parts = {r: [b for a in plan[r] if a is not None for b in (getattr(a, "sub_actions", None) or (a,))] for r in plan}
+    multi = len({a.stage_index for actions in parts.values() for a in actions}) > len(plan)
     out = []
-    for r in sorted(plan):
-        acts = [a for a in plan[r] if a is not None and a.computation_type.name in _TORCH_KINDS]
+    for r in sorted(parts):
+        acts = [a for a in parts[r] if a.computation_type.name in _TORCH_KINDS]
         out.append([(_TORCH_KINDS[a.computation_type.name], a.microbatch_index) + ((a.stage_index,) if multi else ())
                     for a in acts])
     return out
+
+
+# torch's multi-stage schedules: class name -> (stages per rank, V layout: rank r holds stages r and 2p-1-r)
+TORCH_MULTI_STAGE = {"ScheduleInterleaved1F1B": (2, False), "ScheduleInterleavedZeroBubble": (2, False),
+                     "ScheduleZBVZeroBubble": (2, True), "ScheduleDualPipeV": (2, True)}
+
+
+def planned_orders(p: int, m: int) -> dict[str, list[list[Action]]]:
+    """The order each of ``p`` ranks runs for ``m`` micro-batches in each of torch's multi-stage schedules this torch
+    has (``ScheduleDualPipeV`` came after 2.7), by class name: its plan, read with ``torch_order``. No process
+    group: a schedule's constructor reads only its stages' place in the pipeline (group size and rank, the number
+    of stages) and plans every rank's order, so stand-ins for rank 0's stages are enough to read it."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    orders = {}
+    for name, (v, v_shape) in TORCH_MULTI_STAGE.items():
+        cls = getattr(torch_schedules, name, None)
+        if cls is None:
+            continue
+        n = p * v
+        held = [0, n - 1] if v_shape else [k * p for k in range(v)]
+        stand_ins = [types.SimpleNamespace(group_size=p, group_rank=0, num_stages=n, stage_index=s, submod=nn.Module(),
+                                           is_first=s == 0, is_last=s == n - 1) for s in held]
+        orders[name] = torch_order(cls(stand_ins, m, loss_fn=lambda out, target: out))
+    return orders
 
 
 # ---------------------------------------------------------------- 1F1B, by hand
@@ -244,22 +304,29 @@ class Recorder(Timeline):
             self.t0 = float(t0)
 
     def interval(self, kind: str, mb: int, stage: int):
-        """Record the block as one interval of ``kind`` ("F" or "B") for micro-batch ``mb`` on ``stage``."""
+        """Record the block as one interval of ``kind`` (F, B, I or W) for micro-batch ``mb`` on ``stage``."""
         return self.span(step=self.step, rank=self.rank, stage=stage, kind=kind, mb=mb)
 
     def wrap(self, stage) -> None:
-        """Time every forward and backward a torch ``PipelineStage`` runs (its instance methods, wrapped)."""
-        fwd, bwd, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
+        """Time every forward and backward a torch ``PipelineStage`` runs (its instance methods, wrapped): a
+        backward is B, or I (``full_backward=False``: the input's gradient only) and W (the weights')."""
+        fwd, bwd, bwd_w = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        index = stage.stage_index
 
         def forward_one_chunk(mb, *args, **kwargs):
             with self.interval("F", mb, index):
                 return fwd(mb, *args, **kwargs)
 
         def backward_one_chunk(mb, *args, **kwargs):
-            with self.interval("B", mb, index):
+            with self.interval("B" if kwargs.get("full_backward", True) else "I", mb, index):
                 return bwd(mb, *args, **kwargs)
 
+        def backward_weight_one_chunk(mb, *args, **kwargs):
+            with self.interval("W", mb, index):
+                return bwd_w(mb, *args, **kwargs)
+
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
 
     def gathered(self, step: int) -> list[dict]:
         """Every rank's intervals of ``step`` (a collective: all ranks call it), sorted by rank and start."""
@@ -280,12 +347,13 @@ def bubble_fraction(timeline: list[dict]) -> float:
 
 def in_flight_peak(timeline: list[dict]) -> list[int]:
     """Per rank, the most micro-batches whose activations were alive at once: forwards done minus backwards
-    done, at its maximum (several stages on one rank count together)."""
+    done, at its maximum (several stages on one rank count together: micro-batch-stages). A split backward
+    frees them at its W, not its I: the weights' gradient needs the inputs each layer saved."""
     peaks = []
     for r in sorted({e["rank"] for e in timeline}):
         alive = peak = 0
         for e in sorted((e for e in timeline if e["rank"] == r), key=lambda e: e["start"]):
-            alive += 1 if e["kind"] == "F" else -1
+            alive += {"F": 1, "B": -1, "W": -1}.get(e["kind"], 0)
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
@@ -300,24 +368,27 @@ def rank_orders(timeline: list[dict]) -> list[list[Action]]:
              for e in sorted((e for e in timeline if e["rank"] == r), key=lambda e: e["start"])] for r in ranks]
 
 
-def plot_timeline(timeline: list[dict], ax=None, title: str | None = None):
-    """One row per rank, a box per forward (light) and backward (dark), coloured per micro-batch and
-    labelled F0, B0, ...; the title gives the measured bubble. Returns the figure."""
+def plot_timeline(timeline: list[dict], ax=None, title: str | None = None, scale: float = 1e3,
+                  xlabel: str = "ms since the step began"):
+    """One row per rank, a box per forward (light), backward (dark: B whole, I the input's gradient) and weight
+    gradient (W, hatched), coloured per micro-batch and labelled F0, B0, I0, W0, ...; the title gives the measured
+    bubble. ``scale`` turns the timeline's times into the x axis' (seconds to ms; 1 for ``simulated_timeline``).
+    Returns the figure."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len({e["rank"] for e in timeline})))
     colours, t0 = plt.get_cmap("tab10"), min(e["start"] for e in timeline)
     for e in timeline:
-        start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
+        start, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
         colour = colours(e["mb"] % 10)
         ax.broken_barh([(start, width)], (e["rank"] - 0.4, 0.8), facecolors=colour, edgecolor="black", linewidth=0.5,
-                       alpha=0.55 if e["kind"] == "F" else 1.0)
+                       alpha=0.55 if e["kind"] == "F" else 1.0, hatch="///" if e["kind"] == "W" else None)
         ax.text(start + width / 2, e["rank"], f"{e['kind']}{e['mb']}", ha="center", va="center", fontsize=7)
     ranks = sorted({e["rank"] for e in timeline})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began")
+    ax.set_xlabel(xlabel)
     ax.set_title(title or f"measured bubble {bubble_fraction(timeline):.1%}")
     ax.figure.tight_layout()
     return ax.figure
