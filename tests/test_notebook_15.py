@@ -79,3 +79,16 @@ def test_claims_and_figures(executed):
     for text in ("GPipe's measured bubble", "seed 002's pipeline keeps one device busy"):
         assert claim(res, text)["kind"] == "simulated", claim(res, text)
     assert len(res["figures"]) >= 5
+
+
+def test_the_profiler_trace_holds_every_action_and_transfer(executed):
+    """One 1F1B step traced on every rank (4 micro-batches): each rank's forwards and backwards, and its sends and
+    receives, one per micro-batch to each neighbour."""
+    res = executed("15_pipeline_parallelism")
+    counts = value(res, "pp_trace_counts")
+    p = len(counts)
+    for r, c in counts.items():
+        transfers = 4 * (2 if 0 < int(r) < p - 1 else 1)
+        assert (c["F"], c["B"], c["send"], c["recv"]) == (4, 4, transfers, transfers), (r, c)
+    found = claim(res, "the profiler's trace holds every rank's forward and backward")
+    assert (found["kind"], found["held"]) == ("measured", True), found

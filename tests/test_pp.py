@@ -337,3 +337,27 @@ def test_run_1f1b_equals_one_process_and_holds_what_the_order_says():
     few = [r[2] for r in runs]
     assert [r["1f1b"]["peak"] for r in few] == [2, 2, 1]  # min(m, p - r)
     assert few[-1]["1f1b"]["losses"] == pytest.approx(few[-1]["gpipe"]["losses"], rel=1e-6)
+
+
+def _traced_counts(schedule: str, trace_dir: str) -> dict:
+    """A rank's ``trace_step`` trace read back where it was made (pandas stays out of the test's own process)."""
+    spans = pp.pipeline_spans(pp.trace_step(schedule, trace_dir)["path"])
+    return {"kinds": spans.kind.value_counts().to_dict(),
+            "forwards": sorted(spans.mb[spans.kind == "F"].astype(int).tolist())}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_traced_step_names_every_action_and_transfer(schedule, tmp_path):
+    """Under torch.profiler the Recorder names every F, B, I and W (torch names only GPipe's), and gloo every send
+    and receive: 2 ranks, 4 micro-batches, one stage per rank (1F1B) or two in a loop (interleaved zero bubble)."""
+    counts = run_forked(_traced_counts, 2, dict(schedule=schedule, trace_dir=str(tmp_path)), timeout=240)
+    v = 2 if schedule == "zb" else 1
+    for rank, c in enumerate(counts):
+        kinds = c["kinds"]
+        assert c["forwards"] == sorted(list(range(4)) * v), (rank, c)
+        if schedule == "1f1b":
+            assert kinds == {"F": 4, "B": 4, "send": 4, "recv": 4}, (rank, kinds)
+        else:  # the backward split: an I and a W per micro-batch and stage, never a whole B
+            assert kinds["I"] == kinds["W"] == 4 * v and "B" not in kinds, (rank, kinds)
+            assert kinds["send"] == kinds["recv"] > 0, (rank, kinds)
+    assert (tmp_path / f"15_pp_{schedule}_rank1.json").exists()

@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import profiling
 from course_lib.data import lm_batch
 from course_lib.distributed import each_run, rank_device
 from course_lib.loss import forward_loss, next_token_loss
 from course_lib.memory import SavedTensorMeter
 from course_lib.models import build_llama
-from course_lib.parallel.schedules import (Recorder, SimulatedWork, bubble_formula, bubble_fraction, in_flight_peak,
-                                           torch_order)
+from course_lib.parallel.schedules import (PP_SPAN, Recorder, SimulatedWork, bubble_formula, bubble_fraction,
+                                           in_flight_peak, torch_order)
 from course_lib.train import fit, rank_and_world, worker_result
 
 # torch's multi-stage schedules: name -> (class, V layout: rank r holds stages r and 2p-1-r, else r, r+p, ...)
@@ -372,3 +373,40 @@ def sweep(runs: list[dict] = ()) -> dict:
     """Several ``train`` runs in one process group, for ``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``
     (starting the processes is the slow part on a CPU)."""
     return each_run(train, runs)
+
+
+# ---------------------------------------------------------------- one step in torch's profiler
+
+def trace_step(schedule: str, trace_dir: str, microbatches: int = 4, batch: int = 8, seq: int = 32) -> dict:
+    """A worker (call on every rank): one step of the tiny Llama under ``schedule`` traced by ``torch.profiler``
+    (after one untraced step), written to ``trace_dir/15_pp_{schedule}_rank{r}.json`` for Perfetto: ``{"path"}``.
+
+    The ``Recorder`` names every stage's F, B, I and W in the trace (``schedules.PP_SPAN``), whatever the schedule;
+    the point-to-point sends and receives are gloo's own spans. ``pipeline_spans`` reads both back."""
+    if why := unsupported(schedule):
+        raise ValueError(f"schedule={schedule!r}: {why}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    v = 2 if schedule in MULTI_STAGE else 1
+    model = build_llama("tiny", tie_word_embeddings=False, num_hidden_layers=world * v)  # a layer per stage
+    with warnings.catch_warnings():  # torch.distributed.pipelining warns about its API
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        _, run, _ = _build(schedule, model, microbatches, v, batch, seq, Recorder(rank, rank_device()), None)
+        tokens = lm_batch(0, batch, seq, model.config.vocab_size)
+        path = profiling.trace(lambda: run(tokens), f"{trace_dir}/15_pp_{schedule}_rank{rank}.json")
+    return {"path": str(path)}
+
+
+def pipeline_spans(path: str):
+    """A ``trace_step`` trace as a table: one row per stage action (kind F, B, I or W; mb; stage) and per
+    point-to-point transfer (kind "send" or "recv", gloo's span), with start_ms and duration_ms, by start."""
+    import pandas as pd
+
+    frame = profiling.read_trace(path)
+    actions = frame.name.str.extract(PP_SPAN)
+    acts = frame[actions.kind.notna()].assign(kind=actions.kind, mb=actions.mb.astype(float),
+                                              stage=actions.stage.astype(float))
+    p2p = frame[frame.name.isin(["gloo:send", "gloo:recv"])]
+    p2p = p2p.assign(kind=p2p.name.str.removeprefix("gloo:"), mb=float("nan"), stage=float("nan"))
+    columns = ["name", "kind", "mb", "stage", "start_ms", "duration_ms"]
+    return pd.concat([acts[columns], p2p[columns]]).sort_values("start_ms", ignore_index=True)
