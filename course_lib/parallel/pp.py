@@ -277,10 +277,22 @@ def train(schedule: str = "gpipe", microbatches: int = 4, steps: int = 5, preset
     """
     if why := unsupported(schedule):
         raise ValueError(f"schedule={schedule!r}: {why}")
-    with warnings.catch_warnings():  # torch.distributed.pipelining warns about its API; keep the cell clean
+    with _quiet_pipelining():
+        return _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms)
+
+
+@contextlib.contextmanager
+def _quiet_pipelining():
+    """torch.distributed.pipelining warns about its API at every use: keep the notebooks' cells clean."""
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
-        return _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms)
+        yield
+
+
+def _stages_per_rank(schedule: str, given: int | None = None) -> int:
+    """``given``, else 2 for torch's multi-stage schedules and 1 for the others."""
+    return given or (2 if schedule in MULTI_STAGE else 1)
 
 
 def _build(schedule: str, model: nn.Module, m: int, v: int, batch: int, seq: int, recorder: Recorder, simulate_ms):
@@ -304,7 +316,7 @@ def _build(schedule: str, model: nn.Module, m: int, v: int, batch: int, seq: int
 def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms) -> dict:
     rank, world = rank_and_world()
     m = 1 if schedule == "naive" else microbatches
-    v = stages_per_rank or (2 if schedule in MULTI_STAGE else 1)
+    v = _stages_per_rank(schedule, stages_per_rank)
     if batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m}")
     # untied: the embedding and the LM head live on the first and the last stage (the 1b preset ties them)
@@ -386,11 +398,9 @@ def trace_step(schedule: str, trace_dir: str, microbatches: int = 4, batch: int 
     if why := unsupported(schedule):
         raise ValueError(f"schedule={schedule!r}: {why}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    v = 2 if schedule in MULTI_STAGE else 1
+    v = _stages_per_rank(schedule)
     model = build_llama("tiny", tie_word_embeddings=False, num_hidden_layers=world * v)  # a layer per stage
-    with warnings.catch_warnings():  # torch.distributed.pipelining warns about its API
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", UserWarning)
+    with _quiet_pipelining():
         _, run, _ = _build(schedule, model, microbatches, v, batch, seq, Recorder(rank, rank_device()), None)
         tokens = lm_batch(0, batch, seq, model.config.vocab_size)
         path = profiling.trace(lambda: run(tokens), f"{trace_dir}/15_pp_{schedule}_rank{rank}.json")
