@@ -292,10 +292,15 @@ def trace_step(trace_dir: str, preset: str = "tiny", batch: int = 4, seq: int = 
     return {"paths": {k: str(p) for k, p in paths.items()}, "units": list(own), "resharded": resharded}
 
 
+def _main_thread(frame: pd.DataFrame):
+    """The rank's main thread in a ``trace_step`` trace: the one FSDP's hooks run on."""
+    return frame.thread[frame.name.str.startswith("FSDP::")].mode()[0]
+
+
 def label_step(frame: pd.DataFrame) -> pd.DataFrame:
     """A ``trace_step`` trace (``profiling.read_trace``) with two kinds more, for ``profiling.hidden``: the main
     thread's matmuls are "compute", its spans that issue an all-gather and wait for it are "gather_wait"."""
-    main = frame.thread[frame.name.str.startswith("FSDP::")].mode()[0]  # FSDP's hooks run on the main thread
+    main = _main_thread(frame)
     on_main = frame.thread == main
     kind = frame.kind.mask(on_main & frame.name.isin(MATMULS), "compute")
     return frame.assign(kind=kind.mask(on_main & frame.name.str.fullmatch(r"FSDP::all_gather( \(.*\))?"),
@@ -312,7 +317,7 @@ def step_collectives(frame: pd.DataFrame) -> pd.DataFrame:
     import pandas as pd
 
     frame = label_step(frame)
-    main = frame.thread[frame.name.str.startswith("FSDP::")].mode()[0]
+    main = _main_thread(frame)
     spans = frame[(frame.thread == main) & frame.name.str.startswith("FSDP::")]
     ends = spans.start_ms + spans.duration_ms
     parsed = spans.name.str.extract(_FSDP_SPAN)  # the prefetch spans match neither group: NaN
