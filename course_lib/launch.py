@@ -38,6 +38,7 @@ GPU per rank where the machine has that many, else CPU ranks through ``run_forke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -105,7 +106,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     clear_stale_extension_locks()
     out = Path(tempfile.mkdtemp(prefix="course_launch_"))
     try:
-        (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
+        (out / "kwargs.json").write_text(json.dumps(kwargs or {}, default=_as_json))
         # the timeout is for the ranks' work; starting them (torchrun, then each rank's imports) has its own,
         # generous bound, and the timeout starts once every rank has said it runs (its pid file, the handshake)
         deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT)
@@ -128,6 +129,14 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
     finally:  # whatever happened: no rank lives on, no folder is left behind
         _kill_ranks(out, expected=nprocs)
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _as_json(value):
+    """A worker's frozen run spec (a dataclass) as the dict of its fields; the worker rebuilds it (``RunSpec.of``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-able: a worker on torchrun's ranks takes plain values "
+                    "(numbers, strings, lists, dicts) or a run spec")
 
 
 # What a process needs in its environment, from its start, to see no GPU: torch (CUDA, and ROCm's HIP, which

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tqdm.auto import tqdm
 
 from course_lib.data import batch_len, to_device
@@ -31,12 +32,34 @@ from course_lib.precision import autocast, resolve_dtype
 from course_lib.throughput import synchronize
 
 
+class RunSpec:
+    """A worker's run as plain values. Each worker's spec is a frozen dataclass built on this: one object a notebook
+    builds, prints and passes on, JSON-able (``launch`` sends it to torchrun's ranks as JSON, where it arrives as a
+    dict), and ``of`` turns whatever arrived back into the spec, refusing a field the spec does not have."""
+
+    @classmethod
+    def of(cls, spec: "RunSpec | dict | None" = None, **changes):
+        """``spec`` as this class (itself, a dict of its fields, or None for the defaults) with ``changes`` applied."""
+        if spec is None:
+            spec = {}
+        if isinstance(spec, dict):
+            names = [f.name for f in fields(cls)]
+            unknown = sorted(set(spec) - set(names))
+            if unknown:
+                raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}: its fields are {', '.join(names)}")
+            spec = cls(**spec)
+        if not isinstance(spec, cls):
+            raise TypeError(f"spec is a {type(spec).__name__}: pass a {cls.__name__} or a dict of its fields")
+        return replace(spec, **changes) if changes else spec
+
+
 @dataclass(frozen=True)
 class Dims:
     """How one run's global batch is cut and its ranks laid out, checked once, with the fix in the message.
 
-    ``global_batch = micro_batch × accum_steps × dp`` (the DeepSpeed rule) and ``world = dp × tp × pp``:
-    tensor- and pipeline-parallel ranks of one replica see the same rows; data-parallel ranks see their slice.
+    ``global_batch = micro_batch × accum_steps × dp`` (the DeepSpeed rule) and ``world = pp × dp × cp × tp``:
+    tensor-, context- and pipeline-parallel ranks of one replica see the same rows (context-parallel ones each a part
+    of every sequence); data-parallel ranks see their slice. ``mesh`` lays the ranks out in that order.
     """
 
     global_batch: int
@@ -44,9 +67,10 @@ class Dims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("global_batch", "accum_steps", "dp", "tp", "pp"):
+        for name in ("global_batch", "accum_steps", "dp", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         step = self.accum_steps * self.dp
@@ -72,16 +96,38 @@ class Dims:
         return cls(max(step, global_batch // step * step), accum_steps, dp)
 
     @classmethod
-    def for_world(cls, global_batch: int, world: int, *, accum_steps: int = 1, tp: int = 1, pp: int = 1) -> "Dims":
-        """The layout of ``world`` ranks with the given ``tp`` and ``pp``: ``dp`` is what is left."""
-        if world < 1 or world % (tp * pp):
-            raise ValueError(f"world={world} does not divide into tp={tp} x pp={pp} = {tp * pp} ranks per replica: "
-                             f"use a world size that is a multiple of {tp * pp}, or change tp and pp")
-        return cls(global_batch, accum_steps, world // (tp * pp), tp, pp)
+    def for_world(cls, global_batch: int, world: int, *, accum_steps: int = 1, tp: int = 1, pp: int = 1,
+                  cp: int = 1) -> "Dims":
+        """The layout of ``world`` ranks with the given ``tp``, ``pp`` and ``cp``: ``dp`` is what is left."""
+        replica = tp * pp * cp
+        if world < 1 or world % replica:
+            raise ValueError(f"world={world} does not divide into tp={tp} x pp={pp} x cp={cp} = {replica} ranks per "
+                             f"replica: use a world size that is a multiple of {replica}, or change tp, pp and cp")
+        return cls(global_batch, accum_steps, world // replica, tp, pp, cp)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def mesh(self, device_type: str = "cpu", names: tuple[str, ...] | None = None) -> DeviceMesh:
+        """The device mesh of this layout over the process group's ranks: one dimension per name of ``names``
+        (default: every dimension above 1, in the order pp, dp, cp, tp, so tensor-parallel ranks are neighbours; "dp"
+        alone where all are 1). torchtitan's habit: every ``apply_<p>(model, mesh[...], cfg)`` takes its part of one
+        mesh. Stops with the fix if the group does not have ``world`` ranks."""
+        sizes = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        names = names or tuple(n for n, size in sizes.items() if size > 1) or ("dp",)
+        unknown = sorted(set(names) - set(sizes))
+        if unknown:
+            raise ValueError(f"mesh dimension {', '.join(unknown)} is not one of Dims': use pp, dp, cp or tp")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.world:
+            raise ValueError(f"these dims lay out pp {self.pp} x dp {self.dp} x cp {self.cp} x tp {self.tp} = "
+                             f"{self.world} ranks but the process group has {world}: launch {self.world} ranks, or "
+                             f"change the dims (Dims.for_world fits dp to the world)")
+        kept = [n for n in sizes if n in names]
+        if any(sizes[n] > 1 for n in sizes if n not in kept):
+            raise ValueError(f"the mesh {kept} leaves out a dimension above 1 of {sizes}: name it too")
+        return init_device_mesh(device_type, tuple(sizes[n] for n in kept), mesh_dim_names=tuple(kept))
 
     @property
     def local_batch(self) -> int:

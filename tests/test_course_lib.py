@@ -46,6 +46,46 @@ def test_dims_checks_the_batch_once_and_names_what_to_change():
     assert torch.equal(parts[1]["input_ids"], rows["input_ids"][2:4])
 
 
+def _mesh_of(dims: dict, names=None) -> dict:
+    """A worker: the mesh ``Dims(**dims).mesh`` lays out on this rank, as names, shape and this rank's coordinates."""
+    mesh = train.Dims(**dims).mesh("cpu", names)
+    return {"names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "coordinate": list(mesh.get_coordinate())}
+
+
+def test_dims_lay_out_one_mesh_tensor_parallel_ranks_neighbours():
+    """pp, dp, cp, tp in that order, dimensions of 1 left out: on 4 gloo ranks dp 2 x tp 2 puts ranks 0 and 1 in one
+    tensor-parallel group; a layout the group does not have stops with the fix."""
+    from course_lib.launch import run_forked
+    out = run_forked(_mesh_of, 4, {"dims": {"global_batch": 4, "dp": 2, "tp": 2}})
+    assert [r["names"] for r in out] == [["dp", "tp"]] * 4 and out[0]["shape"] == [2, 2]
+    assert [r["coordinate"] for r in out] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert train.Dims.for_world(8, 8, tp=2, cp=2).dp == 2
+    with pytest.raises(Exception, match=r"lay out pp 1 x dp 2 x cp 1 x tp 2 = 4 ranks but the process group has 2"):
+        run_forked(_mesh_of, 2, {"dims": {"global_batch": 4, "dp": 2, "tp": 2}})
+    with pytest.raises(Exception, match=r"leaves out a dimension above 1"):
+        run_forked(_mesh_of, 4, {"dims": {"global_batch": 4, "dp": 2, "tp": 2}, "names": ("tp",)})
+
+
+def test_a_run_spec_comes_back_from_json_and_refuses_a_field_it_lacks():
+    """A worker's spec survives launch's JSON (a dict of its fields) and names its fields when given another."""
+    import dataclasses
+    import json
+
+    from course_lib.launch import _as_json
+
+    @dataclasses.dataclass(frozen=True)
+    class Run(train.RunSpec):
+        steps: int = 5
+        schedule: str = "gpipe"
+
+    sent = json.loads(json.dumps({"spec": Run(steps=3)}, default=_as_json))["spec"]
+    assert Run.of(sent) == Run(steps=3) and Run.of(None, schedule="1f1b") == Run(schedule="1f1b")
+    with pytest.raises(ValueError, match="Run has no field stepz: its fields are steps, schedule"):
+        Run.of({"stepz": 3})
+    with pytest.raises(TypeError, match="not JSON-able"):
+        json.dumps({"x": object()}, default=_as_json)
+
+
 def test_fit_resumes_at_a_step_stops_when_asked_and_times_each_step():
     """The one loop: a resumed run asks for the batches from its start step on, a hook stops it, every step is
     timed, and the per-step context wraps the step it names."""
