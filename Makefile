@@ -56,7 +56,7 @@ $(VENV)/.installed: pyproject.toml
 SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 CPU_ADAM_OP := $(TORCH_EXTENSIONS_DIR)/cpu_adam/cpu_adam.so
 BUILD_OPS = DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES= \
-	$(PY) -c "from course_lib.parallel.deepspeed_engine import build_deepspeed_ops; build_deepspeed_ops()"
+	$(PY) -c "from course_lib.parallel.zero_deepspeed import build_deepspeed_ops; build_deepspeed_ops()"
 
 $(SHM_OP): $(VENV)/.installed
 	$(BUILD_OPS)

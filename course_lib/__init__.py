@@ -18,8 +18,9 @@ the imports never form a cycle (``tests/test_architecture.py`` checks both).
    ``workers`` (the process torchrun starts).
 4. **Techniques**, one module each: ``checkpointing``, ``fp8`` (with ``fp8_compute``), ``lora``, ``nf4`` (with
    ``qlora``), ``recipe`` (the fine-tune recipe and its memory plan), and the parallelisms together in
-   ``course_lib/parallel/``: ``ddp``, ``fsdp``, ``zero`` (with ``deepspeed_engine``), ``offload``, ``tp`` (with
-   ``tp_train``), ``pp`` (with ``schedules``), ``cp`` (with ``cp_train``), ``ep``.
+   ``course_lib/parallel/``, each in the same roles (``<p>`` by hand, ``<p>_torch`` the API applied to the model,
+   ``<p>_cost`` what it costs): ``ddp``, ``fsdp``, ``zero`` (its API ``zero_deepspeed``), ``offload``, ``tp``, ``pp``,
+   ``cp``, ``ep``.
 5. **Applications**: ``notebook`` (``course_setup``, a notebook's first cell), and in ``course_lib/apps/``
    ``finetune``, ``benchmark``, ``size_sweep`` (the largest model per offload strategy), ``accelerate_configs``,
    ``cluster``, ``run_all`` (the course's main job), ``preflight``.

@@ -176,7 +176,7 @@ def gather_slices(piece: torch.Tensor, numel: int) -> torch.Tensor:
 
 def each_run(fn: Callable[..., dict], runs: list[dict]) -> dict:
     """``{"runs": [fn(**run) for run in runs]}`` in this process group, one run after another: the body of every
-    technique's ``sweep`` worker (``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``). Each run seeds
+    technique's ``sweep`` worker (``launch("course_lib.parallel.pp_torch:sweep", p, {"runs": [...]})``). Each run seeds
     itself, so its result is the one a launch of its own would give."""
     out = {"runs": [fn(**run) for run in runs]}
     dist.barrier()  # no rank tears the group down while another still uses it
@@ -225,7 +225,7 @@ class Timeline:
     on one clock that starts at ``t0`` and, on a GPU, waits for the device before it is read.
 
     ``events`` is a list of plain dicts (picklable), in order: a mark is ``{"what", "t", **info}``, a span
-    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``schedules.Recorder`` adds a
+    ``{**info, "start", "end"}``. ``CollectiveLog`` adds the all-reduces Python issues; ``pp.Recorder`` adds a
     step origin every rank shares and the forwards and backwards of pipeline stages.
     """
 

@@ -1,6 +1,6 @@
 """Run N worker processes from a notebook cell and get their results back.
 
-    results = launch("course_lib.parallel.ddp:train", nprocs=2, kwargs={"steps": 5})
+    results = launch("course_lib.parallel.ddp_torch:train", nprocs=2, kwargs={"spec": DDPRun(steps=5)})
 
 ``launch`` starts ``torchrun`` on ``course_lib.workers`` with a target ``"module:function"``
 (a function of this package, or of a file the notebook wrote with ``%%writefile``). Every
@@ -11,7 +11,7 @@ every line prefixed with its rank.
 **The worker contract.** A worker is a module-level function that takes JSON-able keyword
 arguments and returns a JSON-able dict (or None). Each result carries ``rank`` and
 ``world_size`` (``course_lib.workers`` adds them where the function did not); a training
-worker (``ddp.train``, ``fsdp.train``, ``deepspeed_engine.train``) returns ``train.worker_result``:
+worker (``ddp_torch.train``, ``fsdp_torch.train``, ``zero_deepspeed.train``) returns ``train.worker_result``:
 also ``losses``, a list with the global batch's loss of every step it ran.
 
 It never hangs: the rendezvous port is a free one picked for this launch, a rank that
@@ -101,7 +101,7 @@ def launch(target: str, nprocs: int = 2, kwargs: dict | None = None, *, timeout:
            device_type: str | None = None, echo: bool = True) -> list[dict]:
     """Run ``target`` ("module:function") on ``nprocs`` local ranks with torchrun; return their results."""
     if ":" not in target:
-        raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.parallel.ddp:train'")
+        raise ValueError(f"target={target!r} must be 'module:function', e.g. 'course_lib.parallel.ddp_torch:train'")
     check_world(nprocs, device_type)
     clear_stale_extension_locks()
     out = Path(tempfile.mkdtemp(prefix="course_launch_"))

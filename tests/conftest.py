@@ -58,7 +58,7 @@ def build_deepspeed_ops() -> None:
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
-        subprocess.run([sys.executable, "-c", "from course_lib.parallel.deepspeed_engine import build_deepspeed_ops; "
+        subprocess.run([sys.executable, "-c", "from course_lib.parallel.zero_deepspeed import build_deepspeed_ops; "
                         "build_deepspeed_ops()"], env=env, check=True, cwd=ROOT)
     OPS_READY = True
 

@@ -10,8 +10,8 @@ tree (committed or not), so a chain of small commits never skips what their sum 
 
 What a test reaches, as files:
 - its module and, through every ``import`` (course_lib's, the tests' helper modules), the modules they import, each
-  package's ``__init__`` on the way; a launch target written as a string (``"course_lib.parallel.ddp:train"``) or a
-  dotted ``"course_lib.x.y"`` is an import too;
+  package's ``__init__`` on the way; a launch target written as a string (``"course_lib.parallel.ddp_torch:train"``)
+  or a dotted ``"course_lib.x.y"`` is an import too;
 - the repository files it names by path (``"docker/start-lab.sh"``), and the files ``READS`` lists for modules that
   read files by glob (a file read is reached, not what it imports); ``LOADS``, modules imported by a computed name;
 - the notebooks it names (``"09_deepspeed_zero"``, in its code or in a test's parameters): a notebook reaches its
@@ -263,7 +263,7 @@ def reaches(test_file: str, params: str = "", name: str = "") -> frozenset[str]:
 
 # The modules that start DeepSpeed's engine or load its CPU ops (comm, CPU Adam): code that runs one of them needs
 # the ops compiled first, or it compiles them inside a timed cell or a graded one (about two minutes on 2 cores).
-DEEPSPEED = frozenset({"course_lib/parallel/deepspeed_engine.py", "course_lib/parallel/offload.py",
+DEEPSPEED = frozenset({"course_lib/parallel/zero_deepspeed.py", "course_lib/parallel/offload.py",
                        "course_lib/apps/size_sweep.py", "course_lib/apps/preflight.py"})
 
 

@@ -22,9 +22,7 @@ LAYERS = {
              "profiling", "results", "plots", "dataloader"},
     "step": {"train"},
     "distributed": {"distributed", "launch", "workers"},
-    "technique": {"checkpointing", "lora", "recipe", "ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp",
-                  "tp_train", "pp", "schedules", "cp", "cp_train", "cp_torch", "ep", "fp8", "fp8_compute", "nf4",
-                  "qlora"},
+    "technique": {"checkpointing", "lora", "recipe", "fp8", "fp8_compute", "nf4", "qlora"},
     "application": {"notebook", "finetune", "benchmark", "size_sweep", "accelerate_configs", "cluster", "run_all",
                     "preflight", "__init__"},
 }
@@ -34,9 +32,32 @@ LAYERS = {
 # together in course_lib/parallel/. Two application modules stay at the top, because a notebook's first line imports
 # them: the package itself and notebook (course_setup).
 AT_THE_TOP = {"__init__", "notebook"}
+# One shape per parallelism, as torchtitan and picotron give each theirs: parallelism p is at most three modules
+# with fixed roles. "hand": the mechanism written out (p.py); "api": what practitioners use, applied to the course's
+# model (p_torch.py, or p_deepspeed.py for ZeRO, whose API is DeepSpeed's), with ``apply_<p>(model, mesh, cfg)`` as
+# torchtitan composes apply_tp, apply_fsdp, and the parallelism's one worker ``train(spec, ...)``, which runs one
+# frozen run spec; "cost": what it costs (p_cost.py: bytes, memory, bubble, predicted and measured). A role a
+# parallelism lacks is named in ABSENT_ROLES with the reason.
+PARALLELISMS = {
+    "ddp": {"hand": "ddp", "api": "ddp_torch", "cost": "ddp_cost"},
+    "fsdp": {"hand": "fsdp", "api": "fsdp_torch"},
+    "zero": {"hand": "zero", "api": "zero_deepspeed", "cost": "zero_cost"},
+    "offload": {"hand": "offload", "cost": "offload_cost"},
+    "tp": {"hand": "tp", "api": "tp_torch", "cost": "tp_cost"},
+    "pp": {"hand": "pp", "api": "pp_torch", "cost": "pp_cost"},
+    "cp": {"hand": "cp", "api": "cp_torch", "cost": "cp_cost"},
+    "ep": {"hand": "ep", "cost": "ep_cost"},
+}
+ABSENT_ROLES = {
+    ("fsdp", "cost"): "FSDP is ZeRO stage 3: its bytes per parameter are zero_cost's",
+    ("offload", "api"): "DeepSpeed's offload is a ZeRO config: zero_deepspeed's",
+    ("ep", "api"): "torch ships no expert-parallel API; the all-to-alls by hand are the mechanism",
+}
+ROLES = ("hand", "api", "cost")
+MAX_WORKER_ARGS = 6  # a worker's arguments besides its spec: the student's code plugged in, a checkpoint's place
+LAYERS["technique"] |= {m for roles in PARALLELISMS.values() for m in roles.values()}
 FOLDERS = {"apps": LAYERS["application"] - AT_THE_TOP,
-           "parallel": {"ddp", "fsdp", "zero", "deepspeed_engine", "offload", "tp", "tp_train", "pp", "schedules", "cp",
-                        "cp_train", "cp_torch", "ep"}}
+           "parallel": {m for roles in PARALLELISMS.values() for m in roles.values()}}
 ORDER = list(LAYERS)
 LAYER_OF = {m: ORDER.index(layer) for layer, mods in LAYERS.items() for m in mods}
 MAX_FUNCTION_LINES = 60
@@ -163,29 +184,76 @@ def test_functions_fit_on_a_screen_and_public_ones_say_what_they_do(name):
     assert not undocumented, f"{name}.py: public {undocumented} have no docstring"
 
 
+def test_every_parallelism_has_its_roles_and_no_module_is_outside_them():
+    """course_lib/parallel/ holds exactly the modules of PARALLELISMS, and each parallelism has every role but those
+    ABSENT_ROLES names with a reason."""
+    present = {p.stem for p in (PACKAGE / "parallel").glob("*.py")} - {"__init__"}
+    assert present == FOLDERS["parallel"], (f"course_lib/parallel/ has {sorted(present - FOLDERS['parallel'])} "
+                                            f"beyond PARALLELISMS and lacks {sorted(FOLDERS['parallel'] - present)}")
+    for p, roles in PARALLELISMS.items():
+        missing = [r for r in ROLES if r not in roles and (p, r) not in ABSENT_ROLES]
+        assert not missing, f"{p} has no {missing} module: write it, or name the reason in ABSENT_ROLES"
+        assert not [r for r in roles if (p, r) in ABSENT_ROLES], f"{p}: a role is both present and absent"
+        assert roles["hand"] == p and roles.get("cost", f"{p}_cost") == f"{p}_cost"
+        assert roles.get("api", f"{p}_torch") in (f"{p}_torch", f"{p}_deepspeed")
+
+
+def _parameters(fn: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
+
+
+@pytest.mark.parametrize("p", sorted(p for p, roles in PARALLELISMS.items() if "api" in roles))
+def test_the_api_module_applies_the_parallelism_and_runs_one_spec(p):
+    """``apply_<p>(model, mesh, cfg)`` (torchtitan's shape), and one worker, ``train(spec, ...)``, whose arguments
+    besides the spec are at most MAX_WORKER_ARGS; no other ``train*`` function in the parallelism's modules."""
+    api = PARALLELISMS[p]["api"]
+    functions = {f.name: f for f in modules()[api].body if isinstance(f, ast.FunctionDef)}
+    assert f"apply_{p}" in functions, f"{api}.py has no apply_{p}(model, mesh, cfg)"
+    assert _parameters(functions[f"apply_{p}"])[:3] == ["model", "mesh", "cfg"], \
+        f"{api}.apply_{p} takes {_parameters(functions[f'apply_{p}'])}: make it apply_{p}(model, mesh, cfg)"
+    assert "train" in functions, f"{api}.py has no worker train(spec, ...)"
+    params = _parameters(functions["train"])
+    assert params[:1] == ["spec"] and len(params) - 1 <= MAX_WORKER_ARGS, \
+        f"{api}.train takes {params}: its run goes in one frozen spec, besides it at most {MAX_WORKER_ARGS} arguments"
+    others = [f"{m}.{f.name}" for m in PARALLELISMS[p].values() for f in modules()[m].body
+              if isinstance(f, ast.FunctionDef) and f.name.startswith("train") and (m, f.name) != (api, "train")]
+    assert not others, f"{others}: {p}'s one worker is {api}.train(spec, ...); fold these into its spec"
+
+
+@pytest.mark.parametrize("p", sorted(p for p, roles in PARALLELISMS.items() if "cost" in roles))
+def test_roles_import_one_way_hand_then_cost_then_api(p):
+    """The mechanism by hand imports neither its cost nor its API module, and the cost module not the API one: a
+    formula never depends on the library that runs the thing it prices."""
+    roles = PARALLELISMS[p]
+    order = [roles["hand"], roles["cost"]] + ([roles["api"]] if "api" in roles else [])
+    for i, module in enumerate(order):
+        later = {m for m, _ in course_imports(modules()[module])} & set(order[i + 1:])
+        assert not later, f"{module} imports {sorted(later)}: {p}'s roles import one way, {' -> '.join(order)}"
+
+
 # The one training loop is train.fit over train.train_step (the runner; an engine's step plugs into fit's step=). A
 # backward or an optimizer step anywhere else in the library is a loop of its own, unless the function owns it for
 # a reason fit cannot serve: each such owner is named here with that reason. (The checks are the judges' reference
 # runs, above the library: not counted.)
 OWNS_BACKWARD_OR_STEP = {
     "train.train_step": "the step itself: backward, clipping, the optimizer step",
-    "deepspeed_engine.deepspeed_step":
+    "zero_deepspeed.deepspeed_step":
         "DeepSpeed's engine owns backward and step (engine.backward, engine.step): fit's step=",
-    "schedules.run_1f1b": "a pipeline stage backwards its piece with the gradient its successor sent",
-    "pp.naive_step": "a pipeline stage backwards its piece with the gradient its successor sent",
-    "pp._step": "torch's pipeline schedule runs every stage's forward and backward itself (schedule.step)",
-    "pp._train": "the optimizer step after the schedule's: pipelined, fit's step=",
+    "pp.run_1f1b": "a pipeline stage backwards its piece with the gradient its successor sent",
+    "pp_torch.naive_step": "a pipeline stage backwards its piece with the gradient its successor sent",
+    "pp_torch._step": "torch's pipeline schedule runs every stage's forward and backward itself (schedule.step)",
+    "pp_torch._train": "the optimizer step after the schedule's: pipelined, fit's step=",
     "zero.ShardedOptimizer.step": "a sharded optimizer: its step is the inner optimizer's step on this rank's shard",
     "offload.OffloadedAdamW.step": "an offloaded optimizer: its step is the inner optimizer's step on the CPU masters",
     "finetune.node_step": "the learning-rate schedule's step after train_step (scheduler.step), not an optimizer's",
     "memory.measure_training_step": "one step split into forward, backward and optimizer step, to measure each",
     "checkpointing.activation_memory": "a probe: one backward to measure what checkpointing keeps, no optimizer",
-    "fsdp.trace_step": "a probe: one forward and backward under the profiler, to trace FSDP's collectives",
+    "fsdp_torch.trace_step": "a probe: one forward and backward under the profiler, to trace FSDP's collectives",
     "ep.balancing_runs": "the router alone, stepped on the Switch balancing loss (no model, no task loss) to set "
                          "beside the bias that balances without a gradient",
     "precision.activation_gradients": "a probe: one backward to read the activations' gradients, no optimizer",
-    "cp_train.measure_ring_memory": "a probe: the ring's backward, to measure its memory, no optimizer",
-    "cp_train._step_peak": "a probe: one forward and backward to read the GPU allocator's peak (or its running out), "
+    "cp_cost.measure_ring_memory": "a probe: the ring's backward, to measure its memory, no optimizer",
+    "cp_cost._step_peak": "a probe: one forward and backward to read the GPU allocator's peak (or its running out), "
                            "no optimizer",
     "fp8_compute.torchao_fp8_runs": "a probe: whether float8 matmuls run forward and backward here",
     "qlora.bitsandbytes_4bit_runs": "a probe: whether bitsandbytes' 4-bit layers run forward and backward here",

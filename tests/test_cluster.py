@@ -40,7 +40,7 @@ STUB_SCONTROL = '[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%s\\n" "$FAKE
 
 
 def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
-    text = cluster.torchrun_sbatch(["-m", "course_lib.workers", "course_lib.parallel.deepspeed_engine:train",
+    text = cluster.torchrun_sbatch(["-m", "course_lib.workers", "course_lib.parallel.zero_deepspeed:train",
                                     "/shared/run 1"], nodes=4, partition="mi300x", time="2-00:00:00", job_name="zero3")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=mi300x", "#SBATCH --time=2-00:00:00", "#SBATCH --job-name=zero3",
@@ -49,7 +49,7 @@ def test_torchrun_sbatch_renders_the_sbatch_header_and_rendezvous():
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
     assert re.search(r"torchrun --nnodes=4 --nproc-per-node=8 \\\n\s+--rdzv-backend=c10d "
                      r"--rdzv-endpoint=\"\$head_node:29500\" --rdzv-id=\"\$SLURM_JOB_ID\"", text)
-    assert "-m course_lib.workers course_lib.parallel.deepspeed_engine:train '/shared/run 1'" in text, \
+    assert "-m course_lib.workers course_lib.parallel.zero_deepspeed:train '/shared/run 1'" in text, \
         "arguments are shell-quoted"
     assert "numa_balancing" in text, "seed 001's NUMA check"
     assert "{{" not in text

@@ -1,4 +1,4 @@
-"""course_lib.parallel.cp and cp_train: ring attention equals full attention, on real gloo ranks.
+"""course_lib.parallel.cp, cp_cost and cp_torch: ring attention equals full attention, on real gloo ranks.
 
 One fork per world size (2, 3, 4 ranks) runs every check that needs ranks: the ring against SDPA on the
 whole sequence (output and q, k, v gradients; causal or not; plain or zig-zag split; a length that divides
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
-from course_lib.parallel import cp, cp_torch, cp_train
+from course_lib.parallel import cp, cp_cost, cp_torch
 from course_lib.distributed import CollectiveBytes
 from course_lib import attention
 from course_lib.launch import on_ranks, run_forked
@@ -104,7 +104,7 @@ def _every_check():
     results["order"] = " ".join(event["what"] for event in log.events)
     results["restored"] = swapped == [vars(dist.ProcessGroup)["send"], vars(dist.ProcessGroup)["recv"],
                                       vars(dist.Work)["wait"], cp.block_attention]
-    results["memory"] = cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    results["memory"] = cp_cost.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
     cp.tile_mask = _wrong_mask  # this forked rank's module only
     results["wrong mask"] = _ring(rank, world, seq, True, False)[0]
     return results
@@ -130,8 +130,8 @@ def test_ring_attention_equals_full_attention(world):
                     got = cp.merge_sequence([torch.from_numpy(p[i]) for p in given], seq, zigzag=zigzag)
                     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
                                                msg=f"given ring, {name}: seq={seq} causal={causal} zigzag={zigzag}")
-                fwd = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
-                bwd = cp_train.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                fwd = cp_cost.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+                bwd = cp_cost.ring_backward_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
                 assert all(p[4] == fwd and p[5] == bwd for p in parts), ([p[4:] for p in parts], fwd, bwd)
                 # the all-gather design: the same output, one all-gather sending what the ring's passes send
                 gathered = [r["gathered", seq, causal, zigzag] for r in ranks]
@@ -140,14 +140,14 @@ def test_ring_attention_equals_full_attention(world):
                                            msg=f"gathered_forward: seq={seq} causal={causal} zigzag={zigzag}")
                 assert all(sent == {"all_gather": pytest.approx(fwd)} for _, sent in gathered), (gathered[0][1], fwd)
     # the tiles each rank computed: the plain causal ring's imbalance, the zig-zag's balance
-    assert [r["work", False] for r in ranks] == cp_train.causal_work(world)
-    assert [r["work", True] for r in ranks] == pytest.approx(cp_train.causal_work(world, zigzag=True))
+    assert [r["work", False] for r in ranks] == cp_cost.causal_work(world)
+    assert [r["work", True] for r in ranks] == pytest.approx(cp_cost.causal_work(world, zigzag=True))
     # the order: at each step but the last, the next block's pass is in flight while this block is attended
     assert [r["order"] for r in ranks] == [" ".join(["send recv attend wait wait"] * (world - 1) + ["attend"])] * world
     assert all(r["restored"] for r in ranks), "RingLog leaves torch's methods and block_attention as it found them"
     # memory kept for backward: the prediction, and 1/N of one rank's
-    assert all(r["memory"] == cp_train.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
-    assert ranks[0]["memory"] * world == cp_train.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
+    assert all(r["memory"] == cp_cost.attention_activation_bytes(MEMORY_SEQ, H, D, world, batch=B) for r in ranks)
+    assert ranks[0]["memory"] * world == cp_cost.measure_ring_memory(MEMORY_SEQ, H, D, batch=B)
     # the known mistakes are caught by the same comparison
     seq = LENGTHS[world][0]
     want = _reference(seq, True)[0]
@@ -179,7 +179,7 @@ def _grouped_designs(specs):
             q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in _gqa_reference(GQA_SEQ, causal)[0])
             kw = dict(causal=causal, seq_len=GQA_SEQ, zigzag=zigzag)
             outs[causal, zigzag] = [f(q, k, v, **kw)[0].numpy() for f in (cp.ring_forward, cp.gathered_forward)]
-    return outs, [cp_train.compare_designs(spec, repeats=2) for spec in specs]
+    return outs, [cp_cost.compare_designs(spec, repeats=2) for spec in specs]
 
 
 def test_grouped_heads_in_both_designs_bytes_kv_memory_and_time():
@@ -187,7 +187,7 @@ def test_grouped_heads_in_both_designs_bytes_kv_memory_and_time():
     heads; each rank sends the formula's bytes by either design, GQA a quarter of MHA's; the largest K/V tensor the
     all-gather builds is the whole (padded) sequence's, N times the ring's one block."""
     world, (heads, kv_heads) = 4, GQA_HEADS
-    specs = [cp_train.AttentionSpec(seq=GQA_SEQ, heads=heads, head_dim=D, kv_heads=kv, batch=B)
+    specs = [cp_cost.AttentionSpec(seq=GQA_SEQ, heads=heads, head_dim=D, kv_heads=kv, batch=B)
              for kv in (heads, kv_heads)]
     ranks = run_forked(_grouped_designs, world, dict(specs=specs), timeout=120)
     for causal, zigzag in ranks[0][0]:
@@ -198,9 +198,9 @@ def test_grouped_heads_in_both_designs_bytes_kv_memory_and_time():
     sent = {}
     for spec, runs in zip(specs, zip(*(r[1] for r in ranks))):
         shape = (spec.seq, spec.kv, spec.head_dim, world, 4)
-        fwd = cp_train.ring_bytes_per_rank(*shape, batch=B, zigzag=True)
-        block = cp_train.largest_kv_bytes(*shape, batch=B, zigzag=True)
-        whole = cp_train.largest_kv_bytes(*shape, batch=B, zigzag=True, gathered=True)
+        fwd = cp_cost.ring_bytes_per_rank(*shape, batch=B, zigzag=True)
+        block = cp_cost.largest_kv_bytes(*shape, batch=B, zigzag=True)
+        whole = cp_cost.largest_kv_bytes(*shape, batch=B, zigzag=True, gathered=True)
         assert whole == world * block == 2 * B * spec.kv * 32 * D * 4  # 30 tokens padded to 32
         for run in runs:
             assert run["spec"] == dataclasses.asdict(spec) and run["gap"] < 1e-5, run
@@ -224,16 +224,31 @@ def test_grouped_heads_one_rank_and_refusals():
     with pytest.raises(ValueError, match="do not group"):
         cp.block_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1))
     with pytest.raises(ValueError, match="must divide"):
-        cp_train.AttentionSpec(seq=8, heads=8, head_dim=4, kv_heads=3)
-    assert json.loads(json.dumps(dataclasses.asdict(cp_train.AttentionSpec(seq=8, heads=8, head_dim=4))))["seq"] == 8
+        cp_cost.AttentionSpec(seq=8, heads=8, head_dim=4, kv_heads=3)
+    assert json.loads(json.dumps(dataclasses.asdict(cp_cost.AttentionSpec(seq=8, heads=8, head_dim=4))))["seq"] == 8
 
 
 def test_ring_llama_trains_like_one_process():
     """The course's Llama with ring attention, 3 steps of AdamW: 3 ranks plain, 4 zig-zag (30 tokens: padded)."""
-    reference = cp_train.reference_llama_losses(3, seq=30)
+    reference = cp_torch.reference_llama_losses(3, seq=30)
     for world, zigzag in ((3, False), (4, True)):
-        ranks = run_forked(cp_train.train_ring_llama, world, dict(steps=3, zigzag=zigzag), timeout=120)
+        spec = cp_torch.CPRun(steps=3, zigzag=zigzag)
+        ranks = [r["losses"] for r in run_forked(cp_torch.train, world, dict(spec=spec), timeout=120)]
         assert all(r == pytest.approx(reference, rel=1e-5) for r in ranks), (world, zigzag, ranks[0], reference)
+
+
+def test_a_cp_run_is_one_frozen_spec_with_each_design_s_default_length():
+    """CPRun: the hand ring's 30 tokens (padded), torch's seq_for the world; a design it does not know, or a field, is
+    refused; it crosses JSON as the dict of its fields."""
+    assert cp_torch.CPRun().length(4) == cp_torch.RING_SEQ == 30
+    assert cp_torch.CPRun(design="torch").length(3) == cp_torch.seq_for(3) == 36
+    assert cp_torch.CPRun(design="torch", seq=48).length(3) == 48
+    with pytest.raises(ValueError, match="design"):
+        cp_torch.CPRun(design="ring")
+    with pytest.raises(ValueError, match="no field"):
+        cp_torch.CPRun.of({"steps": 2, "world": 4})
+    spec = cp_torch.CPRun(steps=2, zigzag=True)
+    assert cp_torch.CPRun.of(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
 
 
 def test_merge_is_exact_and_the_unscaled_merge_is_not():
@@ -276,24 +291,24 @@ def test_splits_and_positions():
 
 
 def test_causal_work_and_formulas():
-    assert cp_train.causal_work(4) == [1, 2, 3, 4]  # the last rank does N times the first's work
-    assert cp_train.causal_work(4, zigzag=True) == [2.25] * 4  # 2N+1 quarter blocks each
+    assert cp_cost.causal_work(4) == [1, 2, 3, 4]  # the last rank does N times the first's work
+    assert cp_cost.causal_work(4, zigzag=True) == [2.25] * 4  # 2N+1 quarter blocks each
     # the bytes a rank sends do not fall with N; the activations it keeps do
-    assert cp_train.ring_bytes_per_rank(1024, 8, 64, 2) == 1 * 2 * 8 * 512 * 64 * 4
-    assert cp_train.ring_bytes_per_rank(1024, 8, 64, 8) == 7 * 2 * 8 * 128 * 64 * 4
-    assert cp_train.ring_bytes_per_rank(10, 1, 1, 3, 2) == 2 * 2 * 4 * 2  # 10 tokens pad to 12: 4 per rank
-    one, eight = (cp_train.attention_activation_bytes(4096, 8, 64, n, 2) for n in (1, 8))
+    assert cp_cost.ring_bytes_per_rank(1024, 8, 64, 2) == 1 * 2 * 8 * 512 * 64 * 4
+    assert cp_cost.ring_bytes_per_rank(1024, 8, 64, 8) == 7 * 2 * 8 * 128 * 64 * 4
+    assert cp_cost.ring_bytes_per_rank(10, 1, 1, 3, 2) == 2 * 2 * 4 * 2  # 10 tokens pad to 12: 4 per rank
+    one, eight = (cp_cost.attention_activation_bytes(4096, 8, 64, n, 2) for n in (1, 8))
     assert one == 8 * eight == 8 * 4096 * (64 * (3 * 2 + 4) + 4)  # heads x rows x (q, k, v bf16; out, lse f32)
 
 
 def test_a_llama_per_rank_and_the_longest_sequence():
     from course_lib.models import llama_config
     config = llama_config("tiny")
-    one, four = (cp_train.llama_activation_bytes_per_rank(config, 4096, n) for n in (1, 4))
+    one, four = (cp_cost.llama_activation_bytes_per_rank(config, 4096, n) for n in (1, 4))
     assert one == 4 * four
-    fits = cp_train.longest_sequence(config, one, 1)
-    assert fits == 4096 and cp_train.longest_sequence(config, one, 4) == 4 * 4096
-    assert cp_train.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
+    fits = cp_cost.longest_sequence(config, one, 1)
+    assert fits == 4096 and cp_cost.longest_sequence(config, one, 4) == 4 * 4096
+    assert cp_cost.llama_activation_bytes_per_rank(config, fits + 1) > one  # one token more does not fit
 
 
 def test_a_llamas_activations_are_linear_in_the_sequence():
@@ -302,7 +317,7 @@ def test_a_llamas_activations_are_linear_in_the_sequence():
     from course_lib.memory import llama_activation_bytes
     from course_lib.models import llama_config
     seqs = [32, 64, 128]
-    measured = cp_train.llama_activations_by_length(seqs)
+    measured = cp_cost.llama_activations_by_length(seqs)
     per_token = [measured[s] / s for s in seqs]
     assert max(per_token) / min(per_token) < 1.05, per_token
     config = llama_config("tiny")
@@ -315,14 +330,14 @@ def test_a_llamas_activations_are_linear_in_the_sequence():
 
 def test_the_longest_sequence_from_two_peaks():
     # 7 GB fixed, 3 MB a token: 16 GB holds (16 - 7) / 0.003 = 3000 tokens
-    assert cp_train.longest_from_peaks({1000: 10_000_000_000, 2000: 13_000_000_000}, 16_000_000_000) == 3000
-    assert cp_train.longest_from_peaks({2000: 13_000_000_000, 1000: 10_000_000_000}, 16_000_000_000) == 3000
+    assert cp_cost.longest_from_peaks({1000: 10_000_000_000, 2000: 13_000_000_000}, 16_000_000_000) == 3000
+    assert cp_cost.longest_from_peaks({2000: 13_000_000_000, 1000: 10_000_000_000}, 16_000_000_000) == 3000
     with pytest.raises(ValueError, match="no growth per token"):
-        cp_train.longest_from_peaks({1000: 5, 2000: 5}, 100)
+        cp_cost.longest_from_peaks({1000: 5, 2000: 5}, 100)
     with pytest.raises(ValueError, match="needs a GPU"):
-        cp_train.measure_longest_sequence(device="cpu")
+        cp_cost.measure_longest_sequence(device="cpu")
     if torch.cuda.is_available():  # the lent GPU's test lane: where one GPU runs out, in a 6 GiB budget
-        run = cp_train.measure_longest_sequence("small", budget_gb=6, probes=(2048, 4096))
+        run = cp_cost.measure_longest_sequence("small", budget_gb=6, probes=(2048, 4096))
         assert run["ran_out"] == {0.8: False, 1.25: True}, run
 
 
@@ -344,8 +359,8 @@ def test_torch_context_parallel_needs_a_gpu():
         assert cp_torch.support("cuda") is not None
         return
     world = min(torch.cuda.device_count(), 2)
-    runs = on_ranks(cp_torch.train_llama, world, "cuda", timeout=300, steps=2)
-    reference = cp_train.reference_llama_losses(2, seq=cp_torch.seq_for(world))
+    runs = on_ranks(cp_torch.train, world, "cuda", timeout=300, spec=cp_torch.CPRun(design="torch", steps=2))
+    reference = cp_torch.reference_llama_losses(2, seq=cp_torch.seq_for(world))
     assert all(r["zigzag"] for r in runs)
     assert max(abs(a - b) / b for a, b in zip(runs[0]["losses"], reference)) < 1e-4, (runs[0]["losses"], reference)
 
@@ -419,9 +434,9 @@ def test_support_asks_the_rocm_gate_where_a_gpu_is_visible(monkeypatch):
 
 
 def _forced_torch_cp(seq: int) -> str:
-    """cp_torch.train_llama forced onto this CPU rank: the traceback of where it stopped."""
+    """cp_torch.train's design "torch" forced onto this CPU rank: the traceback of where it stopped."""
     try:
-        cp_torch.train_llama(1, seq=seq, force=True)
+        cp_torch.train(cp_torch.CPRun(design="torch", steps=1, seq=seq, force=True))
     except Exception:  # noqa: BLE001 - the test reads which error, and where
         return traceback.format_exc()
     return "ran"
@@ -429,7 +444,7 @@ def _forced_torch_cp(seq: int) -> str:
 
 def test_torch_cps_llama_draws_its_weights_where_the_reference_does():
     """The same seed draws other weights on a GPU's generator than on the CPU's, and cp_torch's Llama is compared
-    loss for loss with cp_train's reference, built on the CPU: its weights must be drawn on the CPU too, whatever
+    loss for loss with its reference, built on the CPU: its weights must be drawn on the CPU too, whatever
     device it runs on. The meta device stands in for a GPU: every random draw must still land on a CPU tensor."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -460,7 +475,7 @@ def test_torch_context_parallel_goes_the_gpus_way_up_to_the_kernel():
     refused = run_forked(_forced_torch_cp, 2, dict(seq=30), timeout=60)  # 30 tokens do not cut into 2·2 chunks
     assert all("use a multiple of 4" in tb for tb in refused), refused[0][-1000:]
     with pytest.raises(Exception, match="it needs GPUs"):
-        run_forked(cp_torch.train_llama, 2, dict(steps=1), timeout=60)  # unforced: refused before anything starts
+        run_forked(cp_torch.train, 2, dict(spec=dict(design="torch", steps=1)), timeout=60)  # unforced: refused
 
 
 def _torch_split(seq: int) -> bool:
@@ -473,6 +488,6 @@ def _torch_split(seq: int) -> bool:
 
 
 def test_torchs_load_balancer_is_the_zigzag_split():
-    """What cp_torch.train_llama checks on GPU ranks, checked here: torch's head-tail split is notebook 16's."""
+    """What cp_torch.train checks on GPU ranks, checked here: torch's head-tail split is notebook 16's."""
     for world in (2, 4):
         assert all(run_forked(_torch_split, world, dict(seq=32), timeout=60))

@@ -1,4 +1,5 @@
-"""course_lib.parallel.ddp on real gloo ranks: the hand-written bucketed DDP against torch's, and the collective log."""
+"""course_lib.parallel.ddp, ddp_torch and ddp_cost on real gloo ranks: the hand-written bucketed DDP against torch's,
+the collective log, the one worker's modes, and the step-time model."""
 
 import copy
 
@@ -14,7 +15,9 @@ from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveLog
 from course_lib.launch import run_forked
 from course_lib.models import SmallCNN
-from course_lib.parallel import ddp
+from course_lib.parallel import ddp, ddp_cost, ddp_torch
+from course_lib.parallel.ddp_torch import DDPRun
+from course_lib.train import Dims
 
 
 def test_buckets_fill_from_the_last_parameter_and_close_once_they_reach_the_cap():
@@ -101,8 +104,8 @@ def test_a_bucket_never_waited_on_is_seen_by_the_log():
 
 @pytest.mark.parametrize("mode", ["bucketed", "manual"])
 def test_train_with_accumulation_matches_ddp(mode):
-    kw = dict(steps=3, global_batch=16, width=8, accum_steps=2, n_samples=64)
-    runs = {m: run_forked(ddp.train, 2, dict(mode=m, **kw), timeout=120)[0]
+    spec = DDPRun(steps=3, global_batch=16, width=8, accum_steps=2, n_samples=64)
+    runs = {m: run_forked(ddp_torch.train, 2, dict(spec=DDPRun.of(spec, mode=m)), timeout=120)[0]
             for m in ("ddp", mode)}
     assert max(abs(a - b) / b for a, b in zip(runs[mode]["losses"], runs["ddp"]["losses"])) < 1e-5
     assert runs[mode]["digest"] == pytest.approx(runs["ddp"]["digest"], rel=1e-6)
@@ -110,22 +113,38 @@ def test_train_with_accumulation_matches_ddp(mode):
 
 def test_train_runs_a_gradient_sync_of_your_own():
     """Notebook 04 passes the student's average_gradients to ``train``: it is what runs after backward."""
-    kw = dict(steps=3, global_batch=16, width=8, n_samples=64)
+    spec = DDPRun(steps=3, global_batch=16, width=8, n_samples=64)
 
     def summed(model):  # no division by the world size: a 2x learning rate on 2 ranks
         for p in model.parameters():
             dist.all_reduce(p.grad)
 
     def runs():
-        return {"ddp": ddp.train(**kw), "yours": ddp.train(mode="yours", sync_grads=ddp.all_reduce_gradients, **kw),
-                "summed": ddp.train(mode="summed", sync_grads=summed, **kw),
-                "wrapped": ddp.train(mode="wrapped", wrap=DDP, **kw)}
+        return {"ddp": ddp_torch.train(spec),
+                "yours": ddp_torch.train(DDPRun.of(spec, mode="yours"), sync_grads=ddp.all_reduce_gradients),
+                "summed": ddp_torch.train(DDPRun.of(spec, mode="summed"), sync_grads=summed),
+                "wrapped": ddp_torch.train(DDPRun.of(spec, mode="wrapped"), wrap=DDP)}
 
     out = run_forked(runs, 2, timeout=120)[0]
     for name in ("yours", "wrapped"):
         assert max(abs(a - b) / b for a, b in zip(out[name]["losses"], out["ddp"]["losses"])) < 1e-5, name
     assert out["summed"]["losses"][0] == pytest.approx(out["ddp"]["losses"][0])  # the same start...
     assert out["summed"]["digest"] != pytest.approx(out["ddp"]["digest"], rel=1e-4)  # ...and another training
+
+
+def test_apply_ddp_over_a_mesh_trains_like_over_the_world():
+    """apply_ddp(model, mesh, cfg): a 1-D mesh of every rank (Dims.mesh) is the whole world's group."""
+    spec = DDPRun(steps=2, global_batch=16, width=8, n_samples=64)
+
+    def runs():
+        mesh = Dims(spec.global_batch, dp=dist.get_world_size()).mesh("cpu")
+        over_mesh = ddp_torch.train(DDPRun.of(spec, mode="mesh"), wrap=lambda m: ddp_torch.apply_ddp(m, mesh, spec))
+        return {"world": ddp_torch.train(spec), "mesh": over_mesh}
+
+    out = run_forked(runs, 2, timeout=120)[0]
+    assert out["mesh"]["losses"] == out["world"]["losses"] and out["mesh"]["digest"] == out["world"]["digest"]
+    with pytest.raises(ValueError, match="DDPRun has no field stepz"):
+        DDPRun.of({"stepz": 3})
 
 
 def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
@@ -163,14 +182,14 @@ def test_a_rank_whose_batch_scores_no_token_still_syncs_with_the_others():
 
 def test_throughput_times_every_data_parallel_mode_and_refuses_unknown_ones():
     def modes():
-        out = {m: ddp.throughput(global_batch=8, width=8, steps=1, mode=m)["samples_per_s"]
+        out = {m: ddp_torch.throughput(global_batch=8, width=8, steps=1, mode=m)["samples_per_s"]
                for m in ("ddp", "bucketed", "manual")}
-        out["own"] = ddp.throughput(global_batch=8, width=8, steps=1, mode="own", wrap=copy.deepcopy,
-                                    sync_grads=ddp.all_reduce_gradients)["samples_per_s"]
+        out["own"] = ddp_torch.throughput(global_batch=8, width=8, steps=1, mode="own", wrap=copy.deepcopy,
+                                          sync_grads=ddp.all_reduce_gradients)["samples_per_s"]
         with pytest.raises(ValueError, match="use 'ddp', 'bucketed', 'manual' or 'dp'"):
-            ddp.throughput(global_batch=8, mode="zero")
+            ddp_torch.throughput(global_batch=8, mode="zero")
         with pytest.raises(ValueError, match="multiple of 2"):
-            ddp.throughput(global_batch=7)
+            ddp_torch.throughput(global_batch=7)
         return out
 
     assert all(v > 0 for v in run_forked(modes, 2, timeout=120)[0].values())
@@ -237,28 +256,30 @@ def test_the_step_time_model_recovers_a_machine_and_sizes_the_batch_where_n_rank
     (2048 samples) predicts under 2x, far from 0.7 x 8; the batch the model picks reaches 5.6x, and one fewer multiple
     of 8 does not."""
     one, many = _steps(1e-3, 2e-7, 3e-4, 8)
-    model = ddp.step_time_model(one, 8, many)
+    model = ddp_cost.step_time_model(one, 8, many)
     assert model["fixed_s"] == pytest.approx(1e-3) and model["per_sample_s"] == pytest.approx(2e-7)
     assert model["sync_s"] == pytest.approx(3e-4)
-    assert ddp.predicted_speedup(model, 2048) < 2
-    batch = ddp.batch_for_speedup(model, 0.7)
-    assert batch % 8 == 0 and ddp.predicted_speedup(model, batch) >= 0.7 * 8 > ddp.predicted_speedup(model, batch - 8)
-    assert ddp.batch_for_speedup(ddp.step_time_model(*_steps(1e-3, 2e-7, 0.0, 2)[:1], 2, (64, 1e-3)), 0.5) == 2
+    assert ddp_cost.predicted_speedup(model, 2048) < 2
+    batch = ddp_cost.batch_for_speedup(model, 0.7)
+    assert batch % 8 == 0
+    assert ddp_cost.predicted_speedup(model, batch) >= 0.7 * 8 > ddp_cost.predicted_speedup(model, batch - 8)
+    two = ddp_cost.step_time_model(*_steps(1e-3, 2e-7, 0.0, 2)[:1], 2, (64, 1e-3))
+    assert ddp_cost.batch_for_speedup(two, 0.5) == 2
 
 
 def test_the_step_time_model_refuses_timings_it_cannot_fit():
     with pytest.raises(ValueError, match="two or more different batches"):
-        ddp.step_time_model([(64, 0.01), (64, 0.02)], 2, (64, 0.01))
+        ddp_cost.step_time_model([(64, 0.01), (64, 0.02)], 2, (64, 0.01))
     with pytest.raises(ValueError, match="not slower, so the timings are noise"):
-        ddp.step_time_model([(64, 0.02), (256, 0.01)], 2, (256, 0.01))
+        ddp_cost.step_time_model([(64, 0.02), (256, 0.01)], 2, (256, 0.01))
     with pytest.raises(ValueError, match="share below 1"):
-        ddp.batch_for_speedup({"fixed_s": 1e-3, "per_sample_s": 1e-6, "sync_s": 0.0, "n_ranks": 2}, 1.0)
+        ddp_cost.batch_for_speedup({"fixed_s": 1e-3, "per_sample_s": 1e-6, "sync_s": 0.0, "n_ranks": 2}, 1.0)
 
 
 def test_size_throughput_times_this_machine_and_returns_a_batch_its_own_model_backs():
     """On 2 CPU ranks over gloo: one rank grows its batch until compute shows, the line through the last two runs, 2
     ranks on the last batch; the batch returned divides over the ranks and its predicted speedup reaches the share."""
-    got = ddp.size_throughput("cpu", 2, width=8, steps=2, smallest=16, share=0.6)
+    got = ddp_torch.size_throughput("cpu", 2, width=8, steps=2, smallest=16, share=0.6)
     assert [r["ranks"] for r in got["runs"]][-1] == 2 and len(got["runs"]) >= 3
     assert [r["global_batch"] for r in got["runs"] if r["ranks"] == 1][:2] == [16, 64]
     assert got["per_sample_s"] > 0 and got["global_batch"] % 2 == 0 and got["global_batch"] == got["wanted"]

@@ -40,7 +40,7 @@ KEPT = {
         "course_lib.train.train_step, the one step every notebook trains with, skips the sync on all but the last "
         "micro-step (model.no_sync)",
     ("09_deepspeed_zero", "make_ds_config"):
-        "course_lib.parallel.deepspeed_engine.ds_config writes the DeepSpeed config that notebook 09 shows and every "
+        "course_lib.parallel.zero_deepspeed.ds_config writes the DeepSpeed config that notebook 09 shows and every "
         "ZeRO run (and the size sweep) launches with; one dict key matches the exercise's, whose arithmetic and "
         "errors are graded by behaviour",
     ("13_fast_recipe", "chunked_cross_entropy"):
@@ -491,7 +491,7 @@ def test_the_student_makefile_sets_up_and_opens_the_lab(built, tmp_path):
     assert "jupyter lab notebooks/" in dry.stdout
     assert "-m course_lib.apps.preflight" in dry.stdout and "build_deepspeed_ops" in dry.stdout
     stubbed = set(graded_references())  # what setup and preflight run must not be a stub
-    assert "parallel.deepspeed_engine.build_deepspeed_ops" not in stubbed
+    assert "parallel.zero_deepspeed.build_deepspeed_ops" not in stubbed
     assert not [r for r in stubbed if r.startswith("preflight.")]
     for target in ("test", "course", "release", "grade"):  # they need tests/ or solutions/: not in the edition
         assert run(["make", "-n", target], cwd=built).returncode != 0, target

@@ -1,4 +1,4 @@
-"""course_lib.parallel.ep: a mixture-of-experts layer, and its experts spread over real gloo ranks.
+"""course_lib.parallel.ep and ep_cost: a mixture-of-experts layer, and its experts spread over real gloo ranks.
 
 One fork per world size (2, 3, 4 ranks, each with a different number of tokens) checks that the
 expert-parallel layer equals the one-process layer on the same groups of tokens (output, input and
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import WorkerError, run_forked
-from course_lib.parallel import ep
+from course_lib.parallel import ep, ep_cost
 
 D, TOP_K, AUX = 8, 2, 0.1
 EXPERTS = {2: 4, 3: 6, 4: 4}
@@ -101,7 +101,7 @@ def test_expert_parallel_equals_one_process(world):
             t = g["traffic"]
             assert t["recv_splits"] == [o["traffic"]["send_splits"][r] for o in got]
             assert t["dispatched"] == _sizes(world)[r] * TOP_K - g["dropped"]
-            want = ep.ep_bytes_per_rank(t["dispatched"], t["received"], D, 4, E)
+            want = ep_cost.ep_bytes_per_rank(t["dispatched"], t["received"], D, 4, E)
             assert g["fwd"] == want["counts"] + want["dispatch"] + want["combine"] and g["bwd"] == want["backward"]
     # the known mistakes: the comparison catches them
     out = _reference(world, None)[0]

@@ -1,5 +1,5 @@
-"""course_lib.parallel.fsdp beyond what notebook 08 measures: accumulation under FSDP2, local byte counting of
-DTensors, the mesh's refusals, and batches that are a function of the step (2 forked gloo ranks).
+"""course_lib.parallel.fsdp and fsdp_torch beyond what notebook 08 measures: accumulation under FSDP2, local byte
+counting of DTensors, the mesh's refusals, and batches that are a function of the step (2 forked gloo ranks).
 
 The strategies against one process, bytes per rank, the mixed-precision and offload policies,
 meta-device init and the DCP resume are measured by notebook 08 and tested in test_notebook_08.py.
@@ -10,10 +10,13 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
-from course_lib.parallel import fsdp
 from course_lib.data import lm_batch
 from course_lib.launch import run_forked
+from course_lib.models import llama_config, llama_num_parameters
+from course_lib.parallel import fsdp, fsdp_torch
+from course_lib.parallel.fsdp_torch import FSDPRun
 
 
 def _accumulate_and_count():
@@ -32,9 +35,9 @@ def _accumulate_and_count():
         return reduce_scatter(*args, **kwargs)
 
     setattr(dist, name, counting)
-    once = fsdp.train(strategy="full", steps=3, batch=8, seq=16, accum_steps=1, device="cpu")
+    once = fsdp_torch.train(FSDPRun(strategy="full", steps=3, batch=8, seq=16, accum_steps=1, device="cpu"))
     counts = [len(calls)]
-    accumulated = fsdp.train(strategy="full", steps=3, batch=8, seq=16, accum_steps=4, device="cpu")
+    accumulated = fsdp_torch.train(FSDPRun(strategy="full", steps=3, batch=8, seq=16, accum_steps=4, device="cpu"))
     counts.append(len(calls) - counts[0])
     mesh = init_device_mesh("cpu", (world,))
     sharded = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
@@ -55,13 +58,14 @@ def test_sharding_by_hand_gives_one_process_and_fully_shard_gradients_with_a_sli
 
 
 def _traced_step_read(trace_dir):
-    """fsdp.trace_step, and its traces read on the rank: pandas stays out of this process, which forks later tests."""
+    """fsdp_torch.trace_step, and its traces read on the rank: pandas stays out of this process, which forks later
+    tests."""
     from course_lib import profiling
 
-    out = fsdp.trace_step(trace_dir)
+    out = fsdp_torch.trace_step(trace_dir)
     for how, path in out["paths"].items():
-        frame = fsdp.label_step(profiling.read_trace(path))
-        out[how] = {"collectives": fsdp.step_collectives(frame).to_dict("records"),
+        frame = fsdp_torch.label_step(profiling.read_trace(path))
+        out[how] = {"collectives": fsdp_torch.step_collectives(frame).to_dict("records"),
                     **{behind: profiling.hidden(frame, behind=behind, named="all_gather")["share"]
                        for behind in ("compute", "gather_wait")}}
     return out
@@ -108,7 +112,7 @@ def test_accumulation_under_fsdp2_syncs_once_and_equals_the_whole_batch():
         assert r["accumulated"] == pytest.approx(r["once"], rel=1e-5)
         assert r["digests"][1] == pytest.approx(r["digests"][0], rel=1e-5)
         assert r["dtensor_bytes"] == 4 * 4 * 4  # this rank's 4 of 8 rows, counted once
-    assert ranks[0]["weights"] + ranks[1]["weights"] == 4 * fsdp.llama_num_parameters(fsdp.llama_config("tiny"))
+    assert ranks[0]["weights"] + ranks[1]["weights"] == 4 * llama_num_parameters(llama_config("tiny"))
 
 
 def test_shard_size_must_divide_the_world():
@@ -117,9 +121,9 @@ def test_shard_size_must_divide_the_world():
     single_process_group()
     try:
         with pytest.raises(ValueError, match="shard_size=2"):
-            fsdp.make_mesh("hybrid", shard_size=2, device_type="cpu")
+            fsdp_torch.make_mesh("hybrid", shard_size=2, device_type="cpu")
         with pytest.raises(ValueError, match="strategy='zero3'"):
-            fsdp.make_mesh("zero3", device_type="cpu")
+            fsdp_torch.make_mesh("zero3", device_type="cpu")
     finally:
         dist.destroy_process_group()  # later tests fork ranks from this process
 
@@ -134,7 +138,8 @@ def test_an_offloaded_model_computes_where_its_mesh_says(monkeypatch):
 
     single_process_group()
     try:
-        model = fsdp.shard_model(build_llama("tiny"), fsdp.make_mesh("full", device_type="cpu"), offload=True)
+        mesh = fsdp_torch.make_mesh("full", device_type="cpu")
+        model = fsdp_torch.apply_fsdp(build_llama("tiny"), mesh, FSDPRun(offload=True))
         shard = next(model.parameters())
         assert shard.device.type == "cpu" and shard.device_mesh.device_type == "cpu"
         assert compute_device(model) == torch.device("cpu")
@@ -165,7 +170,7 @@ def _mlp(seed=0):
 def _hand_sharded_against_one_process_and_fully_shard():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine, ref, theirs = fsdp.ShardedModule(_mlp()), _mlp(), _mlp()
-    fsdp.fully_shard(theirs)
+    fully_shard(theirs)
     opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (mine.shards, ref.parameters(), theirs.parameters())]
     x, y = torch.randn(3 * 6, 7, generator=torch.Generator().manual_seed(1)), torch.randn(3 * 6, 5)
     gaps = []

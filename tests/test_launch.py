@@ -23,14 +23,15 @@ from course_lib.device import gpu_count, ranks_device
 from course_lib.distributed import free_port
 import course_lib.launch
 from course_lib.launch import WorkerError, check_world, launch, on_ranks, run_forked
-from course_lib.parallel import deepspeed_engine
+from course_lib.parallel import zero_deepspeed
+from course_lib.parallel.ddp_torch import DDPRun
 
 
 def test_a_failing_rank_ends_the_launch_at_once_with_its_traceback_streamed_with_rank_prefixes(capsys):
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"(?s)rank 1 .*this rank fails on purpose"):
-        launch("course_lib.parallel.ddp:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 1}, echo=True, timeout=120,
-               device_type="cpu")
+        launch("course_lib.parallel.ddp_torch:fail_on_rank", nprocs=2, kwargs={"rank_to_fail": 1}, echo=True,
+               timeout=120, device_type="cpu")
     assert time.monotonic() - start < 60, "rank 0 waited in its barrier instead of being stopped"
     assert "[rank1] RuntimeError: this rank fails on purpose" in capsys.readouterr().out
 
@@ -62,8 +63,9 @@ def test_two_nodes_rendezvous_on_localhost():
     endpoint, results = f"127.0.0.1:{free_port()}", {}
 
     def node(rank):
-        results[rank] = launch("course_lib.parallel.ddp:train", nprocs=1, kwargs={"steps": 3}, nnodes=2, node_rank=rank,
-                               rdzv_endpoint=endpoint, echo=False, timeout=120, device_type="cpu")
+        results[rank] = launch("course_lib.parallel.ddp_torch:train", nprocs=1, kwargs={"spec": DDPRun(steps=3)},
+                               nnodes=2, node_rank=rank, rdzv_endpoint=endpoint, echo=False, timeout=120,
+                               device_type="cpu")
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -118,7 +120,7 @@ def test_world_sizes_the_hardware_lacks_are_refused():
     with pytest.raises(ValueError, match="nprocs=1000"):
         check_world(1000, "cpu")
     with pytest.raises(ValueError, match="module:function"):
-        launch("course_lib.parallel.ddp.train", 2)
+        launch("course_lib.parallel.ddp_torch.train", 2)
 
 
 def test_run_forked_runs_a_function_defined_here_and_reports_failures():
@@ -506,8 +508,8 @@ def test_after_make_ops_a_deepspeed_cpu_launch_loads_the_op_without_compiling(mo
     built = {p: p.stat().st_mtime_ns for p in (folder / "deepspeed_shm_comm").glob("*.[os]*")}
     assert any(p.suffix == ".so" for p in built), f"make ops built nothing in {folder}"
     ops, start = {p.name for p in folder.iterdir()}, time.monotonic()
-    results = launch("course_lib.parallel.deepspeed_engine:train", 2, {"stage": 2, "steps": 1}, device_type="cpu",
-                     echo=False, timeout=120)
+    results = launch("course_lib.parallel.zero_deepspeed:train", 2, {"spec": {"stage": 2, "steps": 1}},
+                     device_type="cpu", echo=False, timeout=120)
     seconds = time.monotonic() - start
     assert results[0]["losses"] == results[1]["losses"]
     assert {p: p.stat().st_mtime_ns for p in built} == built, "the launch recompiled DeepSpeed's op"
@@ -596,9 +598,9 @@ def test_forked_ranks_get_torchruns_environment_and_run_deepspeeds_engine_as_tor
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == ranks[0]["MASTER_PORT"]
     assert {k: os.environ.get(k) for k in TORCHRUN_VARS} == before, "the launching process keeps its environment"
-    kw = dict(stage=2, steps=2, global_batch=16, accum_steps=2)
-    forked = run_forked(deepspeed_engine.train, 2, kw, timeout=120)  # one worker contract: the same call as launch's
-    launched = launch("course_lib.parallel.deepspeed_engine:train", 2, kw, device_type="cpu", echo=False, timeout=120)
+    kw = dict(spec=zero_deepspeed.ZeroRun(stage=2, steps=2, global_batch=16, accum_steps=2))  # pickled, or JSON
+    forked = run_forked(zero_deepspeed.train, 2, kw, timeout=120)  # one worker contract: the same call as launch's
+    launched = launch("course_lib.parallel.zero_deepspeed:train", 2, kw, device_type="cpu", echo=False, timeout=120)
     for f, t in zip(forked, launched):
         assert (f["losses"], f["digest"], f["placement"]) == (t["losses"], t["digest"], t["placement"])
 

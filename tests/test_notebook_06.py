@@ -32,7 +32,8 @@ def test_ddp_equals_one_process_on_the_global_batch(executed):
 
 
 def test_the_students_average_gradients_trains_like_ddp(executed):
-    """After exercise 2, ddp.train runs the notebook's own average_gradients (course_lib's is the exercise's answer)."""
+    """After exercise 2, ddp_torch.train runs the notebook's own average_gradients (course_lib's is the exercise's
+    answer)."""
     res = executed("06_ddp")
     assert value(res, "manual_vs_ddp_max_rel_diff") < 1e-5
     assert value(res, "manual_replicas_identical") is True

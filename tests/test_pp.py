@@ -1,4 +1,4 @@
-"""course_lib.parallel.pp and course_lib.parallel.schedules: pipeline parallelism on real gloo ranks.
+"""course_lib.parallel.pp, pp_cost and pp_torch: pipeline parallelism on real gloo ranks.
 
 The schedules' losses equal one process on the same global batch; the naive split keeps one rank
 busy at a time; GPipe keeps m micro-batches of activations in flight, 1F1B at most p; the order
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel import pp, schedules
+from course_lib.parallel import pp, pp_cost, pp_torch
 from course_lib.distributed import CollectiveBytes
 from course_lib.memory import SavedTensorMeter
 from course_lib.launch import launch, run_forked
@@ -29,19 +29,19 @@ STEPS, LAYERS = 5, 4  # 4 decoder layers: one per stage for interleaved (2 ranks
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 def test_order_functions_simulate_to_the_formula(p, m):
-    for order in (schedules.gpipe_order(p, m), schedules.one_f_one_b_order(p, m)):
+    for order in (pp.gpipe_order(p, m), pp.one_f_one_b_order(p, m)):
         assert all(sorted(o) == sorted(order[0]) for o in order)  # every rank runs each F and B once
-        assert schedules.schedule_makespan(order)["bubble"] == pytest.approx(schedules.bubble_formula(p, m))
-    assert schedules.schedule_makespan(schedules.gpipe_order(p, m), 1.0, 1.0)["makespan"] == 2 * (m + p - 1)
+        assert pp_cost.schedule_makespan(order)["bubble"] == pytest.approx(pp_cost.bubble_formula(p, m))
+    assert pp_cost.schedule_makespan(pp.gpipe_order(p, m), 1.0, 1.0)["makespan"] == 2 * (m + p - 1)
 
 
 def test_simulator_refuses_a_deadlock():
     with pytest.raises(ValueError, match="deadlock"):
-        schedules.schedule_makespan([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
+        pp_cost.schedule_makespan([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
     with pytest.raises(ValueError, match="deadlock"):  # W reuses what I computed: it cannot come first
-        schedules.schedule_makespan([[("F", 0), ("W", 0), ("I", 0)]])
+        pp_cost.schedule_makespan([[("F", 0), ("W", 0), ("I", 0)]])
     with pytest.raises(ValueError, match="unknown action kind"):
-        schedules.schedule_makespan([[("F", 0), ("X", 0)]])
+        pp_cost.schedule_makespan([[("F", 0), ("X", 0)]])
 
 
 def test_split_backward_simulated_by_hand():
@@ -49,7 +49,7 @@ def test_split_backward_simulated_by_hand():
     F1 [3, 4], I1 [4, 5], W0, W1; rank 0 starts I0 when rank 1's I0 has ended (3), not its W0 (5), and I1 at 5."""
     order = [[("F", 0), ("F", 1), ("I", 0), ("I", 1), ("W", 0), ("W", 1)],
              [("F", 0), ("I", 0), ("F", 1), ("I", 1), ("W", 0), ("W", 1)]]
-    sim = schedules.schedule_makespan(order, t_f=1.0, t_b=2.0, t_w=1.0)
+    sim = pp_cost.schedule_makespan(order, t_f=1.0, t_b=2.0, t_w=1.0)
     starts = [{(kind, mb): start for kind, mb, _, start, _ in rank} for rank in sim["intervals"]]
     assert starts[1] == {("F", 0): 1, ("I", 0): 2, ("F", 1): 3, ("I", 1): 4, ("W", 0): 5, ("W", 1): 6}
     assert starts[0] == {("F", 0): 0, ("F", 1): 1, ("I", 0): 3, ("I", 1): 5, ("W", 0): 6, ("W", 1): 7}
@@ -58,9 +58,9 @@ def test_split_backward_simulated_by_hand():
     assert sim["in_flight"] == [2, 2]
     full = [[(k, i) for k, i in rank if k != "W"] for rank in order]
     full = [[("B" if k == "I" else k, i) for k, i in rank] for rank in full]
-    assert schedules.schedule_makespan(full)["in_flight"] == [2, 1]
+    assert pp_cost.schedule_makespan(full)["in_flight"] == [2, 1]
     # the costs: I is t_b - t_w, W is t_w, B both
-    uneven = schedules.schedule_makespan([[("F", 0), ("I", 0), ("W", 0)]], t_f=1.0, t_b=3.0, t_w=0.5)
+    uneven = pp_cost.schedule_makespan([[("F", 0), ("I", 0), ("W", 0)]], t_f=1.0, t_b=3.0, t_w=0.5)
     assert [(k, e - s) for k, _, _, s, e in uneven["intervals"][0]] == [("F", 1.0), ("I", 2.5), ("W", 0.5)]
 
 
@@ -73,11 +73,11 @@ def test_zero_bubble_plans_shrink_the_bubble_not_the_memory(p, m):
     backward once (B, or I and W); simulated with F = I = W, the zero-bubble plans idle less than 1F1B and than
     interleaved 1F1B, and hold no more micro-batch-stages than 1F1B's rank 0 holds micro-batches, per stage of the
     rank (2 stages per rank, each half the layers)."""
-    orders = schedules.planned_orders(p, m)
+    orders = pp.planned_orders(p, m)
     split = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"} | ({"ScheduleDualPipeV"} & set(orders))
     assert {"ScheduleInterleaved1F1B"} | split == set(orders)
-    orders["1F1B"] = schedules.one_f_one_b_order(p, m)
-    sims = {name: schedules.schedule_makespan(order) for name, order in orders.items()}
+    orders["1F1B"] = pp.one_f_one_b_order(p, m)
+    sims = {name: pp_cost.schedule_makespan(order) for name, order in orders.items()}
     for name in split:
         kinds = {k for rank in orders[name] for k, *_ in rank}
         assert {"F", "I", "W"} <= kinds <= {"F", "I", "W", "B"}, (name, kinds)
@@ -97,8 +97,8 @@ def test_an_input_gradient_never_waits_for_a_weight_gradient(p, m):
     """In every simulated plan, I (or B) of micro-batch i on stage s starts once I or B of i on s + 1 has ended,
     and W once its own I has: deferring W never makes the stage before wait longer; and W does wait in some plan."""
     deferred = False
-    for name, order in schedules.planned_orders(p, m).items():
-        intervals = [e for rank in schedules.schedule_makespan(order)["intervals"] for e in rank]
+    for name, order in pp.planned_orders(p, m).items():
+        intervals = [e for rank in pp_cost.schedule_makespan(order)["intervals"] for e in rank]
         end = {(k, mb, s): e for k, mb, s, _, e in intervals}
         last = max(s for _, _, s, _, _ in intervals)
         for kind, mb, s, start, _ in intervals:
@@ -115,7 +115,7 @@ def test_torch_order_reads_split_and_composite_actions():
     forward and a backward issued together) into its two parts, in order."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    zbv = schedules.planned_orders(2, 4)["ScheduleZBVZeroBubble"]
+    zbv = pp.planned_orders(2, 4)["ScheduleZBVZeroBubble"]
     assert zbv[0][:4] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 0, 3)]  # the V: rank 0 holds stages 0 and 3
     assert ("I", 0, 3) in zbv[0] and ("W", 0, 3) in zbv[0] and zbv[0].index(("I", 0, 3)) < zbv[0].index(("W", 0, 3))
     if not hasattr(torch_schedules, "ScheduleDualPipeV"):
@@ -123,7 +123,7 @@ def test_torch_order_reads_split_and_composite_actions():
     A, kind = torch_schedules._Action, torch_schedules._ComputationType
     overlap = A(-1, kind.OVERLAP_F_B, None, (A(0, kind.FORWARD, 3), A(3, kind.FULL_BACKWARD, 1)))
     plan = {0: [A(0, kind.FORWARD, 2), None, overlap], 1: [A(1, kind.BACKWARD_INPUT, 0), A(1, kind.BACKWARD_WEIGHT, 0)]}
-    assert schedules.torch_order(type("Planned", (), {"pipeline_order": plan})()) == \
+    assert pp.torch_order(type("Planned", (), {"pipeline_order": plan})()) == \
         [[("F", 2, 0), ("F", 3, 0), ("B", 1, 3)], [("I", 0, 1), ("W", 0, 1)]]
 
 
@@ -131,24 +131,24 @@ def test_unsupported_says_why():
     from torch.distributed import pipelining
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    assert all(pp.unsupported(s) is None for s in ("naive", "gpipe", "1f1b", "interleaved", "zb"))
-    assert "no schedule" in pp.unsupported("zb1p")
+    assert all(pp_torch.unsupported(s) is None for s in ("naive", "gpipe", "1f1b", "interleaved", "zb"))
+    assert "no schedule" in pp_torch.unsupported("zb1p")
     if hasattr(pipelining, "ScheduleDualPipeV"):
-        assert pp.unsupported("dualpipev") is None
+        assert pp_torch.unsupported("dualpipev") is None
     else:
-        assert "has no ScheduleDualPipeV" in pp.unsupported("dualpipev")
+        assert "has no ScheduleDualPipeV" in pp_torch.unsupported("dualpipev")
     # a V runs where torch hands the adjacent stages' tensors over in place (its runtime), not over gloo to itself
     in_place = issubclass(pipelining.ScheduleZBVZeroBubble, torch_schedules._PipelineScheduleRuntime)
-    assert (pp.unsupported("zbv") is None) == in_place
+    assert (pp_torch.unsupported("zbv") is None) == in_place
 
 
 def _every_schedule():
-    runs = {s: pp.train(schedule=s, microbatches=4, steps=STEPS, layers=LAYERS) for s in pp.SCHEDULES
-            if not pp.unsupported(s)}
+    runs = {s: pp_torch.train(pp_torch.PPRun(schedule=s, microbatches=4, steps=STEPS, layers=LAYERS))
+            for s in pp_torch.SCHEDULES if not pp_torch.unsupported(s)}
     # fewer micro-batches than stages: GPipe runs it (m = 1 is the naive split's bubble), 1F1B refuses it
-    runs["gpipe m=1"] = pp.train(schedule="gpipe", microbatches=1, steps=STEPS, layers=LAYERS)
+    runs["gpipe m=1"] = pp_torch.train(pp_torch.PPRun(schedule="gpipe", microbatches=1, steps=STEPS, layers=LAYERS))
     try:
-        pp.train(schedule="1f1b", microbatches=1, steps=1, layers=LAYERS)
+        pp_torch.train(pp_torch.PPRun(schedule="1f1b", microbatches=1, steps=1, layers=LAYERS))
     except ValueError as e:
         runs["1f1b m=1"] = str(e)
     return runs
@@ -157,12 +157,12 @@ def _every_schedule():
 @pytest.fixture(scope="module")
 def runs():
     """Every schedule on 2 forked gloo ranks (real compute, tiny Llama), and the one-process losses."""
-    return run_forked(_every_schedule, 2, timeout=240), pp.reference_losses(steps=STEPS, layers=LAYERS)
+    return run_forked(_every_schedule, 2, timeout=240), pp_torch.reference_losses(steps=STEPS, layers=LAYERS)
 
 
-@pytest.mark.parametrize("schedule", [*pp.SCHEDULES, "gpipe m=1"])
+@pytest.mark.parametrize("schedule", [*pp_torch.SCHEDULES, "gpipe m=1"])
 def test_schedules_equal_one_process(runs, schedule):
-    if why := pp.unsupported(schedule.split()[0]):
+    if why := pp_torch.unsupported(schedule.split()[0]):
         pytest.skip(why)
     ranks, reference = runs
     for r in ranks:  # every rank reports the global batch's loss
@@ -176,7 +176,7 @@ def test_naive_split_keeps_one_rank_busy_at_a_time(runs):
     spans = sorted((e["start"], e["end"]) for e in timeline)
     # the ranks' clocks share a base through a barrier, which leaves up to a millisecond or two of skew
     assert all(a_end <= b_start + 2e-3 for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
-    assert schedules.bubble_fraction(timeline) >= 0.49  # (p-1)/p at best
+    assert pp_cost.bubble_fraction(timeline) >= 0.49  # (p-1)/p at best
 
 
 def test_in_flight_activations(runs):
@@ -189,7 +189,7 @@ def test_in_flight_activations(runs):
 
 def test_fewer_microbatches_than_stages(runs):
     r = runs[0][0]
-    assert schedules.rank_orders(r["gpipe m=1"]["timeline"]) == schedules.gpipe_order(2, 1)
+    assert pp.rank_orders(r["gpipe m=1"]["timeline"]) == pp.gpipe_order(2, 1)
     assert r["gpipe m=1"]["in_flight_peak"] == [1, 1]
     assert "microbatches (1)" in r["1f1b m=1"] and "number of stages (2)" in r["1f1b m=1"]  # torch's own words
 
@@ -198,36 +198,36 @@ def test_order_functions_match_what_torch_plans_and_runs(runs):
     from torch.distributed.pipelining import ScheduleGPipe
 
     r = runs[0][0]
-    assert schedules.rank_orders(r["gpipe"]["timeline"]) == schedules.gpipe_order(2, 4)
-    assert schedules.rank_orders(r["1f1b"]["timeline"]) == schedules.one_f_one_b_order(2, 4)
+    assert pp.rank_orders(r["gpipe"]["timeline"]) == pp.gpipe_order(2, 4)
+    assert pp.rank_orders(r["1f1b"]["timeline"]) == pp.one_f_one_b_order(2, 4)
     if hasattr(ScheduleGPipe, "_get_pipeline_order"):  # torch >= 2.8 plans the one-stage schedules too
-        assert _tuples(r["gpipe"]["planned_order"]) == schedules.gpipe_order(2, 4)
-        assert _tuples(r["gpipe m=1"]["planned_order"]) == schedules.gpipe_order(2, 1)
+        assert _tuples(r["gpipe"]["planned_order"]) == pp.gpipe_order(2, 4)
+        assert _tuples(r["gpipe m=1"]["planned_order"]) == pp.gpipe_order(2, 1)
         # torch's Schedule1F1B.pipeline_order is off by one on the last rank (it plans F1..F4 for m=4);
         # what that rank runs is our order, checked just above
-        assert _tuples(r["1f1b"]["planned_order"])[:-1] == schedules.one_f_one_b_order(2, 4)[:-1]
+        assert _tuples(r["1f1b"]["planned_order"])[:-1] == pp.one_f_one_b_order(2, 4)[:-1]
     else:  # torch 2.7: only the multi-stage schedules have a plan
         assert r["gpipe"]["planned_order"] is None and r["1f1b"]["planned_order"] is None
     interleaved = _tuples(r["interleaved"]["planned_order"])
     assert len(interleaved) == 2 and all(len(rank) == 2 * 2 * 4 for rank in interleaved)  # F and B, 2 stages, m=4
-    assert schedules.rank_orders(r["interleaved"]["timeline"]) == interleaved
+    assert pp.rank_orders(r["interleaved"]["timeline"]) == interleaved
     # two stages per rank: the simulated bubble shrinks below GPipe's (p-1)/(m+p-1)
-    assert schedules.schedule_makespan(interleaved)["bubble"] < schedules.bubble_formula(2, 4)
+    assert pp_cost.schedule_makespan(interleaved)["bubble"] < pp_cost.bubble_formula(2, 4)
 
 
 def test_zero_bubble_schedules_run_their_plan(runs):
     """On the ranks, each zero-bubble schedule runs the F, I and W torch planned, in that order, the same plan
     ``planned_orders`` reads without ranks; each rank holds the micro-batch-stages the simulation of it says."""
     r = runs[0][0]
-    ran = [s for s in ("zb", "zbv", "dualpipev") if not pp.unsupported(s)]
+    ran = [s for s in ("zb", "zbv", "dualpipev") if not pp_torch.unsupported(s)]
     assert "zb" in ran
-    without_ranks = schedules.planned_orders(2, 4)
+    without_ranks = pp.planned_orders(2, 4)
     for s in ran:
         planned = _tuples(r[s]["planned_order"])
-        assert planned == without_ranks[pp.MULTI_STAGE[s][0]], s
-        assert schedules.rank_orders(r[s]["timeline"]) == planned, s
+        assert planned == without_ranks[pp_torch.MULTI_STAGE[s][0]], s
+        assert pp.rank_orders(r[s]["timeline"]) == planned, s
         assert {e["kind"] for e in r[s]["timeline"]} >= {"F", "I", "W"}, s
-        assert r[s]["in_flight_peak"] == schedules.schedule_makespan(planned)["in_flight"], s
+        assert r[s]["in_flight_peak"] == pp_cost.schedule_makespan(planned)["in_flight"], s
     assert r["zb"]["in_flight_peak"] == [4, 4]  # 2 stages per rank, 2 micro-batches of each: 1F1B's rank 0 (p)
 
 
@@ -236,13 +236,13 @@ def _tuples(order):
 
 
 def test_plot_timeline(runs):
-    fig = schedules.plot_timeline(runs[0][0]["1f1b"]["timeline"])
+    fig = pp_cost.plot_timeline(runs[0][0]["1f1b"]["timeline"])
     assert len(fig.axes[0].get_yticks()) == 2
 
 
 def test_measured_gpipe_bubble_matches_the_formula():
-    """p=2 ranks launched as ``course_lib.parallel.pp`` workers; each stage's forward padded with sleep to 40 ms and
-    its backward to 80 ms (``simulate_ms``: simulated work, which needs no core, so two ranks on two busy
+    """p=2 ranks launched as ``course_lib.parallel.pp_torch`` workers; each stage's forward padded with sleep to 40 ms
+    and its backward to 80 ms (``simulate_ms``: simulated work, which needs no core, so two ranks on two busy
     cores still show the schedule). ``bubble`` is the least over steps 1-3 (other processes only add idle
     time). The schedule's idle time is the floor: no bubble falls more than 5% below (p-1)/(m+p-1). What
     torch's runtime and gloo spend between two actions (~0.4 ms on an idle machine, a few ms on CI's two
@@ -250,7 +250,7 @@ def test_measured_gpipe_bubble_matches_the_formula():
     8 stay apart and in order)."""
     runs = [dict(schedule="gpipe", microbatches=m, steps=4, layers=2, batch=8, seq=16, simulate_ms=[40, 80])
             for m in (1, 2, 4, 8)]
-    results = launch("course_lib.parallel.pp:sweep", 2, {"runs": runs}, echo=False, timeout=120)[0]["runs"]
+    results = launch("course_lib.parallel.pp_torch:sweep", 2, {"runs": runs}, echo=False, timeout=120)[0]["runs"]
     for res in results:
         assert 0.95 * res["formula"] <= res["bubble"] <= res["formula"] + 0.04, (res["microbatches"], res["bubbles"])
     assert [r["bubble"] for r in results] == sorted((r["bubble"] for r in results), reverse=True)
@@ -275,12 +275,12 @@ def _executor(rank, world, m):
     """The hand-written executor on this rank's stage, in 1F1B's order and then GPipe's (fresh stages each); plain
     lists back, not tensors (a tensor through the ranks' queue is shared by a file descriptor that can go first)."""
     out = {}
-    for name, orders in (("1f1b", schedules.one_f_one_b_order), ("gpipe", schedules.gpipe_order)):
+    for name, orders in (("1f1b", pp.one_f_one_b_order), ("gpipe", pp.gpipe_order)):
         stage, data = _mlp_stages(world)[rank], _micro_batches(m)
         meter = SavedTensorMeter(exclude=stage)
         meter.exclude |= {t.untyped_storage().data_ptr() for xy in data for t in xy}
         with meter:  # the data stays alive all step: weights and data are not activations
-            losses, peak = schedules.run_1f1b(stage, rank, world, data, orders(world, m)[rank], _mse, (3, 8))
+            losses, peak = pp.run_1f1b(stage, rank, world, data, orders(world, m)[rank], _mse, (3, 8))
         out[name] = {"losses": losses, "peak": peak, "saved": meter.peak,
                      "grads": [q.grad.tolist() for q in stage.parameters()]}
     return out
@@ -296,7 +296,7 @@ def _sent_by_1f1b(m):
     rank, world = dist.get_rank(), dist.get_world_size()
     stage, data = _mlp_stages(world)[rank], _micro_batches(m)
     with CollectiveBytes() as sent:
-        schedules.run_1f1b(stage, rank, world, data, schedules.one_f_one_b_order(world, m)[rank], _mse, (3, 8))
+        pp.run_1f1b(stage, rank, world, data, pp.one_f_one_b_order(world, m)[rank], _mse, (3, 8))
     return sent.bytes_by_kind.get("send", 0)
 
 
@@ -305,7 +305,7 @@ def test_a_middle_stage_sends_an_activation_and_a_gradient_per_micro_batch():
     activation up and its gradient down, the first and the last stage one of the two."""
     m = 5
     sent = run_forked(_sent_by_1f1b, 3, dict(m=m), timeout=60)
-    assert sent[1] == schedules.pp_bytes_per_rank(3, 8, 4, micro_batches=m) == 2 * m * 3 * 8 * 4
+    assert sent[1] == pp_cost.pp_bytes_per_rank(3, 8, 4, micro_batches=m) == 2 * m * 3 * 8 * 4
     assert sent[0] == sent[2] == sent[1] // 2
 
 
@@ -341,7 +341,7 @@ def test_run_1f1b_equals_one_process_and_holds_what_the_order_says():
 
 def _traced_counts(schedule: str, trace_dir: str) -> dict:
     """A rank's ``trace_step`` trace read back where it was made (pandas stays out of the test's own process)."""
-    spans = pp.pipeline_spans(pp.trace_step(schedule, trace_dir)["path"])
+    spans = pp_torch.pipeline_spans(pp_torch.trace_step(schedule, trace_dir)["path"])
     return {"kinds": spans.kind.value_counts().to_dict(),
             "forwards": sorted(spans.mb[spans.kind == "F"].astype(int).tolist())}
 

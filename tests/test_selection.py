@@ -57,17 +57,17 @@ def test_deepspeed_s_ops_are_built_for_the_tests_whose_code_can_start_it_only():
     assert not sel.needs_deepspeed_ops("tests/test_notebook_04.py")
     assert not sel.needs_deepspeed_ops("tests/test_node_emulation.py", "", "test_16_runs_its_ring_on_8_ranks")
     assert not sel.needs_deepspeed_ops("tests/test_edition.py")  # it names 09 and the preflight, runs neither
-    assert sel.needs_deepspeed_ops("tests/test_launch.py")  # it launches "course_lib.parallel.deepspeed_engine:train"
+    assert sel.needs_deepspeed_ops("tests/test_launch.py")  # it launches "course_lib.parallel.zero_deepspeed:train"
 
 
 def test_a_module_named_as_text_is_reached_but_not_run():
     import ast
 
-    tree = ast.parse('launch("course_lib.parallel.ddp:train")\n'
+    tree = ast.parse('launch("course_lib.parallel.ddp_torch:train")\n'
                      'run([sys.executable, "-m", "course_lib.apps.preflight"])\n'
                      'assert "course_lib.parallel.zero" in printed\n')
     imported, named, _ = sel._reached(tree, "tests/test_x.py")
-    assert "course_lib/parallel/ddp.py" in imported and "course_lib/apps/preflight.py" in imported
+    assert "course_lib/parallel/ddp_torch.py" in imported and "course_lib/apps/preflight.py" in imported
     assert "course_lib/parallel/zero.py" in named and "course_lib/parallel/zero.py" not in imported
 
 
@@ -81,7 +81,7 @@ def test_the_base_is_the_recorded_commit_when_this_clone_has_it(monkeypatch):
 
 def test_the_floor_runs_only_when_a_version_sensitive_test_is_reached():
     assert sel.floor(sel.Selection("HEAD", {EP})) == ([], [])
-    tests, notebooks = sel.floor(sel.Selection("HEAD", {"course_lib/parallel/pp.py"}))
+    tests, notebooks = sel.floor(sel.Selection("HEAD", {"course_lib/parallel/pp_torch.py"}))
     assert tests == ["tests/test_pp.py"] and notebooks == ["15_pipeline_parallelism"]
     assert sel.floor(sel.Selection(None)) == (list(sel.FLOOR_TESTS), list(sel.assignments()))
 

@@ -358,29 +358,30 @@ GIVEN_FORBIDDEN = {
     # notebook 00 (llama_param_count, training_memory, saved_activation_bytes)
     "course_lib.models.llama_num_parameters": "the parameter count of every notebook's model table: notebook 08's "
                                               "cell 2, 09's cell 4, 10's cells 12 and 22, 11's cells 31 and 35; "
-                                              "recipe, parallel.fsdp's sweep, apps.benchmark and apps.size_sweep "
-                                              "count with it; checks/nb08.py (outside forbid) too",
+                                              "recipe, parallel.fsdp_torch's sweep, apps.benchmark and "
+                                              "apps.size_sweep count with it; checks/nb08.py (outside forbid) too",
     "course_lib.models.count_parameters": "notebook 00's cells 2, 6 and 29 and notebook 04's cell 2 count a "
                                           "model's parameters with it; lora counts trainable ones with it; "
                                           "checks/nb00.py's judge (outside forbid) too",
     "course_lib.models.build_llama": "the course's Llama: notebook 00's cells 6 and 20, 03's cell 17, 04's cell "
                                      "2, 10's cell 20, 13's cell 11 and 14's cell 19 build it, as does every technique "
                                      "module and the checks of notebooks 00, 03, 04, 08 and 11 (outside forbid)",
-    "course_lib.models.empty_llama": "notebook 00's cells 2 and 29 and parallel.fsdp (its meta-device build) make "
-                                     "the shapes-only Llama with it; checks/nb00_hidden.py (outside forbid) too",
+    "course_lib.models.empty_llama": "notebook 00's cells 2 and 29 and parallel.fsdp_torch (its meta-device build) "
+                                     "make the shapes-only Llama with it; checks/nb00_hidden.py (outside forbid) "
+                                     "too",
     "course_lib.memory.estimate_model_state": "notebook 04's cell 12 and notebook 08's cell 6 print its "
-                                              "estimates; recipe and parallel.fsdp's sweep (notebook 08's cells 2 "
-                                              "and 4) call it",
+                                              "estimates; recipe and parallel.fsdp_torch's sweep (notebook 08's "
+                                              "cells 2 and 4) call it",
     "course_lib.memory.training_bytes_per_param": "estimate_model_state (given, above) computes with it",
     "course_lib.memory.model_state_bytes": "notebook 01's cell 29 and apps.finetune (notebooks 11 and 12) measure "
                                            "a model's weights, gradients and optimizer states with it",
     "course_lib.memory.measure_training_step": "notebook 00's cells 20 and 27 (the estimate against what a step "
                                                "holds) measure with it; checks/nb00.py (outside forbid) too",
     "course_lib.memory.activation_bytes": "notebook 03's cell 27 and notebook 04's cells 9, 14 and 25 measure "
-                                          "saved activations with it, as do checkpointing and parallel.cp_train; "
+                                          "saved activations with it, as do checkpointing and parallel.cp_cost; "
                                           "checks/nb04.py and checks/nb00_hidden.py (outside forbid) too",
     "course_lib.memory.SavedTensorMeter": "notebook 15's cell 19 (what each pipeline schedule saves) measures with "
-                                          "it, as do parallel.pp and parallel.cp_train (notebooks 15 and 16)",
+                                          "it, as do parallel.pp_torch and parallel.cp_cost (notebooks 15 and 16)",
     "course_lib.memory.saved_bytes_by_dtype": "notebook 01's cell 6 (what autocast saves, by dtype) runs it",
     "course_lib.memory.saved_bytes_by_part": "notebook 04's cells 4, 7 and 14 (what each part of a layer saves) run "
                                              "it",
@@ -388,12 +389,12 @@ GIVEN_FORBIDDEN = {
     "course_lib.precision.make_scaler": "notebook 01's cell 6 (fp16 with torch's scaler, before the exercise) and "
                                         "checks/nb01.py's reference step (outside forbid) make the scaler with it",
     "course_lib.train.train_step": "the one step every notebook trains with: notebook 01's cells 6, 21, 29 and 31, "
-                                   "03's 21 and 27, 05's 4, 06's 25, 10's 20, and recipe, parallel.ddp, zero, "
-                                   "deepspeed_engine, apps.finetune and apps.size_sweep; checks/nb01.py (outside "
+                                   "03's 21 and 27, 05's 4, 06's 25, 10's 20, and recipe, parallel.ddp_torch, zero, "
+                                   "zero_deepspeed, apps.finetune and apps.size_sweep; checks/nb01.py (outside "
                                    "forbid) too",
     "course_lib.train.fit": "the course's training loop: notebook 01's cells 27 and 33 and 03's cell 11 run it, as "
-                            "does every technique module's train (ddp, fsdp, deepspeed_engine, pp, cp, tp_train, "
-                            "fp8_compute, qlora, apps.finetune)",
+                            "does every technique module's train (ddp_torch, fsdp_torch, zero_deepspeed, pp_torch, cp, "
+                            "tp_torch, fp8_compute, qlora, apps.finetune)",
     # notebook 02 (DelayedScalingFP8)
     "course_lib.fp8.current_scaler": "notebook 02's cell 17 (current against delayed scaling on a drifting "
                                      "stream) runs it",
@@ -402,7 +403,7 @@ GIVEN_FORBIDDEN = {
     "course_lib.fp8.dequantize": "fp8_compute's emulated matmul (notebook 02's cell 8) dequantises with it",
     "course_lib.fp8.scale_for": "fp8_compute's scaled matmul (notebook 02's cell 8) scales its operands with it",
     # notebook 03 (accumulate_gradients, accumulate_tokens, micro_step_context)
-    "course_lib.train.split_batch": "train_step (given, above) and parallel.deepspeed_engine's step cut a batch "
+    "course_lib.train.split_batch": "train_step (given, above) and parallel.zero_deepspeed's step cut a batch "
                                     "into micro-batches with it",
     "course_lib.train.token_weights": "train_step's token-weighted accumulation (given, above) weighs its "
                                       "micro-batches with it",
@@ -420,19 +421,19 @@ GIVEN_FORBIDDEN = {
     # notebook 06 (rank_batches, average_gradients)
     "course_lib.distributed.sharded_loader": "notebook 06's cell 9 (DistributedSampler's shards and set_epoch, a "
                                              "demonstration before the exercise) runs it",
-    "course_lib.distributed.step_batches": "each rank's share of a global batch in parallel.ddp's train (notebook "
-                                           "06's cells 16 and 22), parallel.zero, parallel.deepspeed_engine "
+    "course_lib.distributed.step_batches": "each rank's share of a global batch in parallel.ddp_torch's train "
+                                           "(notebook 06's cells 16 and 22), parallel.zero, parallel.zero_deepspeed "
                                            "(notebooks 09 and 10) and apps.finetune",
     # notebook 08 (shard_state_bytes, apply_fsdp, ShardedModule)
-    "course_lib.parallel.fsdp.shard_model": "parallel.fsdp's train, which notebook 08's sweep (cells 2 and 4) runs, "
-                                            "wraps the model with it",
+    "course_lib.parallel.fsdp_torch.apply_fsdp": "parallel.fsdp_torch's train, which notebook 08's sweep (cells 2 "
+                                                 "and 4) runs, wraps the model with it",
     "course_lib.distributed.rank_slice": "checks/nb08.py slices fully_shard's reference gradients with it (outside "
                                          "forbid) when it grades ShardedModule, in the grading process",
     # notebook 09 (ShardedOptimizer, make_ds_config)
-    "course_lib.parallel.deepspeed_engine.ds_config": "notebook 09's cell 11 shows the config it writes; "
-                                                      "deepspeed_engine's train and sweep (notebook 09's cells 17 "
-                                                      "and 21, notebook 10's cells 4 and 8) and apps.size_sweep "
-                                                      "configure DeepSpeed with it",
+    "course_lib.parallel.zero_deepspeed.ds_config": "notebook 09's cell 11 shows the config it writes; "
+                                                    "zero_deepspeed's train and sweep (notebook 09's cells 17 "
+                                                    "and 21, notebook 10's cells 4 and 8) and apps.size_sweep "
+                                                    "configure DeepSpeed with it",
     # notebook 11 (response_labels, LoRALinear, lora_params)
     "course_lib.instruct.tokenize_example": "notebook 11's cells 8 and 14 and notebook 12's cell 4 tokenize with "
                                             "it, as do apps.finetune and apps.benchmark; checks/nb11.py (outside "
@@ -459,19 +460,19 @@ GIVEN_FORBIDDEN = {
     "course_lib.loss._ChunkedLinearCrossEntropy": "chunked_lm_loss (given, above) is this autograd function applied "
                                                   "to the hidden states and the LM head's weight",
     # notebooks 14 (tensor_parallel_pair) and 15 (one_f_one_b_order, run_1f1b)
-    "course_lib.parallel.tp.parallelize_mlp": "parallelize_llama_by_hand splits each MLP with it: parallel.tp_train's "
+    "course_lib.parallel.tp.parallelize_mlp": "parallelize_llama_by_hand splits each MLP with it: parallel.tp_torch's "
                                               "compare (notebook 14's cell 13) runs it with the student's layers",
-    "course_lib.parallel.schedules.gpipe_order": "notebook 15's cell 19 (what GPipe keeps in flight) runs it; "
-                                                 "checks/nb15_hidden.py (outside forbid) too",
-    "course_lib.parallel.schedules.torch_order": "parallel.pp's train (notebook 15's cell 4) reads the order torch "
-                                                 "planned with it",
-    "course_lib.parallel.pp.train": "notebook 15's pipeline sweep (cell 4, pp.sweep) runs it; checks/nb15.py "
-                                    "(outside forbid) runs torch's schedules with it",
-    "course_lib.parallel.pp.naive_step": "parallel.pp's train runs its naive schedule with it (notebook 15's cell "
-                                         "4)",
+    "course_lib.parallel.pp.gpipe_order": "notebook 15's cell 19 (what GPipe keeps in flight) runs it; "
+                                          "checks/nb15_hidden.py (outside forbid) too",
+    "course_lib.parallel.pp.torch_order": "parallel.pp_torch's train (notebook 15's cell 4) reads the order torch "
+                                          "planned with it",
+    "course_lib.parallel.pp_torch.train": "notebook 15's pipeline sweep (cell 4, pp_torch.sweep) runs it; "
+                                          "checks/nb15.py (outside forbid) runs torch's schedules with it",
+    "course_lib.parallel.pp_torch.naive_step": "parallel.pp_torch's train runs its naive schedule with it (notebook "
+                                               "15's cell 4)",
     # notebooks 16 (ring_attention) and 17 (expert_parallel)
-    "course_lib.parallel.cp.ring_attention": "notebook 16's cell 11 and parallel.cp_train (cells 13, 15 and 17) "
-                                             "run the student's ring through it",
+    "course_lib.parallel.cp.ring_attention": "notebook 16's cell 11, parallel.cp's Llama and parallel.cp_cost "
+                                             "(cells 13 and 20) run the student's ring through it",
     "course_lib.parallel.cp.RingAttention": "ring_attention (given, above) applies it",
     "course_lib.parallel.cp.tile_mask": "gathered_backward, the backward ring_attention runs behind the student's "
                                         "ring (notebook 16's cells 11 to 17), masks with it",

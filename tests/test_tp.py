@@ -1,16 +1,18 @@
-"""course_lib.parallel.tp and course_lib.parallel.tp_train on real gloo ranks: Megatron's pair against the unsplit
-layers (and the mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the
-bytes counted.
+"""course_lib.parallel.tp, tp_torch and tp_cost on real gloo ranks: Megatron's pair against the unsplit layers (and
+the mistakes that break it), the hand and torch tensor-parallel Llamas and DP×TP against one process, the bytes
+counted against the formulas.
 
 Ranks are forked (``run_forked``); the tiny Llama, short sequences and few steps keep 4 ranks on 2 cores fast.
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.parallel import ddp, tp, tp_train
+from course_lib.parallel import ddp_cost, tp, tp_cost, tp_torch
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import run_forked
 from course_lib.models import build_llama
@@ -152,18 +154,18 @@ def test_sizes_that_do_not_split_say_what_to_change():
         tp.check_heads(4, 4, 3)
     tied = build_llama("tiny", tie_word_embeddings=True)  # torch's plan would split the shared weight two ways
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        tp_train.parallelize_llama(tied, tp_mesh=None)
+        tp_torch.apply_tp(tied, None, tp_torch.TPRun())
 
 
 def _train_runs(runs):
-    return {label: tp_train.train(**kwargs) for label, kwargs in runs.items()}
+    return {label: tp_torch.train(spec) for label, spec in runs.items()}
 
 
 def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks():
     """5 AdamW steps: hand TP, torch TP with sequence parallelism, and without it but with loss parallel."""
-    base = {"steps": 5, "batch": 4, "seq": 16}
-    runs = {"single": {"mode": "single", **base}, "hand": {"mode": "hand", **base}, "torch": {"mode": "torch", **base},
-            "torch, no SP, loss parallel": {"mode": "torch", "sequence_parallel": False, "loss_parallel": True, **base}}
+    base = tp_torch.TPRun(steps=5, batch=4, seq=16)
+    runs = {"single": replace(base, mode="single"), "hand": replace(base, mode="hand"), "torch": base,
+            "torch, no SP, loss parallel": replace(base, sequence_parallel=False, loss_parallel=True)}
     ranks = run_forked(_train_runs, 2, dict(runs=runs), timeout=120)
     reference = ranks[0]["single"]["losses"]
     assert len(reference) == 5 and reference[-1] < reference[0]
@@ -172,7 +174,7 @@ def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks
             assert r[label]["losses"] == pytest.approx(reference, rel=1e-5), label
     hand = ranks[0]["hand"]  # 2 layers × (attention + MLP) × (forward + backward) all-reduces of B×T×d fp32
     assert hand["calls_by_kind"] == {"all_reduce": 8}
-    assert hand["bytes_by_kind"]["all_reduce"] == 8 * 4 * 16 * 64 * 4 == tp.tp_bytes_per_rank(2, 4 * 16, 64)
+    assert hand["bytes_by_kind"]["all_reduce"] == 8 * 4 * 16 * 64 * 4 == tp_cost.tp_bytes_per_rank(2, 4 * 16, 64)
     assert set(hand["bytes_by_kind"]) == {"all_reduce"}
     # sequence parallelism: each block's all-reduce becomes an all-gather before and a reduce-scatter after
     assert {"all_gather", "reduce_scatter"} <= set(ranks[0]["torch"]["calls_by_kind"])
@@ -181,9 +183,9 @@ def test_hand_and_torch_tensor_parallel_llamas_train_like_one_process_on_2_ranks
 
 def test_torch_tp_and_dp_by_tp_on_4_ranks_train_like_one_process():
     """TP 4 (a config with 4 K/V heads) and a (dp 2, tp 2) mesh with FSDP2 over dp: the losses of one process."""
-    base = {"steps": 5, "batch": 4, "seq": 16, "num_key_value_heads": 4}
-    runs = {"single": {"mode": "single", **base}, "torch": {"mode": "torch", **base},
-            "dp_tp": {"mode": "dp_tp", "dp": 2, **base}}
+    base = tp_torch.TPRun(steps=5, batch=4, seq=16, num_key_value_heads=4)
+    runs = {"single": replace(base, mode="single"), "torch": replace(base, mode="torch"),
+            "dp_tp": replace(base, mode="dp_tp", dp=2)}
     ranks = run_forked(_train_runs, 4, dict(runs=runs), timeout=180)
     reference = ranks[0]["single"]["losses"]
     for r in ranks:
@@ -199,10 +201,10 @@ def test_bytes_per_step_per_dimension_are_counted_and_match_the_formulas():
     from course_lib.models import llama_config, llama_num_parameters
 
     batch, seq, d, vocab = 4, 16, 64, 512
-    counted = tp_train.comm_bytes("tiny", nprocs=4, dp=2, batch=batch, seq=seq, num_key_value_heads=4)
+    counted = tp_torch.comm_bytes(replace(tp_torch.COMM_RUN, batch=batch, seq=seq, num_key_value_heads=4), nprocs=4)
     params = 4 * llama_num_parameters(llama_config("tiny", num_key_value_heads=4))  # fp32 bytes of the whole model
     # DDP's C++ reducer is seen: one bucket here; ddp_bytes_per_rank is notebook 17's DP row
-    assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params == ddp.ddp_bytes_per_rank(params // 4, 4)
+    assert counted["ddp"]["bytes_by_kind"]["all_reduce"] == params == ddp_cost.ddp_bytes_per_rank(params // 4, 4)
     assert counted["dp"]["bytes_by_kind"]["reduce_scatter"] == params  # FSDP2: every gradient reduce-scattered once
     act = batch * seq * d * 4  # one hidden state, fp32
     # torch 2.7's DTensor has no sharding rule for slice_backward (2.8 added one): the backward of transformers'

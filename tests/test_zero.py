@@ -1,4 +1,4 @@
-"""course_lib.parallel.zero and course_lib.parallel.deepspeed_engine beyond what notebooks 09 and 10 measure:
+"""course_lib.parallel.zero, zero_deepspeed, offload and offload_cost beyond what notebooks 09 and 10 measure:
 DeepSpeed's default clipping, the config's arithmetic, ZeRO-1 by hand (ShardedOptimizer: groups, a scheduler, a
 resumed checkpoint, DDP's bytes) against DeepSpeed's stage 1, DDP and one process, and offload's accounting,
 its CPU Adam and its optimizer by hand (the size sweep is test_size_sweep.py's).
@@ -23,13 +23,13 @@ from course_lib.data import synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
-from course_lib.parallel import deepspeed_engine, offload, zero
-from course_lib.parallel.deepspeed_engine import ds_config
-from course_lib.parallel.zero import ShardedOptimizer, check_batch_arithmetic
+from course_lib.parallel import offload, offload_cost, zero, zero_deepspeed
+from course_lib.parallel.zero import ShardedOptimizer
+from course_lib.parallel.zero_deepspeed import ZeroRun, check_batch_arithmetic, ds_config
 
 
 def run(**kw):
-    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=400, **{"steps": 5, **kw})
+    return on_ranks(zero_deepspeed.train, 2, "cpu", timeout=400, spec=ZeroRun(**{"steps": 5, **kw}))
 
 
 def test_deepspeed_clips_at_one_unless_told_so_and_the_config_says_it():
@@ -185,21 +185,22 @@ def test_zero1_sends_what_ddp_sends():
 
 
 def test_offload_plan_and_link_bytes_follow_the_zero_offload_accounting():
-    per = {s: {r["state"]: (r["lives on"], r["bytes per parameter"]) for r in offload.offload_plan(s, 1)}
-           for s in offload.OFFLOAD_STRATEGIES}
+    per = {s: {r["state"]: (r["lives on"], r["bytes per parameter"]) for r in offload_cost.offload_plan(s, 1)}
+           for s in offload_cost.OFFLOAD_STRATEGIES}
     on = lambda s, where: sum(b for w, b in per[s].values() if w == where)  # noqa: E731
     assert on("pytorch", "GPU") == 16 and on("zero2_offload", "GPU") == 2 and on("zero3_offload", "GPU") == 0
     assert on("zero2_offload", "CPU") == 16 and on("zero3_offload", "CPU") == 18 and on("zero3_nvme", "NVMe") == 18
     sharded = {r["state"]: r["bytes on this rank"]
-               for r in offload.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
+               for r in offload_cost.offload_plan("zero2_offload", 1000, world_size=4, low_bytes=4)}
     assert sharded == {"16-bit weights": 4000, "fp32 gradients": 1000, "fp32 master weights": 1000,
                        "Adam m and v": 2000}
-    assert offload.link_bytes_per_step("zero2_offload", 10) == {"host to GPU": 20, "GPU to host": 40, "NVMe read": 0,
-                                                             "NVMe write": 0}
-    assert sum(offload.link_bytes_per_step("zero3_offload", 1).values()) == 8
-    assert offload.tokens_to_hide(6, 25e9, 1e9, 60e12) == pytest.approx({"link": 2400.0, "CPU optimizer": 10000.0})
+    assert offload_cost.link_bytes_per_step("zero2_offload", 10) == {"host to GPU": 20, "GPU to host": 40,
+                                                                     "NVMe read": 0, "NVMe write": 0}
+    assert sum(offload_cost.link_bytes_per_step("zero3_offload", 1).values()) == 8
+    hide = offload_cost.tokens_to_hide(6, 25e9, 1e9, 60e12)
+    assert hide == pytest.approx({"link": 2400.0, "CPU optimizer": 10000.0})
     with pytest.raises(ValueError, match="strategy='zero4'"):
-        offload.offload_plan("zero4", 1)
+        offload_cost.offload_plan("zero4", 1)
     with pytest.raises(ValueError, match="cpu_adam=True needs offload_optimizer=True"):
         ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, cpu_adam=True)
     cfg = ds_config(train_batch=2, accum_steps=1, world_size=1, stage=2, offload_optimizer=True, cpu_adam=True)

@@ -27,7 +27,7 @@ from course_lib.data import lm_batch
 from course_lib.launch import on_ranks, run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama, llama_config, llama_num_parameters
-from course_lib.parallel import fsdp
+from course_lib.parallel import fsdp, fsdp_torch
 
 # course_lib's and torch's answers, out of reach while the student's code runs
 ESTIMATES = (memory.estimate_model_state, memory.training_bytes_per_param)
@@ -49,8 +49,8 @@ def probe_bytes(ns: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def measured_bytes() -> dict:
     """The bytes each part takes on rank 0 of 2 real ranks training the tiny Llama, full and grad_op."""
-    runs = on_ranks(fsdp.sweep, 2, "cpu", runs=[dict(strategy=s, steps=1, batch=2, seq=8, device="cpu")
-                                                for s in ("full", "grad_op")], timeout=120)
+    runs = [fsdp_torch.FSDPRun(strategy=s, steps=1, batch=2, seq=8, device="cpu") for s in ("full", "grad_op")]
+    runs = on_ranks(fsdp_torch.sweep, 2, "cpu", runs=runs, timeout=120)
     return {r["strategy"]: dict(r["bytes"]) for r in runs[0]["runs"]}
 
 
@@ -107,7 +107,7 @@ def probe_wrap(ns: dict) -> dict:
     def wrap():
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh("cpu", (world,))
-        with forbid(fsdp.shard_model, namespace=space):  # course_lib's wrapping, out of reach
+        with forbid(fsdp_torch.apply_fsdp, namespace=space):  # course_lib's wrapping, out of reach
             m = space["apply_fsdp"](build_llama("tiny", seed=0), mesh)
         facts = {"root": isinstance(m, FSDPModule),
                  "layers": all(isinstance(layer, FSDPModule) for layer in m.model.layers),

@@ -16,7 +16,7 @@ from course_lib.data import lm_batch
 from course_lib.launch import run_forked
 from course_lib.loss import forward_loss
 from course_lib.models import build_llama
-from course_lib.parallel import fsdp
+from course_lib.parallel import fsdp_torch
 
 # ---------------------------------------------------------------- shard_state_bytes
 # (strategy, world size, shard size): the bytes per parameter of each part, on each rank
@@ -73,7 +73,7 @@ def probe_reshard(ns: dict) -> dict:
         world = dist.get_world_size()
         out = {"gathered": []}
         for flag in (True, False):
-            with forbid(fsdp.shard_model, namespace=space):
+            with forbid(fsdp_torch.apply_fsdp, namespace=space):
                 m = space["apply_fsdp"](build_llama("tiny", seed=seed), init_device_mesh("cpu", (world,)),
                                         reshard_after_forward=flag)
             def count(*a):
@@ -86,7 +86,7 @@ def probe_reshard(ns: dict) -> dict:
             loss.backward()
             for h in hooks:
                 h.remove()
-        with forbid(fsdp.shard_model, namespace=space):
+        with forbid(fsdp_torch.apply_fsdp, namespace=space):
             m2 = space["apply_fsdp"](build_llama("tiny", seed=seed),
                                      init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
         out["2d"] = all(p.placements == (Replicate(), Shard(0))

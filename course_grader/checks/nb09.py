@@ -29,10 +29,10 @@ from course_lib.data import class_templates, synthetic_images
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
 from course_lib.models import SmallCNN
-from course_lib.parallel import deepspeed_engine, zero
+from course_lib.parallel import zero, zero_deepspeed
 
 SHARDED = (zero.ShardedOptimizer, ZeroRedundancyOptimizer)  # course_lib's and torch's answers, out of reach
-CONFIGS = (deepspeed_engine.ds_config,)  # course_lib's config builder, out of reach
+CONFIGS = (zero_deepspeed.ds_config,)  # course_lib's config builder, out of reach
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 ADAMW = ("AdamW", dict(lr=1e-2, weight_decay=0.01))
 SGD = ("SGD", dict(lr=0.1, momentum=0.9))
@@ -325,7 +325,7 @@ def trains(config: dict, steps: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def launched(config: str, steps: int) -> dict:
-    return on_ranks(deepspeed_engine.train_with_config, 2, "cpu", timeout=300, config=json.loads(config),
+    return on_ranks(zero_deepspeed.run_config, 2, "cpu", timeout=300, config=json.loads(config),
                     steps=steps)[0]
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_grader.checks import case_seed, number, packed, peer_port, register, student, unpacked
-from course_lib.parallel import deepspeed_engine
+from course_lib.parallel import zero_deepspeed
 from course_grader.checks.nb09 import (ADAMW, OPTIMIZERS, SGD, SHARDED, cnn, ddp_whole, finite_numbers, groups,
                                     halving, images, judge_resumed, judge_sharded, judge_traffic, my_config,
                                     one_process, sharded_probe, trains)
@@ -23,7 +23,7 @@ from course_grader.grading import forbid, max_abs_diff, params, worst
 from course_grader.peer import Peer, Wire
 from course_lib.distributed import CollectiveBytes
 from course_lib.launch import on_ranks, run_forked
-from course_lib.parallel.zero import check_batch_arithmetic
+from course_lib.parallel.zero_deepspeed import ZeroRun, check_batch_arithmetic
 
 # no clipping: a contract of its own
 ZERO_KW = dict(steps=2, global_batch=16, accum_steps=1, width=8, clip_norm=0.0)
@@ -174,8 +174,8 @@ def probe_sharded(ns: dict) -> dict:
         warnings.filterwarnings("ignore", category=FutureWarning)
         torch.set_num_threads(1)
         with forbid(*SHARDED, namespace=space):
-            run = deepspeed_engine.train(engine="zero1", make_optimizer=lambda ps: space["ShardedOptimizer"](
-                ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01), **ZERO_KW, seed=seed)
+            run = zero_deepspeed.train(ZeroRun(engine="zero1", **ZERO_KW, seed=seed), make_optimizer=lambda ps: space[
+                "ShardedOptimizer"](ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01))
         return packed([number(v) for v in run["losses"]])
 
     return {"sgd": sharded_probe(ns, 2, 24, 3, *SGD, True, resume_at=0, join=peer_port("test_ShardedOptimizer_hidden"),
@@ -267,7 +267,7 @@ def judge_bf16(runs: list) -> None:
 
 @functools.lru_cache(maxsize=4)  # bounded: the seed is new to every grading
 def deepspeed_stage1(seed: int) -> dict:
-    return on_ranks(deepspeed_engine.train, 2, "cpu", timeout=300, **ZERO_KW, seed=seed, stage=1)[0]
+    return on_ranks(zero_deepspeed.train, 2, "cpu", timeout=300, spec=ZeroRun(**ZERO_KW, seed=seed, stage=1))[0]
 
 
 def judge_sharded_hidden(got: dict, wire: list) -> str:

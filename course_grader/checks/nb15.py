@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import course_lib.parallel.pp as pp
-import course_lib.parallel.schedules as schedules
+import course_lib.parallel.pp_cost as pp_cost
+import course_lib.parallel.pp_torch as pp_torch
 
 from course_grader.checks import (case_seed, number, packed, peer_port, plain, register, student,
                                   tensor_data, unpacked)
@@ -25,7 +26,7 @@ from course_grader.peer import Peer, Wire, join_ranks
 from course_lib.launch import run_forked
 
 # What each exercise builds, out of reach while the student's code runs.
-PP_ANSWERS = (schedules.one_f_one_b_order, schedules.gpipe_order, schedules.torch_order, Schedule1F1B, ScheduleGPipe)
+PP_ANSWERS = (pp.one_f_one_b_order, pp.gpipe_order, pp.torch_order, Schedule1F1B, ScheduleGPipe)
 
 
 # ---------------------------------------------------------------- one_f_one_b_order
@@ -63,10 +64,10 @@ def check_order(order: list, p: int, m: int) -> None:
         assert peak <= p - r, (f"p={p}, m={m}, rank {r} keeps {peak} micro-batches in flight; 1F1B keeps at most "
                                f"p - r = {p - r}: start the backwards after the warm-up")
     try:
-        sim = schedules.schedule_makespan(order, t_f=1.0, t_b=2.0)
+        sim = pp_cost.schedule_makespan(order, t_f=1.0, t_b=2.0)
     except ValueError as err:
         raise AssertionError(f"p={p}, m={m}: the order cannot run: {err}") from None
-    formula = schedules.bubble_formula(p, m)
+    formula = pp_cost.bubble_formula(p, m)
     assert abs(sim["bubble"] - formula) < 1e-9, \
         f"p={p}, m={m}: simulated bubble {sim['bubble']:.3f}, 1F1B's is {formula:.3f}"
 
@@ -85,8 +86,9 @@ register("test_one_f_one_b_order", lambda ns: orders(ns, SHAPES),
 # ---------------------------------------------------------------- one_f_one_b_order: what torch ran
 def measured_rank(m: int, layers: int, batch: int) -> list:
     warnings.filterwarnings("ignore")
-    res = pp.train(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8, seed=0)
-    return schedules.rank_orders(res["timeline"])
+    res = pp_torch.train(pp_torch.PPRun(schedule="1f1b", microbatches=m, steps=1, layers=layers, batch=batch, seq=8,
+                                        seed=0))
+    return pp.rank_orders(res["timeline"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +134,7 @@ register("test_one_f_one_b_order_measured", lambda ns: order_of(ns, 2, 4), judge
 # p stages of an MLP of constant width: every activation between stages is one (ROWS, WIDTH) tensor
 ROWS, WIDTH = 4, 16
 PIPE_TIMEOUT = 10  # seconds: the right executor takes a few milliseconds here; a deadlock never ends
-PIPE_ANSWERS = PP_ANSWERS + (schedules.run_1f1b, pp.naive_step, pp.train, PipelineStage)
+PIPE_ANSWERS = PP_ANSWERS + (pp.run_1f1b, pp_torch.naive_step, pp_torch.train, PipelineStage)
 # The order the visible executor tests give, 2 stages and 4 micro-batches: runnable, and neither GPipe's nor 1F1B's
 # (rank 0 runs three forwards ahead, rank 1 two at a time: 3 and 2 micro-batches held), so an executor must follow
 # the order it is given; its first exchange is 1F1B's (rank 0 sends an activation while rank 1 sends a gradient back),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 
-import course_lib.parallel.schedules as schedules
+import course_lib.parallel.pp as pp
 from course_grader.checks import case_seed, peer_port, register
 from course_grader.checks.nb15 import (as_order, check_first_stage_wire, executor_secret, first_difference,
                                     judge_activations, judge_gradients, judge_orders, order_of, orders,
@@ -47,7 +47,7 @@ register("test_one_f_one_b_order_hidden", probe_order, judge_order)
 
 # ---------------------------------------------------------------- run_1f1b
 def one_f_one_b(p: int, m: int) -> list:
-    """1F1B's order (the hidden module's own: course_lib.parallel.schedules' is a stub in the student edition)."""
+    """1F1B's order (the hidden module's own: course_lib.parallel.pp's is a stub in the student edition)."""
     plan = []
     for r in range(p):
         warmup = min(m, p - r)
@@ -61,7 +61,7 @@ def one_f_one_b(p: int, m: int) -> list:
 # 3 ranks (a middle rank receives from both sides), fewer micro-batches than stages, and GPipe's order (m held);
 # rank 0 of each is the grader's
 RUNS = {"p=3, m=5, 1F1B": one_f_one_b(3, 5), "p=3, m=2, 1F1B": one_f_one_b(3, 2),
-        "p=2, m=4, GPipe": schedules.gpipe_order(2, 4)}
+        "p=2, m=4, GPipe": pp.gpipe_order(2, 4)}
 
 
 def play_runs(wire: Wire, round: int) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import course_lib.parallel.cp as cp
-import course_lib.parallel.cp_train as cp_train
+import course_lib.parallel.cp_cost as cp_cost
 import functools
 
 from course_grader.checks import (case_seed, error_text, in_ranks, number, packed, peer_port, plain, register, student,
@@ -112,7 +112,7 @@ def ring_rank(seq: int, causal: bool, zigzag: bool, ns: dict, seed: int = 0, rep
     torch.set_num_threads(1)
     q, k, v = (cp.split_sequence(t, world, zigzag=zigzag)[rank] for t in qkv(seq, seed))
     try:
-        with cp_train.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
+        with cp_cost.counted_tiles(q.shape[-2]) as tally, forbid(*CP_ANSWERS, namespace=ns):
             with CollectiveBytes() as comm, cp.RingLog() as log:
                 out, lse = ns["ring_forward"](q, k, v, causal, seq, *([True] if zigzag else []))
         got = {"out": tensor_data(out, torch.float32), "lse": tensor_data(lse, torch.float32),
@@ -196,7 +196,7 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
         got_lse = cp.merge_sequence([run["lse"].unsqueeze(-1) for run in runs], seq, zigzag=zigzag).squeeze(-1)
         assert torch.allclose(got_lse, lse, atol=1e-4), f"{label}: the log-sum-exp differs by " \
             f"{float((got_lse - lse).abs().max()):.1e}: return the merged lse over every key the row sees"
-    want = cp_train.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
+    want = cp_cost.ring_bytes_per_rank(seq, H, D, world, 4, batch=B, zigzag=zigzag)
     for r, run in enumerate(runs, start=first):
         assert run["bytes"] == {"send": want, "recv": want}, (
             f"{label}, rank {r}: your ring moved {run['bytes']} (bytes by kind); a ring sends (and receives) its K and "
@@ -205,7 +205,7 @@ def judge_ring(runs: list, world: int, seq: int, causal: bool, zigzag: bool = Fa
         assert isinstance(run["work"], (int, float)) and math.isfinite(run["work"]) and run["work"] >= 0, \
             f"{label}, rank {r}: the blocks of scores your cp.block_attention calls computed: {run['work']!r:.60}"
     if causal and seq % (2 * world if zigzag else world) == 0:  # no padding: every tile has a real key
-        work = cp_train.causal_work(world, zigzag)
+        work = cp_cost.causal_work(world, zigzag)
         for r, run in enumerate(runs, start=first):
             assert run["work"] == work[r], (
                 f"{label}, rank {r}: your cp.block_attention calls computed {run['work']} blocks of scores, a causal "

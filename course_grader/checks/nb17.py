@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import course_lib.parallel.ep as ep
+import course_lib.parallel.ep_cost as ep_cost
 
 from course_grader.checks import error_text, in_ranks, number, packed, plain, register, student, tensor_data
 from course_grader.grading import forbid
@@ -116,7 +117,7 @@ def ep_reference(world: int, n_experts: int, factor, keep=None, seed: int = 0, d
         kept.append(len(routing.expert))
         for r in range(world):
             received[r] += int(((routing.expert // local) == r).sum())
-    step = [ep.ep_bytes_per_rank(kept[r], received[r], EP_D, 4, n_experts)["step"] for r in range(world)]
+    step = [ep_cost.ep_bytes_per_rank(kept[r], received[r], EP_D, 4, n_experts)["step"] for r in range(world)]
     return {"out": out.detach(), "dx": x.grad, "dropped": moe.dropped, "step bytes": step,
             "grads": {n: p.grad for n, p in moe.named_parameters()}}
 

@@ -10,8 +10,8 @@ Two forms, rendered from ``course_lib/apps/templates/``:
   on the first node, which reaches the others over ssh (pdsh).
 
     python -m course_lib.apps.cluster torchrun --nodes 2 --partition mi300x --time 02:00:00 \\
-        --kwargs '{"steps": 20, "stage": 3}' \\
-        -- -m course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1
+        --kwargs '{"spec": {"steps": 20, "stage": 3}}' \\
+        -- -m course_lib.workers course_lib.parallel.zero_deepspeed:train /shared/run1
     python -m course_lib.apps.cluster deepspeed --nodes 4 -- train.py --deepspeed ds_config.json
 
 The command after ``--`` is a script and its arguments, or ``-m module`` and its arguments
@@ -105,7 +105,7 @@ def _validate_worker(job: Job) -> None:
     cmd, worker = job.command, _is_worker(job)
     if worker and (len(cmd) != 4 or ":" not in cmd[2]):
         raise ValueError(f"command={list(cmd)!r}: course_lib.workers takes MODULE:FUNCTION OUT_DIR, e.g. -m "
-                         "course_lib.workers course_lib.parallel.deepspeed_engine:train /shared/run1")
+                         "course_lib.workers course_lib.parallel.zero_deepspeed:train /shared/run1")
     if not isinstance(job.kwargs, str):
         raise ValueError(f"kwargs={job.kwargs!r}: must be a JSON object as text, e.g. '{{\"steps\": 20}}'")
     if job.kwargs:

@@ -52,13 +52,13 @@ from torch import nn
 
 from course_lib import fp8, fp8_compute, qlora
 from course_lib.attention import AttentionFallback, attention_kernels, course_sdpa
-from course_lib.parallel.deepspeed_engine import build_deepspeed_ops
+from course_lib.parallel.zero_deepspeed import build_deepspeed_ops
 from course_lib.device import (backend_for, default_device, gpu_architecture, gpu_vendor_stack, host_memory_bytes,
                                numa_balancing, pick_tier, rccl_version, validate_rocm)
 from course_lib.distributed import rank_device
 from course_lib.instruct import packed_attention_mask
 from course_lib.launch import CPU_ONLY_ENV, WorkerError, extensions_dir, launch, on_ranks
-from course_lib.parallel import cp_torch, cp_train
+from course_lib.parallel import cp_cost, cp_torch
 
 PASS, FAIL, ABSENT, NO_GPU, SKIPPED = "pass", "FAIL", "absent", "no GPU", "skipped"
 STATUSES = (PASS, FAIL, ABSENT, NO_GPU, SKIPPED)
@@ -414,8 +414,9 @@ def cp_probe(steps: int = 2) -> dict:
     """torch's ``context_parallel`` on one GPU rank (a ring of one: the swapped fused kernels, forward and backward,
     and the split), past ``cp_torch.support``'s version gate, against the one-process reference."""
     start = time.perf_counter()
-    run = on_ranks(cp_torch.train_llama, 1, "cuda", timeout=240, steps=steps, force=True)[0]
-    reference = cp_train.reference_llama_losses(steps, seq=cp_torch.seq_for(1))
+    spec = cp_torch.CPRun(design="torch", steps=steps, force=True)
+    run = on_ranks(cp_torch.train, 1, "cuda", timeout=240, spec=spec)[0]
+    reference = cp_torch.reference_llama_losses(steps, seq=cp_torch.seq_for(1))
     gap = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference))
     return {"gap": gap, "zigzag": run["zigzag"], "seconds": time.perf_counter() - start}
 
@@ -464,7 +465,7 @@ def allocator_probe(mib: int = 256) -> dict:
     torch.cuda.empty_cache()
     times["empty_cache_ms"] = (time.perf_counter() - start) * 1e3
     return {"allocated": allocated, "reserved": held, "cached_after_free": cached,
-            "returned": torch.cuda.memory_reserved(device) - base, "conf": cp_train.alloc_conf(), **times}
+            "returned": torch.cuda.memory_reserved(device) - base, "conf": cp_cost.alloc_conf(), **times}
 
 
 def allocator_row(got: dict) -> Row:
@@ -539,7 +540,7 @@ def deepspeed_ops_probe(device_type: str) -> dict[str, str | None]:
     """In a process of its own: load the DeepSpeed ops the course uses with ``device_type`` ranks and run each once.
 
     CPU ranks (``DS_ACCELERATOR=cpu``): the shared-memory comm op and CPU Adam, built as ``make ops`` builds them
-    (``deepspeed_engine.build_deepspeed_ops``). GPU ranks: CPU Adam (ZeRO-Offload's ``cpu_adam=True``) and fused Adam.
+    (``zero_deepspeed.build_deepspeed_ops``). GPU ranks: CPU Adam (ZeRO-Offload's ``cpu_adam=True``) and fused Adam.
     Returns {op: None if it ran, else why not}.
     """
     if device_type == "cpu":

@@ -3,7 +3,7 @@
 Seed 004's claim is about size: plain PyTorch runs out of GPU memory above about 1.2B parameters on one
 32 GB GPU, ZeRO-Offload trains 12B, ZeRO-Infinity (NVMe) 120B. Two answers for this machine:
 
-- predicted, from memory arithmetic: ``predicted_bytes`` adds up ``offload.offload_plan``'s model states, the
+- predicted, from memory arithmetic: ``predicted_bytes`` adds up ``offload_cost.offload_plan``'s model states, the
   activations and DeepSpeed's fixed buffers on the GPU, the host and NVMe; ``predict_largest`` walks
   ``SWEEP_SHAPES`` until one of the three is full.
 - measured, on a GPU: ``search_largest`` grows the model, then the micro-batch, until
@@ -11,7 +11,8 @@ Seed 004's claim is about size: plain PyTorch runs out of GPU memory above about
   bf16 autocast, or DeepSpeed's engine with the optimizer (and for ZeRO-3 the weights) offloaded. Each
   strategy runs in a fresh process (``sweep_all``); ``python -m course_lib.apps.size_sweep`` prints the table.
 
-An application of ``deepspeed_engine`` (the configs, the step, the offload strategies) and ``train`` (the plain step).
+An application of ``zero_deepspeed`` (the configs, the step), ``offload_cost`` (the offload strategies) and ``train``
+(the plain step).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from course_lib import attention
 from course_lib.checkpointing import checkpoint_layers, transformer_layers
 from course_lib.data import random_tokens
-from course_lib.parallel.deepspeed_engine import deepspeed_step, ds_config
+from course_lib.parallel.zero_deepspeed import deepspeed_step, ds_config
 from course_lib.device import device_memory_bytes, free_memory, host_memory_bytes
 from course_lib.distributed import rank_device
 from course_lib.launch import launch
@@ -35,7 +36,7 @@ from course_lib.memory import llama_activation_bytes
 from course_lib.models import llama_config, llama_num_parameters
 from course_lib.throughput import device_peak, matmul_parameters, time_step, transformer_flops_per_token
 from course_lib.train import train_step
-from course_lib.parallel.offload import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, offload_plan
+from course_lib.parallel.offload_cost import OFFLOAD_STRATEGIES, STRATEGY_NAMES, check_strategy, offload_plan
 
 # Llama-shaped models from 0.5B to 431B parameters: hidden size and layers (heads of 128, 8 KV heads, an MLP of
 # 3.5 × the hidden size, Llama 3's vocabulary, untied head). (4096, 32) is Llama-3.1-8B's shape, (8192, 80) 70B's.

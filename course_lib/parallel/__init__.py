@@ -1,10 +1,10 @@
-"""The parallelisms: one module per way of spreading training over ranks, on top of the step and the distributed
-toolkit in ``course_lib/``.
-
-``ddp`` (data parallelism: gradients averaged, then bucketed), ``fsdp`` (sharded data parallelism, by hand and
-FSDP2), ``zero`` and ``deepspeed_engine`` (ZeRO by hand and DeepSpeed's engine), ``offload`` (ZeRO-Offload and
-ZeRO-Infinity), ``tp`` and ``tp_train`` (tensor parallelism: Megatron's pair by hand, torch's DTensor plan),
-``pp`` and ``schedules`` (pipeline parallelism: stages, GPipe and 1F1B), ``cp`` and ``cp_train`` (context
-parallelism: ring attention), ``ep`` (expert parallelism: a mixture of experts over all-to-all). A parallelism may
-build on another (DP x TP is ``tp`` then ``fsdp``), never in a cycle (``tests/test_architecture.py``).
+"""The parallelisms: the ways of spreading training over ranks, on top of the step and the distributed toolkit in
+``course_lib/``. Each has the same roles (``tests/test_architecture.py`` holds them; docs/architecture.md tabulates
+them): ``<p>`` the mechanism by hand, ``<p>_torch`` the API practitioners use applied to the course's model
+(``apply_<p>(model, mesh, cfg)`` and the one worker ``train(spec)``; ZeRO's is ``zero_deepspeed``), ``<p>_cost``
+what it costs. The parallelisms: ``ddp`` (data: gradients averaged, then bucketed), ``fsdp`` (sharded data),
+``zero`` (ZeRO's sharded optimizer states, DeepSpeed's engine), ``offload`` (ZeRO-Offload and ZeRO-Infinity),
+``tp`` (tensor: Megatron's pair, torch's DTensor plan), ``pp`` (pipeline: stages and schedules), ``cp`` (context:
+ring attention), ``ep`` (expert: a mixture of experts over all-to-all). A parallelism may build on another (DP x TP
+is ``tp_torch`` then ``fsdp_torch``), never in a cycle.
 """

@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence split across ranks, attention computed as a ring of K/V blocks.
+"""Context parallelism by hand: the sequence split across ranks, attention computed as a ring of K/V blocks.
 
 Tensor and pipeline parallelism split the weights; a long sequence is a different problem: attention's
 activations grow with the sequence, and one rank holding all of it runs out. Context parallelism gives
@@ -23,7 +23,12 @@ ring gives the same numbers as attention over the whole sequence in one process.
   causal mask the plain split leaves rank 0 one block of work and rank N-1 N blocks; the zig-zag split
   gives rank r chunks r and 2N-1-r of 2N, an early and a late one, and every rank the same work.
 
-The mechanism alone: what it costs per rank (work, bytes, memory) and the Llama trained on it are in ``cp_train``.
+- ``ring_llama``: the course's Llama with its attention on the ring (``ring_llama_attention``, registered with
+  transformers; ``no_mask``: it gets no mask), ``ring_llama_loss`` one rank's share of its loss and ``sum_gradients``
+  the sum of the ranks' gradients: what ``cp_torch.train`` trains by hand (its design "hand").
+
+What the ring costs per rank (work, bytes, memory) is ``cp_cost``'s; the one training worker, by hand or with torch's
+``context_parallel``, is ``cp_torch``'s.
 
 Tensors are laid out as SDPA's: (batch, heads, sequence, head_dim); the sequence is dim -2.
 A length that does not divide by the world (or 2 x world for zig-zag) is padded at the end; the padded
@@ -37,8 +42,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
+from course_lib.attention import repeat_kv
 from course_lib.distributed import Timeline
+from course_lib.loss import IGNORE_INDEX
+from course_lib.models import build_llama
 
 SEQ_DIM = -2  # (batch, heads, sequence, head_dim)
 
@@ -139,7 +149,7 @@ def _local_chunks(local_len: int, zigzag: bool) -> list[slice]:
 
 
 # The rows one rank holds once ``split_sequence`` has padded the sequence: the cost formulas in
-# ``cp_train`` count by it, so the padding rule lives next to the split that applies it.
+# ``cp_cost`` count by it, so the padding rule lives next to the split that applies it.
 def _local_len(seq: int, world: int, zigzag: bool) -> int:
     chunks = _chunks(world, zigzag)
     return math.ceil(seq / chunks) * chunks // world
@@ -214,7 +224,7 @@ class RingLog(Timeline):
     (``ring_pass``, ``batch_isend_irecv``, ``isend`` / ``irecv``, the blocking ``send`` / ``recv``) posts through the
     process group's ``send`` and ``recv`` and waits through ``Work.wait``: those methods and this module's
     ``block_attention`` are wrapped for the whole process until the block ends (one rank's process, as
-    ``cp_train.counted_tiles``). An overlapped step reads send, recv, attend, ..., wait: the next block travels while
+    ``cp_cost.counted_tiles``). An overlapped step reads send, recv, attend, ..., wait: the next block travels while
     this one is computed.
     """
 
@@ -462,3 +472,67 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         raise ValueError("a ring given as forward= runs on the default process group with scale 1/sqrt(head_dim): "
                          "pass group=None and scale=None, or leave forward=None for course_lib's ring_forward")
     return RingAttention.apply(q, k, v, causal, group, seq_len, zigzag, scale, merge, forward)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The course's Llama with its attention on the ring
+
+IMPLEMENTATION = "course_ring"
+_RING: dict = {}  # the ring the Llama's attention runs on: seq_len, zigzag, group (set by ``ring_llama_loss``)
+
+
+def ring_llama_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                         scaling: float | None = None, **kwargs):
+    """transformers' attention interface on ``ring_attention``: (batch, local T, heads, d) out, no weights.
+
+    Causal by position, as the ring masks it: transformers builds no mask for this implementation (a mask
+    over the local rows would mean nothing: the keys a row sees live on every rank).
+    """
+    if dropout:
+        raise ValueError("ring_attention has no attention dropout: build the Llama with attention_dropout=0")
+    groups = query.shape[1] // key.shape[1]  # GQA: every query head gets its K/V head
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = ring_attention(query, key, value, causal=True, scale=scaling, **_RING)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def no_mask(*args, **kwargs) -> None:
+    """transformers' mask function for a ring's Llama: none (a mask over one rank's rows means nothing)."""
+    return None
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Sum every gradient over the ranks: each rank's loss is its tokens' share of the sequence's mean."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def ring_llama(seed: int = 0, preset: str = "tiny"):
+    """The course's Llama (``models.build_llama``) with ``attn_implementation="course_ring"``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, ring_llama_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
+    return build_llama(preset, attn_implementation=IMPLEMENTATION, seed=seed)
+
+
+def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False, forward=None) -> torch.Tensor:
+    """This rank's share of the next-token loss of ``tokens`` (the whole batch, batch x S, on every rank).
+
+    Each rank keeps its part of the sequence: input ids, their global positions (the rotary embedding needs
+    them) and the targets, shifted *before* the split (the target of the last local token lives on the next
+    rank). Its loss is its tokens' summed cross-entropy over the whole batch's count: the ranks' losses
+    sum to the mean, and so do their gradients. ``forward``: the ring forward (``ring_attention``'s; the student's).
+    """
+    rank, world = _rank_world(group)
+    seq = tokens.shape[-1]
+    targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
+    ids, labels = (split_sequence(t, world, dim=-1, zigzag=zigzag)[rank] for t in (tokens, targets))
+    positions = local_positions(rank, world, ids.shape[1], zigzag, tokens.device)
+    labels = torch.where(positions < seq, labels, IGNORE_INDEX)  # the padding scores nothing
+    _RING.update(seq_len=seq, zigzag=zigzag, group=group, forward=forward)
+    logits = model(input_ids=ids, position_ids=positions.expand(len(ids), -1)).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss / (len(tokens) * (seq - 1))

@@ -1,44 +1,51 @@
-"""torch's own context parallelism on the course's Llama, on GPU ranks: notebook 16's ring, as torch ships it.
+"""Context parallelism's one worker on the course's Llama: the ring by hand (``cp``), or torch's API applied to the
+Llama, on GPU ranks: notebook 16's ring, as torch ships it.
+
+``train(spec)`` runs one ``CPRun``: design "hand" trains ``cp.ring_llama`` (the Llama's attention on ``cp``'s ring,
+any device), design "torch" the Llama under torch's context parallelism (``apply_cp``); both loss for loss with one
+process (``reference_llama_losses``).
 
 ``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` does two things
 inside its ``with`` block:
 
 - it shards the buffers it is given (here the input ids, the targets and the positions) along the sequence, in
   place, with its head-tail load balancer: rank r keeps chunks r and 2N-1-r of 2N, notebook 16's zig-zag split
-  (``cp.local_positions(..., zigzag=True)``; ``train_llama`` checks that on every rank);
+  (``cp.local_positions(..., zigzag=True)``; ``train`` checks that on every rank);
 - it swaps ``F.scaled_dot_product_attention`` for one whose q, k and v are DTensors sharded on the sequence, which
   DTensor runs as a ring of SDPA's fused GPU kernels (flash, memory-efficient, cuDNN), merging the partial results
   by their log-sum-exp as ``cp.merge`` does; the K/V shards travel by all-gather (torch's default).
 
 The course's Llama keeps its attention (``attention.course_sdpa``, which calls ``F.scaled_dot_product_attention``, the
 call the context swaps), with its K/V heads repeated to the query's (``ring_sdpa``), but gets no mask from
-transformers (``llama``: a rank's zig-zag positions would read as packed sequences); causality is the ring's, from
-``is_causal``. Backward runs inside the context too (the ring's backward is the DTensor handler of the kernel's
-backward). The kernels are GPU kernels, so this runs on GPU ranks, one per GPU (``launch.on_ranks``); ``support``
-says why not elsewhere (and on ROCm below the release that fixed its fused backward, why not there).
+transformers (``apply_cp``; ``llama`` says why: a rank's zig-zag positions would read as packed sequences); causality is
+the ring's, from ``is_causal``. Backward runs inside the context too (the ring's backward is the DTensor handler of the
+kernel's backward). The kernels are GPU kernels, so this runs on GPU ranks, one per GPU (``launch.on_ranks``);
+``support`` says why not elsewhere (and on ROCm below the release that fixed its fused backward, why not there).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import context_parallel  # torch 2.5 on: the floor's 2.7 has it
 
 from course_lib.attention import course_sdpa, repeat_kv
 from course_lib.data import lm_batch
 from course_lib.distributed import rank_device
-from course_lib.loss import IGNORE_INDEX
+from course_lib.loss import IGNORE_INDEX, next_token_loss
 from course_lib.models import build_llama
-from course_lib.parallel.cp import local_positions
-from course_lib.parallel.cp_train import no_mask, sum_gradients
-from course_lib.train import fit, train_step, worker_result
+from course_lib.parallel.cp import local_positions, no_mask, ring_llama, ring_llama_loss, sum_gradients
+from course_lib.train import Dims, RunSpec, fit, train_step, worker_result
 
 SEQ = 32  # tokens, at least: torch's load balancer cuts 2N equal chunks (seq_for rounds up to them)
+RING_SEQ = 30  # tokens by hand, by default: the ring pads a length that does not cut into its chunks
+DESIGNS = ("hand", "torch")
 IMPLEMENTATION = "course_torch_cp"
 # ROCm: below 2.15, AOTriton's fused attention backward can fault inside context parallelism, and its memory-efficient
 # kernel in fp32 misses torch's own tolerance. Below that release the course does not run it, unless the preflight's
@@ -61,8 +68,8 @@ def support(device: torch.device | str) -> str | None:
     ring versions of them. On a CPU SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which has no
     context-parallel handler: inside ``context_parallel`` on gloo it raises "Operator
     aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered"
-    (tests/test_cp.py runs ``train_llama`` on two CPU ranks into exactly that), and with the math backend forced
-    it fails on "aten.add.Tensor got mixed torch.Tensor and DTensor" (torch 2.13.0+cpu). So it needs GPUs.
+    (tests/test_cp.py runs ``train``'s design "torch" on two CPU ranks into exactly that), and with the math backend
+    forced it fails on "aten.add.Tensor got mixed torch.Tensor and DTensor" (torch 2.13.0+cpu). So it needs GPUs.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -92,23 +99,38 @@ def ring_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return course_sdpa(module, query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), *args, **kwargs)
 
 
-def llama(seed: int = 0, device: torch.device | str = "cpu"):
-    """The course's tiny Llama for torch's context parallel: the course's attention, heads repeated (``ring_sdpa``),
-    no mask.
-
-    A rank's positions under the zig-zag split jump (chunk r, then chunk 2N-1-r), and transformers reads a jump in
-    ``position_ids`` as the start of a packed sequence: it would build a block mask that cuts attention at the jump
-    (and torch's context would shard that mask as if it were q, k or v). No mask, and ``is_causal``: the ring masks
-    by global position itself. The weights are ``build_llama("tiny", seed=seed)``'s: built on the CPU, where
-    ``cp_train.reference_llama_losses`` builds the model it is compared with, then moved to ``device`` (a GPU's
-    generator draws other weights from the same seed).
-    """
+def apply_cp(model: nn.Module, mesh: DeviceMesh | None, cfg: "CPRun | None" = None) -> nn.Module:
+    """Make the course's Llama run under torch's ``context_parallel`` on ``mesh``, the 1-D "cp" mesh its context
+    shards the batch over: its attention ``ring_sdpa`` (the course's, K/V heads repeated) with no mask from
+    transformers (``cp.no_mask``; ``llama`` says why), both registered with transformers. With a mesh and ``cfg``,
+    ``cfg``'s sequence must cut into 2·N equal chunks over the mesh's N ranks, as torch's load balancer needs.
+    Returns the model."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, ring_sdpa)
     AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
-    return build_llama("tiny", attn_implementation=IMPLEMENTATION, seed=seed).to(device)
+    model.config._attn_implementation = IMPLEMENTATION
+    if mesh is not None and cfg is not None:
+        world, seq = mesh.size(), cfg.length(mesh.size())
+        if seq % (2 * world):
+            raise ValueError(f"seq={seq} tokens do not cut into 2·{world} equal chunks, which torch's load balancer "
+                             f"needs: use a multiple of {2 * world}")
+    return model
+
+
+def llama(seed: int = 0, device: torch.device | str = "cpu"):
+    """The course's tiny Llama for torch's context parallel: the course's attention, heads repeated (``ring_sdpa``),
+    no mask (``apply_cp``).
+
+    A rank's positions under the zig-zag split jump (chunk r, then chunk 2N-1-r), and transformers reads a jump in
+    ``position_ids`` as the start of a packed sequence: it would build a block mask that cuts attention at the jump
+    (and torch's context would shard that mask as if it were q, k or v). No mask, and ``is_causal``: the ring masks
+    by global position itself. The weights are ``build_llama("tiny", seed=seed)``'s: built on the CPU, where
+    ``reference_llama_losses`` builds the model it is compared with, then moved to ``device`` (a GPU's generator
+    draws other weights from the same seed).
+    """
+    return apply_cp(build_llama("tiny", seed=seed), None).to(device)
 
 
 def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
@@ -124,28 +146,67 @@ def sharded_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, 
     return loss / (len(tokens) * (seq - 1))
 
 
-def train_llama(steps: int = 3, *, seq: int | None = None, batch: int = 2, lr: float = 1e-3, seed: int = 0,
-                force: bool = False) -> dict:
-    """A worker (``launch.on_ranks``, GPU ranks): the course's tiny Llama trained with torch's ``context_parallel``
-    over every rank of the group, the same batches and optimizer as ``cp_train.reference_llama_losses``; ``seq``
-    tokens, by default ``seq_for`` the world (the reference must be given the same).
+@dataclass(frozen=True)
+class CPRun(RunSpec):
+    """One training run of the course's tiny Llama under context parallelism, over every rank of the group.
 
-    Returns ``worker_result``'s losses (the sum of the ranks' shares: the batch's loss) and ``zigzag``: whether
-    torch's split of the positions on this rank was ``cp.local_positions(rank, world, seq // world, zigzag=True)``.
-    ``force`` runs past ``support``'s refusal: on CPU ranks the run then goes the GPU's way up to the attention
-    kernel, where torch raises (tests/test_cp.py holds it to that, so the path is checked without a GPU).
+    ``design``: "hand", the ring by hand (``cp.ring_llama``, any device: forked CPU ranks), or "torch", torch's
+    ``context_parallel`` (GPU ranks, one per GPU). ``zigzag``: the hand ring's split (torch's is always the zig-zag:
+    its head-tail load balancer). ``seq``: tokens per sequence, None for the design's default (``length``: RING_SEQ by
+    hand, ``seq_for`` the world with torch); the reference must be given the same. ``force``: torch's run goes on
+    past ``support``'s refusal (on CPU ranks up to the attention kernel, where torch raises)."""
+
+    design: str = "hand"
+    steps: int = 3
+    zigzag: bool = False
+    seq: int | None = None
+    batch: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+    force: bool = False
+
+    def __post_init__(self):
+        if self.design not in DESIGNS:
+            raise ValueError(f"design={self.design!r}: use one of {', '.join(DESIGNS)}")
+
+    def length(self, world: int) -> int:
+        """Tokens per sequence on a ring of ``world``: ``seq``, or the design's default."""
+        if self.seq is not None:
+            return self.seq
+        return RING_SEQ if self.design == "hand" else seq_for(world)
+
+
+def train(spec: CPRun | dict | None = None, forward=None) -> dict:
+    """A worker (``launch.run_forked`` by hand, ``launch.on_ranks`` with torch): the course's tiny Llama trained with
+    context parallelism over every rank of the group, the same batches and optimizer as ``reference_llama_losses``.
+
+    Every rank holds the whole model and its part of every sequence (``train.fit``, the course's loop); its loss is
+    its tokens' share of the sequence's mean, so the gradients are summed over the ranks after backward
+    (``cp.sum_gradients``), and the loss of a step is the sum of the shares (``fit`` records their mean). Design
+    "hand": the Llama's attention is ``cp``'s ring, ``forward`` the ring forward it runs (the student's; default
+    ``cp.ring_attention``'s). Design "torch": each step inside ``context_parallel`` (``apply_cp``), which cuts the
+    batch and swaps SDPA for its ring. Returns ``worker_result``'s losses (the batch's loss per step) and, with torch,
+    ``zigzag``: whether torch's split of the positions on this rank was ``cp.local_positions(..., zigzag=True)``.
     """
-    device, world = rank_device(), dist.get_world_size()
+    spec = CPRun.of(spec)
+    world = dist.get_world_size()
+    seq = spec.length(world)
+    if spec.design == "hand":
+        model = ring_llama(spec.seed)
+        history = fit(model, torch.optim.AdamW(model.parameters(), lr=spec.lr),
+                      lambda step: lm_batch(step, spec.batch, seq, model.config.vocab_size, spec.seed), spec.steps,
+                      loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=spec.zigzag, forward=forward),
+                      sync_grads=sum_gradients, progress=False)
+        return worker_result([r["loss"] * world for r in history])
+    if forward is not None:
+        raise ValueError("forward= is the hand ring's forward: torch's context_parallel rings its own kernels")
+    device = rank_device()
     reason = support(device)
-    if reason is not None and not force:
+    if reason is not None and not spec.force:
         raise RuntimeError(f"torch's context parallel cannot run on this rank: {reason}")
-    seq = seq_for(world) if seq is None else seq
-    if seq % (2 * world):
-        raise ValueError(f"seq={seq} tokens do not cut into 2·{world} equal chunks, which torch's load balancer "
-                         f"needs: use a multiple of {2 * world}")
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
-    model = llama(seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    mesh = Dims(spec.batch, cp=world).mesh(device.type, ("cp",))
+    model = apply_cp(build_llama("tiny", seed=spec.seed), mesh, spec).to(device)  # drawn on the CPU: see llama
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     zigzag = []
 
     def step(tokens: torch.Tensor) -> dict:
@@ -159,7 +220,17 @@ def train_llama(steps: int = 3, *, seq: int | None = None, batch: int = 2, lr: f
             return train_step(model, optimizer, cut, loss_fn=lambda m, b: sharded_loss(m, *b, seq),
                               sync_grads=sum_gradients)
 
-    history = fit(model, optimizer, lambda i: lm_batch(i, batch, seq, model.config.vocab_size, seed), steps,
-                  step=step, progress=False)
+    history = fit(model, optimizer, lambda i: lm_batch(i, spec.batch, seq, model.config.vocab_size, spec.seed),
+                  spec.steps, step=step, progress=False)
     # fit records the mean over ranks of each rank's share of the loss; the batch's loss is their sum
     return worker_result([r["loss"] * world for r in history], zigzag=all(zigzag))
+
+
+def reference_llama_losses(steps: int = 3, *, seq: int = RING_SEQ, batch: int = 2, lr: float = 1e-3,
+                           seed: int = 0) -> list[float]:
+    """One process, the same model, batches and optimizer, attention over the whole sequence (SDPA)."""
+    model = build_llama("tiny", seed=seed)
+    history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
+                  lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
+                  loss_fn=lambda m, tokens: next_token_loss(m(input_ids=tokens).logits, tokens), progress=False)
+    return [r["loss"] for r in history]

@@ -1,4 +1,4 @@
-"""Expert parallelism: a mixture-of-experts layer whose experts live on different ranks.
+"""Expert parallelism by hand: a mixture-of-experts layer whose experts live on different ranks.
 
 A mixture-of-experts (MoE) layer replaces one MLP by E smaller ones, the experts, and a router that
 sends each token to its top-k of them: E times the parameters for about k MLPs' compute per token.
@@ -12,7 +12,6 @@ token's outputs are summed with its gate weights.
   load-balancing loss; ``MoE.forward(x, groups)`` routes each group of tokens on its own, as GShard does.
 - ``expert_parallel_forward``: the same layer with its experts spread over ``group``'s ranks, equal to
   ``moe(all ranks' tokens, groups=their counts)`` in output and gradients.
-- ``ep_bytes_per_rank``: the bytes one rank's all-to-alls carry per step, against ``CollectiveBytes``.
 
 What current MoEs do instead, measured beside it: **dropless** experts (``dropless_forward``: every choice
 computed, each expert's rows one group of a grouped matmul, ``grouped_mm``); **auxiliary-loss-free balancing**
@@ -25,6 +24,8 @@ every token's first choice queues before any token's second choice (GShard's pri
 and a choice past the capacity is dropped: that expert adds nothing to the token (the residual stream
 around the layer carries it). Under expert parallelism a group is one rank's tokens: each rank routes
 alone, with no exchange, so capacity is per rank, and the one-process reference routes the same groups.
+
+What its all-to-alls carry per rank is ``ep_cost``'s.
 """
 
 from __future__ import annotations
@@ -349,16 +350,3 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, group=None, *, dispatch_f
     moe.traffic = {"dispatched": sum(plan.send_splits), "received": sum(plan.recv_splits),
                    "send_splits": plan.send_splits, "recv_splits": plan.recv_splits}
     return out.view_as(x)
-
-
-def ep_bytes_per_rank(dispatched: int, received: int, d_model: int, dtype_bytes: int, n_experts: int) -> dict:
-    """Bytes one rank's all-to-alls take in, per step, as ``CollectiveBytes`` counts them (each call's input).
-
-    Forward: the counts (E int64), the dispatch (the rows this rank sends: its tokens x top_k, less the
-    dropped) and the combine (the rows its experts received, sent back). Backward: the two all-to-alls
-    again, reversed. On balanced routing received = dispatched = tokens x top_k, so a step moves about
-    4 x tokens x top_k x d_model x dtype_bytes per rank, of which (N-1)/N leaves the rank.
-    """
-    rows = (dispatched + received) * d_model * dtype_bytes
-    return {"counts": n_experts * 8, "dispatch": dispatched * d_model * dtype_bytes,
-            "combine": received * d_model * dtype_bytes, "backward": rows, "step": n_experts * 8 + 2 * rows}

@@ -1,422 +1,284 @@
-"""Pipeline parallelism on the course's Llama: cut into stages, one per rank, micro-batches flowing through.
+"""Pipeline parallelism by hand: which forward and backward each rank runs, and when; planned, run, recorded.
 
-The schedules themselves (the orders, their simulated bubble, the 1F1B executor by hand, the recorded
-timeline and its reading) are ``course_lib.parallel.schedules``; this module puts the Llama through them.
+Seed 002's ``PipelinedModel`` puts stage s on cuda:s and pushes the whole batch through: while one
+device computes, the others wait. With p stages the bubble (the idle share of p × makespan) is
+(p-1)/p. Cut the batch into m micro-batches and stage s can work on micro-batch i while stage s+1
+works on i-1: GPipe (all forwards, then all backwards) idles (p-1)/(m+p-1); 1F1B runs the same
+bubble but starts each micro-batch's backward as early as it can, so a rank keeps at most p
+micro-batches of activations alive instead of m; interleaved 1F1B gives each rank v stages
+(rank r holds stages r, r+p, ...) and cuts the bubble by about v.
 
-- ``LlamaStage`` / ``split_llama``: the course's Llama cut by decoder layers (stage 0 has the
-  embedding, the last has the final norm and the LM head; the loss is the schedule's ``loss_fn``).
-- ``naive_step``: the seed's split written out with ``dist.send``/``dist.recv``: whole batch, forward
-  stage by stage, backward in reverse.
-- ``train``: the worker for ``launch("course_lib.parallel.pp:train", p, {...})``, naive or one of torch's
-  schedules (``torch.distributed.pipelining``), timed by ``schedules.Recorder``; ``memory.SavedTensorMeter``'s
-  peak is the bytes autograd keeps for backward. ``reference_losses``: the one-process run it must equal.
+- ``gpipe_order`` / ``one_f_one_b_order``: the schedules as pure functions (the order of F and B each rank
+  runs); ``torch_order`` reads the same orders out of torch's schedule objects. 1F1B's order is notebook 15's
+  exercise 1 (a stub in the student edition).
+- Zero bubble: a backward split in two, I (the gradient of the stage's input, which the stage before waits
+  for) and W (the gradient of its weights, which nothing waits for), so W can fill the bubble.
+  ``planned_orders`` reads torch's plans (interleaved 1F1B, the zero bubble schedules, DualPipeV where torch
+  has it) without a process group.
+- ``run_1f1b``: a pipeline executor by hand: one rank's forwards and backwards of its micro-batches in the
+  order given (1F1B's or GPipe's), activations up and gradients down with ``isend``/``irecv``, holding only
+  the micro-batches the order has in flight. Notebook 15's exercise 2 (a stub in the student edition).
+- ``Recorder``: wall-clock start and end of every forward and backward of every micro-batch on every
+  rank, on a time base shared through a barrier; ``rank_orders`` reads the order each rank ran from it.
+  ``SimulatedWork`` pads a stage's work with sleep, so that ranks sharing a few cores still show the schedule
+  itself.
 
-Honest timings on a 2-core CPU: p ranks share 2 cores, so measured compute times include waiting
-for a core. ``simulate_ms=(f, b)`` adds ``time.sleep`` of f ms to every stage's forward and b ms to
-its backward (``SimulatedWork``): sleeping needs no core, so the measured timeline then shows the
-schedule itself, with its communication overhead. That is simulated work, not compute: the real
-compute still runs beside it, and without ``simulate_ms`` the timeline is real compute only.
+What an order costs (the bubble formula, the simulated makespan, the bubble and the activations in flight of a
+recorded timeline, its plot) is ``course_lib.parallel.pp_cost``. Nothing here knows the model: a stage is any
+``nn.Module`` (the checks run MLPs). ``course_lib.parallel.pp_torch`` cuts the course's Llama into stages and trains
+it under torch's schedules and the naive split.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import statistics
-import warnings
+import socket
+import time
+import types
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import profiling
-from course_lib.data import lm_batch
-from course_lib.distributed import each_run, rank_device
-from course_lib.loss import forward_loss, next_token_loss
-from course_lib.memory import SavedTensorMeter
-from course_lib.models import build_llama
-from course_lib.parallel.schedules import (PP_SPAN, Recorder, SimulatedWork, bubble_formula, bubble_fraction,
-                                           in_flight_peak, torch_order)
-from course_lib.train import fit, rank_and_world, worker_result
+from course_lib.distributed import Timeline
 
-# torch's multi-stage schedules: name -> (class, V layout: rank r holds stages r and 2p-1-r, else r, r+p, ...)
-MULTI_STAGE = {"interleaved": ("ScheduleInterleaved1F1B", False), "zb": ("ScheduleInterleavedZeroBubble", False),
-               "zbv": ("ScheduleZBVZeroBubble", True), "dualpipev": ("ScheduleDualPipeV", True)}
-SCHEDULES = ("naive", "gpipe", "1f1b", *MULTI_STAGE)
+# (kind, micro-batch) or (kind, micro-batch, stage); kind: "F" forward, "B" full backward, or the backward
+# split in two: "I" the gradient of the stage's input, "W" the gradient of its weights (B = I then W)
+Action = tuple
 
 
-def unsupported(schedule: str) -> str | None:
-    """Why this torch cannot run ``schedule``, or None where it can.
+# ---------------------------------------------------------------- the schedules as pure functions
 
-    ``ScheduleDualPipeV`` came after torch 2.7. A V puts two adjacent stages on the last rank (p - 1 and p), whose
-    activation and gradient must stay in the process: torch hands them over in place only in
-    ``_PipelineScheduleRuntime``, which later torch's ZBV runs on (2.13's does); 2.7's ZBV is a
-    ``PipelineScheduleMulti`` that sends them to its own rank, which gloo cannot do ("writev: Bad file descriptor"),
-    so it is left out there.
-    Asked, not read at import: importing ``torch.distributed.pipelining`` takes seconds.
-    """
-    from torch.distributed import pipelining
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    if schedule not in MULTI_STAGE:
-        return None if schedule in SCHEDULES else f"no schedule {schedule!r}: use one of {SCHEDULES}"
-    cls = getattr(pipelining, MULTI_STAGE[schedule][0], None)
-    if cls is None:
-        return f"torch {torch.__version__} has no {MULTI_STAGE[schedule][0]}"
-    runtime = getattr(torch_schedules, "_PipelineScheduleRuntime", None)
-    if MULTI_STAGE[schedule][1] and not (runtime and issubclass(cls, runtime)):
-        return (f"torch {torch.__version__}'s {cls.__name__} sends stage p-1's output to stage p on its own rank, "
-                "and gloo cannot send to itself")
-    return None
+def gpipe_order(p: int, m: int) -> list[list[Action]]:
+    """Per rank, the actions GPipe runs: every micro-batch's forward, then every backward, in order."""
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(p)]
 
 
-# ---------------------------------------------------------------- the model, cut into stages
-
-class LlamaStage(nn.Module):
-    """Some decoder layers of a ``LlamaForCausalLM``; the first stage embeds, the last normalises and
-    projects to logits. Each stage recomputes the rotary embedding and the causal mask for itself,
-    so only the hidden states (batch, T, d) travel between stages."""
-
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, simulate_ms=None):
-        super().__init__()
-        inner = model.model
-        self.config, self.rotary_emb = model.config, inner.rotary_emb  # rotary: buffers only, no weights
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[i] for i in layers)
-        self.norm, self.lm_head = (inner.norm, model.lm_head) if last else (None, None)
-        self.simulate = tuple(ms / 1000 for ms in simulate_ms) if simulate_ms else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        clock: dict = {}  # this micro-batch's start times, shared by the two ends of the padding
-        if self.simulate:
-            h = SimulatedWork.apply(h, "enter", clock, *self.simulate)
-        pos = torch.arange(h.shape[1], device=h.device)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=pos)
-        rope = self.rotary_emb(h, position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
-        if self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
-        return SimulatedWork.apply(h, "leave", clock, *self.simulate) if self.simulate else h
+# graded: 15_pipeline_parallelism one_f_one_b_order
+def one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
+    """Per rank, the actions 1F1B runs: rank r warms up with min(m, p-r) forwards, then alternates
+    one backward and one forward, then drains the backwards left (torch's ``Schedule1F1B``)."""
+    orders = []
+    for r in range(p):
+        warmup = min(m, p - r)
+        order = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: the oldest backward, then the next forward
+            order += [("B", i), ("F", warmup + i)]
+        order += [("B", i) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
 
 
-def split_llama(model: nn.Module, n_stages: int, simulate_ms=None) -> list[LlamaStage]:
-    """Cut a Llama into ``n_stages`` stages of consecutive decoder layers (the earlier ones get the extra)."""
-    n = model.config.num_hidden_layers
-    if n < n_stages:
-        raise ValueError(f"{n} decoder layers cannot make {n_stages} stages: build the Llama with "
-                         f"num_hidden_layers >= {n_stages}")
-    if getattr(model.config, "tie_word_embeddings", False) and n_stages > 1:
-        raise ValueError("tied embedding and LM head would live on two stages: untie them first")
-    cuts = [-(-i * n // n_stages) for i in range(n_stages + 1)]  # ceil: the earlier stages get the extra layer
-    return [LlamaStage(model, range(cuts[s], cuts[s + 1]), s == 0, s == n_stages - 1, simulate_ms)
-            for s in range(n_stages)]
+# torch's action kinds by member name: their values were ints (FORWARD = 1) up to torch 2.10 and are the
+# letters ("F") since, and the names are what stayed the same
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
-def stage_indices(rank: int, world: int, stages_per_rank: int = 1, v_shape: bool = False) -> list[int]:
-    """The stages rank ``rank`` holds: rank, rank + world, ... (the looped layout of interleaved 1F1B), or with
-    ``v_shape`` rank and 2 world - 1 - rank (ZBV's and DualPipeV's V: the last stage sits with the first)."""
-    if v_shape:
-        return [rank, 2 * world - 1 - rank]
-    return [rank + k * world for k in range(stages_per_rank)]
-
-
-# ---------------------------------------------------------------- the naive split, by hand
-
-def naive_step(stage: LlamaStage, tokens: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
-    """One forward and backward of the whole batch through the ranks' stages, written with send/recv.
-
-    Rank r receives the hidden states from r-1, runs its stage, sends them to r+1, then waits for their
-    gradient from r+1, backpropagates and sends the gradient of its input to r-1: while one rank
-    computes, every other one waits. The last rank returns the loss; the others None.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    first, last = rank == 0, rank == world - 1
-    x = tokens
-    if not first:  # the shape is known: (batch, T, hidden); nothing but the values travels
-        x = torch.empty(*tokens.shape, stage.config.hidden_size, device=tokens.device)
-        dist.recv(x, rank - 1)
-        x.requires_grad_()
-    with recorder.interval("F", 0, rank):
-        out = stage(x)
-        loss = next_token_loss(out, tokens) if last else None
-    if not last:
-        dist.send(out.detach(), rank + 1)
-    grad = None if last else torch.empty_like(out)
-    if not last:
-        dist.recv(grad, rank + 1)
-    with recorder.interval("B", 0, rank):
-        torch.autograd.backward(loss if last else out, grad)
-    if not first:
-        dist.send(x.grad, rank - 1)
-    return loss.detach() if last else None
-
-
-# ---------------------------------------------------------------- torch's schedules and the worker
-
-def make_schedule(name: str, stages: list, microbatches: int):
-    """torch's schedule for ``name`` over this rank's ``PipelineStage``s, with the mean next-token loss
-    per micro-batch; ``scale_grads=True`` divides the summed gradients by m: the global batch's mean."""
-    from torch.distributed import pipelining
-
-    loss_fn = next_token_loss
-    if name in MULTI_STAGE:
-        return getattr(pipelining, MULTI_STAGE[name][0])(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
-    if name == "gpipe":
-        return gpipe_schedule(stages[0], microbatches, loss_fn)
-    return pipelining.Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def gpipe_schedule(stage, microbatches: int, loss_fn):
-    """torch's ``ScheduleGPipe``, with fewer micro-batches than stages too (m = 1 is the naive split's bubble).
-
-    torch 2.7 to 2.10 refuse m < p in every one-stage-per-rank schedule, a limit of 1F1B's warm-up that
-    GPipe (all forwards, then all backwards) does not have; 2.11 moved the check into ``Schedule1F1B``.
-    Where torch refuses, the schedule is built for p micro-batches and then told m: every use of the count
-    (splitting the batch, the loop, the gradient scale, 2.8+'s planned order) reads it at run time.
-    """
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    try:
-        return ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
-    except ValueError:
-        if microbatches < 1 or microbatches >= stage.num_stages:
-            raise
-    schedule = ScheduleGPipe(stage, stage.num_stages, loss_fn=loss_fn, scale_grads=True)
-    schedule._n_microbatches = microbatches
-    if getattr(schedule, "pipeline_order", None):  # torch 2.8-2.10 plan at construction: plan again for m
-        schedule.pipeline_order = schedule._get_pipeline_order()
-    return schedule
-
-
-class _EveryWork:
-    """The works of one ``batch_isend_irecv``, waited on together: what torch's schedules wait on since 2.8."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-
-def _batch_p2p_waiting_for_all(p2p_ops: list, desc: str | None = None) -> _EveryWork | None:
-    return _EveryWork(dist.batch_isend_irecv(p2p_ops)) if p2p_ops else None
-
-
-@contextlib.contextmanager
-def waits_for_every_p2p():
-    """Within the block, torch's schedules wait on every send and receive of a batch, not only the last.
-
-    torch 2.7's ``_batch_p2p`` keeps only the last of the works ``batch_isend_irecv`` returns: NCCL
-    coalesces a batch into one, but gloo (CPU ranks) returns one per op, and the sends left unwaited
-    deadlock 1F1B and interleaved 1F1B (pytorch issue 132644, fixed in 2.8 with ``_wait_batch_p2p``).
-    Where torch has that fix this does nothing.
-    """
-    from torch.distributed.pipelining import schedules
-
-    if hasattr(schedules, "_wait_batch_p2p"):
-        yield
-        return
-    original, schedules._batch_p2p = schedules._batch_p2p, _batch_p2p_waiting_for_all
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = original
-
-
-def _torch_stages(model: nn.Module, indices: list[int], n_stages: int, mb_rows: int, seq: int,
-                  device: torch.device, simulate_ms) -> list:
-    """This rank's ``PipelineStage``s, with their input and output shapes given (no shape inference)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    parts = split_llama(model, n_stages, simulate_ms)
-    d, vocab, out = model.config.hidden_size, model.config.vocab_size, []
-    for s in indices:
-        # requires_grad matters: the stage sends a gradient back only for inputs that require one
-        inp = (torch.zeros(mb_rows, seq, dtype=torch.long) if s == 0
-               else torch.zeros(mb_rows, seq, d, requires_grad=True))
-        outp = torch.zeros(mb_rows, seq, vocab if s == n_stages - 1 else d, requires_grad=True)
-        out.append(PipelineStage(parts[s].to(device), s, n_stages, device, input_args=inp.to(device),
-                                 output_args=outp.to(device)))
+def torch_order(schedule) -> list[list[Action]] | None:
+    """The compute actions torch's schedule object plans per rank (its ``pipeline_order``), as
+    (kind, mb) for one stage per rank and (kind, mb, stage) for several, kind one of F, B, I, W; None if it has
+    none (older torch, 2.7 among them, plans ahead only for the multi-stage schedules: GPipe and 1F1B have none).
+    A composite action (DualPipeV's OVERLAP_F_B: a forward and a backward issued together) counts as its
+    parts, in order: one device runs them one after the other."""
+    plan = getattr(schedule, "pipeline_order", None)
+    if not plan:
+        return None
+    parts = {r: [b for a in plan[r] if a is not None for b in (getattr(a, "sub_actions", None) or (a,))] for r in plan}
+    multi = len({a.stage_index for actions in parts.values() for a in actions}) > len(plan)
+    out = []
+    for r in sorted(parts):
+        acts = [a for a in parts[r] if a.computation_type.name in _TORCH_KINDS]
+        out.append([(_TORCH_KINDS[a.computation_type.name], a.microbatch_index) + ((a.stage_index,) if multi else ())
+                    for a in acts])
     return out
 
 
-def _step(schedule, tokens: torch.Tensor, first: bool, last: bool) -> torch.Tensor | None:
-    """One pipelined step: the rank with the first stage feeds the tokens, the rank with the last the targets
-    (rank 0 both in a V) and returns the mean loss."""
-    losses: list = []
-    args = (tokens,) if first else ()
-    # torch >= 2.10 can skip merging the last stage's logits (return_outputs=False); older step() has no such
-    # argument and hands every unknown keyword to the model's forward as an input, so it is passed only where known
-    skip = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
-    with waits_for_every_p2p():
-        schedule.step(*args, **({"target": tokens, "losses": losses} if last else {}), **skip)
-    return torch.stack(losses).mean().detach() if last else None  # micro-batch means, equal sizes: the batch mean
+# torch's multi-stage schedules: class name -> (stages per rank, V layout: rank r holds stages r and 2p-1-r)
+TORCH_MULTI_STAGE = {"ScheduleInterleaved1F1B": (2, False), "ScheduleInterleavedZeroBubble": (2, False),
+                     "ScheduleZBVZeroBubble": (2, True), "ScheduleDualPipeV": (2, True)}
 
 
-def train(schedule: str = "gpipe", microbatches: int = 4, steps: int = 5, preset: str = "tiny",
-          layers: int | None = None, stages_per_rank: int | None = None, batch: int = 8, seq: int = 32,
-          lr: float = 3e-3, seed: int = 0, simulate_ms: list[float] | None = None) -> dict:
-    """Train a Llama preset pipelined over this process group; the worker of ``launch("course_lib.parallel.pp:train")``.
+def planned_orders(p: int, m: int) -> dict[str, list[list[Action]]]:
+    """The order each of ``p`` ranks runs for ``m`` micro-batches in each of torch's multi-stage schedules this torch
+    has (``ScheduleDualPipeV`` came after 2.7), by class name: its plan, read with ``torch_order``. No process
+    group: a schedule's constructor reads only its stages' place in the pipeline (group size and rank, the number
+    of stages) and plans every rank's order, so stand-ins for rank 0's stages are enough to read it."""
+    from torch.distributed.pipelining import schedules as torch_schedules
 
-    ``schedule``: "naive" (hand-written send/recv, the whole batch: ``microbatches`` is ignored),
-    "gpipe", "1f1b", or a multi-stage one: "interleaved" (1F1B), "zb" (interleaved zero bubble: backwards split
-    into I and W), "zbv" (zero bubble in a V) or "dualpipev" (where torch has it), ``stages_per_rank`` stages per
-    rank, 2 unless told (the V schedules need 2). ``layers``
-    overrides the preset's decoder layers (it needs one per stage at least). Returns the losses (the
-    global batch's, on every rank), the last step's gathered timeline, its measured bubble and the
-    formula's (``bubble`` is the least over the steps after the first, ``bubble_median`` their median,
-    ``bubbles`` every step's), the in-flight peak per rank, this rank's peak bytes saved for
-    backward, tokens/s over the steps after the first, and the per-rank order torch planned.
+    orders = {}
+    for name, (v, v_shape) in TORCH_MULTI_STAGE.items():
+        cls = getattr(torch_schedules, name, None)
+        if cls is None:
+            continue
+        n = p * v
+        held = [0, n - 1] if v_shape else [k * p for k in range(v)]
+        stand_ins = [types.SimpleNamespace(group_size=p, group_rank=0, num_stages=n, stage_index=s, submod=nn.Module(),
+                                           is_first=s == 0, is_last=s == n - 1) for s in held]
+        orders[name] = torch_order(cls(stand_ins, m, loss_fn=lambda out, target: out))
+    return orders
+
+
+# ---------------------------------------------------------------- 1F1B, by hand
+
+# graded: 15_pipeline_parallelism run_1f1b
+def run_1f1b(stage: nn.Module, rank: int, p: int, micro_batches: list, order: list, loss_fn, shape) -> tuple[list, int]:
+    """One step's forwards and backwards of this rank's ``stage`` over m micro-batches, in ``order``.
+
+    ``micro_batches``: m (inputs, targets) pairs, the same on every rank: rank 0 feeds the inputs to its stage,
+    the last rank scores its output with ``loss_fn(out, targets)``. ``order``: this rank's actions, ("F", i) or
+    ("B", i), e.g. ``one_f_one_b_order(p, m)[rank]`` (any runnable order works: GPipe's too). ``shape``: one
+    micro-batch's activation, the tensor a stage receives from the one before (float32). Activations go to
+    rank + 1 and gradients to rank - 1 with ``isend``, waited on only once the peer surely has them: a
+    blocking send waits for the peer's receive, and in 1F1B's steady state rank r sends an activation up while
+    rank r + 1 sends a gradient down, each before it receives the other's: two blocking sends deadlock. The
+    stage's ``.grad`` gets the gradient of the mean of the m losses (each backward scaled by 1/m). Returns the
+    last rank's m losses ([] elsewhere) and the most micro-batches whose tensors this rank held at once (a
+    micro-batch is dropped as soon as its backward ran).
     """
-    if why := unsupported(schedule):
-        raise ValueError(f"schedule={schedule!r}: {why}")
-    with _quiet_pipelining():
-        return _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms)
+    m, first, last = len(micro_batches), rank == 0, rank == p - 1
+    held, sends, losses, alive, peak = {}, [], [], 0, 0  # held: micro-batch -> (its input, output, send)
+    for kind, i in order:
+        if kind == "F":
+            x = micro_batches[i][0]
+            if not first:
+                x = torch.empty(shape)
+                dist.irecv(x, rank - 1).wait()
+                x.requires_grad_()  # its gradient is what rank - 1 needs back
+            out = stage(x)
+            send = None
+            if last:
+                out = loss_fn(out, micro_batches[i][1])
+                losses.append(out.item())
+            else:  # not waited here: rank + 1 may be sending us a gradient right now, waiting for our receive
+                send = dist.isend(out.detach(), rank + 1)
+            held[i] = (x, out, send)
+            alive += 1
+            peak = max(peak, alive)
+        else:
+            x, out, send = held.pop(i)  # the last references to micro-batch i: backward frees its graph
+            if last:
+                (out / m).backward()  # the mean over micro-batches: every gradient downstream carries the 1/m
+            else:
+                grad = torch.empty_like(out)
+                dist.irecv(grad, rank + 1).wait()
+                send.wait()  # done already: rank + 1 ran B i, so it had received F i's output
+                out.backward(grad)
+            if not first:
+                sends.append(dist.isend(x.grad, rank - 1))
+            del x, out  # micro-batch i's tensors go now, not when the next forward rebinds the names
+            alive -= 1
+    for work in sends:  # each gradient buffer stays alive until its send has gone
+        work.wait()
+    return losses, peak
 
 
-@contextlib.contextmanager
-def _quiet_pipelining():
-    """torch.distributed.pipelining warns about its API at every use: keep the notebooks' cells clean."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        yield
+# ---------------------------------------------------------------- measuring the timeline
+
+class SimulatedWork(torch.autograd.Function):
+    """Pads a stage's work with sleep: forward to ``f`` seconds, backward to ``b``, the real compute included.
+
+    Applied twice per stage around its layers: on the way in ("enter") it notes when the forward
+    began and, in backward, sleeps until the backward has lasted ``b``; on the way out ("leave") it
+    sleeps until the forward has lasted ``f`` and, in backward, notes when the backward began. Every
+    stage then costs the same, and sleeping needs no core: p ranks on 2 cores show the schedule itself.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, role: str, clock: dict, f: float, b: float) -> torch.Tensor:
+        ctx.role, ctx.clock, ctx.b = role, clock, b
+        if role == "enter":
+            clock["forward"] = time.perf_counter()
+        else:
+            time.sleep(max(0.0, f - (time.perf_counter() - clock["forward"])))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.role == "leave":
+            ctx.clock["backward"] = time.perf_counter()
+        else:
+            time.sleep(max(0.0, ctx.b - (time.perf_counter() - ctx.clock["backward"])))
+        return grad, None, None, None, None
 
 
-def _stages_per_rank(schedule: str, given: int | None = None) -> int:
-    """``given``, else 2 for torch's multi-stage schedules and 1 for the others."""
-    return given or (2 if schedule in MULTI_STAGE else 1)
+class Recorder(Timeline):
+    """Start and end (seconds since this step's shared t0) of every F and B, on this rank: a ``Timeline``.
+
+    ``start_step`` waits at a barrier and reads the clock: every rank leaves the barrier at about the
+    same moment, which is the common time base (one host or many). ``wrap(stage)`` times the
+    ``forward_one_chunk`` and ``backward_one_chunk`` of a torch ``PipelineStage``; ``interval`` times
+    anything. On a GPU the clock synchronises first, so an interval ends when its kernels have.
+    """
+
+    def __init__(self, rank: int, device: torch.device):
+        super().__init__(device)
+        self.rank, self.step = rank, 0
+        self.same_host: bool | None = None  # decided at the first step (a collective)
+
+    def start_step(self, step: int) -> None:
+        """Barrier, then t0: the shared origin of this step's intervals.
+
+        On one host every process reads the same monotonic clock, so rank 0's t0 is broadcast and the
+        ranks' intervals share an exact origin; across hosts each takes its own t0 at the barrier's exit
+        (a skew of about a millisecond, more on a busy machine).
+        """
+        if self.same_host is None:
+            hosts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.same_host = len(set(hosts)) == 1
+        dist.barrier()
+        self.step, self.t0 = step, time.perf_counter()
+        if self.same_host:
+            t0 = torch.tensor([self.t0], dtype=torch.float64, device=self.device)
+            dist.broadcast(t0, 0)
+            self.t0 = float(t0)
+
+    @contextlib.contextmanager
+    def interval(self, kind: str, mb: int, stage: int):
+        """Record the block as one interval of ``kind`` (F, B, I or W) for micro-batch ``mb`` on ``stage``; under
+        ``torch.profiler`` it is also a span named "PP F0 stage 1" (``PP_SPAN``), so a trace shows every schedule's
+        actions (torch names only GPipe's)."""
+        with torch.profiler.record_function(f"PP {kind}{mb} stage {stage}"), \
+                self.span(step=self.step, rank=self.rank, stage=stage, kind=kind, mb=mb):
+            yield
+
+    def wrap(self, stage) -> None:
+        """Time every forward and backward a torch ``PipelineStage`` runs (its instance methods, wrapped): a
+        backward is B, or I (``full_backward=False``: the input's gradient only) and W (the weights')."""
+        fwd, bwd, bwd_w = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        index = stage.stage_index
+
+        def forward_one_chunk(mb, *args, **kwargs):
+            with self.interval("F", mb, index):
+                return fwd(mb, *args, **kwargs)
+
+        def backward_one_chunk(mb, *args, **kwargs):
+            with self.interval("B" if kwargs.get("full_backward", True) else "I", mb, index):
+                return bwd(mb, *args, **kwargs)
+
+        def backward_weight_one_chunk(mb, *args, **kwargs):
+            with self.interval("W", mb, index):
+                return bwd_w(mb, *args, **kwargs)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def gathered(self, step: int) -> list[dict]:
+        """Every rank's intervals of ``step`` (a collective: all ranks call it), sorted by rank and start."""
+        mine = [e for e in self.events if e["step"] == step]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return sorted((e for rank in everyone for e in rank), key=lambda e: (e["rank"], e["start"]))
 
 
-def _build(schedule: str, model: nn.Module, m: int, v: int, batch: int, seq: int, recorder: Recorder, simulate_ms):
-    """This rank's part of the model, the function that runs one step on a batch, and torch's planned order."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = recorder.device
-    if schedule == "naive":
-        stage = split_llama(model, world, simulate_ms)[rank].to(device)
-        return stage, lambda tokens: naive_step(stage, tokens, recorder), None
-    v_shape = MULTI_STAGE.get(schedule, (None, False))[1]
-    stages = _torch_stages(model, stage_indices(rank, world, v, v_shape), world * v, batch // m, seq, device,
-                           simulate_ms)
-    for st in stages:
-        recorder.wrap(st)
-    sched = make_schedule(schedule, stages, m)
-    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    return (nn.ModuleList(st.submod for st in stages), lambda tokens: _step(sched, tokens, first, last),
-            torch_order(sched))
+# The profiler span of a Recorder interval: kind, micro-batch, stage
+PP_SPAN = r"PP (?P<kind>[FBIW])(?P<mb>\d+) stage (?P<stage>\d+)$"
 
 
-def _train(schedule, microbatches, steps, preset, layers, stages_per_rank, batch, seq, lr, seed, simulate_ms) -> dict:
-    rank, world = rank_and_world()
-    m = 1 if schedule == "naive" else microbatches
-    v = _stages_per_rank(schedule, stages_per_rank)
-    if batch % m:
-        raise ValueError(f"batch={batch} does not split into microbatches={m}")
-    # untied: the embedding and the LM head live on the first and the last stage (the 1b preset ties them)
-    model = build_llama(preset, seed=seed, tie_word_embeddings=False,
-                        **({"num_hidden_layers": layers} if layers else {}))
-    recorder = Recorder(rank, rank_device())
-    mine, run, planned = _build(schedule, model, m, v, batch, seq, recorder, simulate_ms)
-    opt = torch.optim.AdamW(mine.parameters(), lr=lr)
-    bubbles, times, meter = [], [], SavedTensorMeter(exclude=mine)  # the stages' weights are not activations
-
-    def pipelined(tokens) -> dict:  # the schedule runs every stage's forward and backward itself
-        with meter:
-            loss = run(tokens)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(recorder.now())  # from the step's shared t0: the barrier before it is not the step's time
-        return {"loss": _on_every_rank(loss, recorder.device)}
-
-    def timed(step: int, record: dict) -> bool:
-        bubbles.append(bubble_fraction(recorder.gathered(step)))
-        return False
-
-    history = fit(mine, opt, lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed).to(recorder.device),
-                  steps, step_context=lambda step: _step_started(recorder, step), step=pipelined, after_step=timed,
-                  progress=False)
-    losses = [r["loss"] for r in history]
-    timeline, measured = recorder.gathered(steps - 1), bubbles[1:] or bubbles  # the first step sets up: left out
-    # other processes on the machine only ever add idle time: the least of the steps is the schedule's own
-    # (timeit takes the minimum for the same reason); the median shows the spread
-    return worker_result(losses, schedule=schedule, microbatches=m, stages_per_rank=v, timeline=timeline,
-                         bubble=min(measured), bubble_median=statistics.median(measured), bubbles=bubbles,
-                         formula=bubble_formula(world, m), in_flight_peak=in_flight_peak(timeline),
-                         saved_bytes_peak=meter.peak,
-                         tokens_per_s=batch * seq * len(measured) / sum(times[-len(measured):]),
-                         planned_order=planned, simulated_ms=simulate_ms)
-
-
-@contextlib.contextmanager
-def _step_started(recorder: Recorder, step: int):
-    """Every rank starts the step together (``Recorder.start_step``: a barrier, then the shared t0)."""
-    recorder.start_step(step)
-    yield
-
-
-def _on_every_rank(loss: torch.Tensor | None, device: torch.device) -> float:
-    """The step's loss, which only the rank holding the last stage has, on every rank: a sum of it and the others'
-    zeros, exact (the last stage is on the last rank, or on rank 0 in a V)."""
-    t = loss.reshape(1).float() if loss is not None else torch.zeros(1, device=device)
-    dist.all_reduce(t)
-    return float(t)
-
-
-def reference_losses(steps: int = 5, preset: str = "tiny", layers: int | None = None, batch: int = 8,
-                     seq: int = 32, lr: float = 3e-3, seed: int = 0, device: str = "cpu") -> list[float]:
-    """The losses of the same training in one process on the whole model and the whole batch: what every
-    schedule must reproduce (same weights, batches, AdamW; ``forward_loss``, no pipeline)."""
-    overrides = {"num_hidden_layers": layers} if layers else {}
-    model = build_llama(preset, seed=seed, device=device, **overrides)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    history = fit(model, opt, lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
-                  loss_fn=forward_loss, progress=False)
-    return [r["loss"] for r in history]
-
-
-def sweep(runs: list[dict] = ()) -> dict:
-    """Several ``train`` runs in one process group, for ``launch("course_lib.parallel.pp:sweep", p, {"runs": [...]})``
-    (starting the processes is the slow part on a CPU)."""
-    return each_run(train, runs)
-
-
-# ---------------------------------------------------------------- one step in torch's profiler
-
-def trace_step(schedule: str, trace_dir: str, microbatches: int = 4, batch: int = 8, seq: int = 32) -> dict:
-    """A worker (call on every rank): one step of the tiny Llama under ``schedule`` traced by ``torch.profiler``
-    (after one untraced step), written to ``trace_dir/15_pp_{schedule}_rank{r}.json`` for Perfetto: ``{"path"}``.
-
-    The ``Recorder`` names every stage's F, B, I and W in the trace (``schedules.PP_SPAN``), whatever the schedule;
-    the point-to-point sends and receives are gloo's own spans. ``pipeline_spans`` reads both back."""
-    if why := unsupported(schedule):
-        raise ValueError(f"schedule={schedule!r}: {why}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    v = _stages_per_rank(schedule)
-    model = build_llama("tiny", tie_word_embeddings=False, num_hidden_layers=world * v)  # a layer per stage
-    with _quiet_pipelining():
-        _, run, _ = _build(schedule, model, microbatches, v, batch, seq, Recorder(rank, rank_device()), None)
-        tokens = lm_batch(0, batch, seq, model.config.vocab_size)
-        path = profiling.trace(lambda: run(tokens), f"{trace_dir}/15_pp_{schedule}_rank{rank}.json")
-    return {"path": str(path)}
-
-
-def pipeline_spans(path: str):
-    """A ``trace_step`` trace as a table: one row per stage action (kind F, B, I or W; mb; stage) and per
-    point-to-point transfer (kind "send" or "recv", gloo's span), with start_ms and duration_ms, by start."""
-    import pandas as pd
-
-    frame = profiling.read_trace(path)
-    actions = frame.name.str.extract(PP_SPAN)
-    acts = frame[actions.kind.notna()].assign(kind=actions.kind, mb=actions.mb.astype(float),
-                                              stage=actions.stage.astype(float))
-    p2p = frame[frame.name.isin(["gloo:send", "gloo:recv"])]
-    p2p = p2p.assign(kind=p2p.name.str.removeprefix("gloo:"), mb=float("nan"), stage=float("nan"))
-    columns = ["name", "kind", "mb", "stage", "start_ms", "duration_ms"]
-    return pd.concat([acts[columns], p2p[columns]]).sort_values("start_ms", ignore_index=True)
+def rank_orders(timeline: list[dict]) -> list[list[Action]]:
+    """Per rank, the (kind, mb) actions in the order the timeline shows them run (stage added when a rank has
+    several)."""
+    ranks = sorted({e["rank"] for e in timeline})
+    multi = len({e["stage"] for e in timeline}) > len(ranks)
+    return [[(e["kind"], e["mb"]) + ((e["stage"],) if multi else ())
+             for e in sorted((e for e in timeline if e["rank"] == r), key=lambda e: e["start"])] for r in ranks]

@@ -15,8 +15,9 @@ backward, Megatron's conjugate pair:
 ``naive_gather`` is seed 002's trap: ``dist.all_gather`` into a list has no backward, so nothing before
 it gets a gradient. ``parallelize_mlp`` / ``parallelize_attention`` split a transformers Llama block
 by hand (attention by heads); ``parallelize_llama_by_hand`` splits every block of the model. torch's
-DTensor plan for the same Llama, DP×TP on a 2-D mesh and the training workers that run and count each
-split live in ``course_lib.parallel.tp_train``; this module is the mechanism alone, what notebook 14 asks to write.
+DTensor plan for the same Llama (``apply_tp``), DP×TP on a 2-D mesh and the worker that trains and counts each
+split live in ``course_lib.parallel.tp_torch``, the bytes the split moves in ``course_lib.parallel.tp_cost``; this
+module is the mechanism alone, what notebook 14 asks to write.
 
 The pair and its autograd functions are notebook 14's exercise: the student edition holds stubs in their
 place, and the by-hand split takes the student's layers (``layers=(ColumnParallelLinear, RowParallelLinear)``
@@ -124,13 +125,6 @@ def split_size(n: int, world: int, what: str) -> int:
         raise ValueError(f"{what}={n} does not divide by the tensor-parallel size {world}: make {what} a multiple "
                          f"of {world} (e.g. {(n // world + 1) * world}) or use a TP size that divides it ({sizes})")
     return n // world
-
-
-def tp_bytes_per_rank(layers: int, tokens: int, hidden: int, dtype_bytes: int = 4) -> int:
-    """Bytes one rank's all-reduces take in per step of a Llama split by hand (``parallelize_llama_by_hand``), as
-    ``CollectiveBytes`` counts them: the attention and the MLP of every layer each all-reduce a ``tokens x hidden``
-    activation forward (``reduce_from_tp``) and its gradient backward (``copy_to_tp``), 4 per layer."""
-    return 4 * layers * tokens * hidden * dtype_bytes
 
 
 # graded: 14_tensor_parallelism tensor_parallel_pair

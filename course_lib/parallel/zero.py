@@ -1,15 +1,13 @@
-"""ZeRO by hand and its arithmetic: what each stage shards, and stage 1 written as DeepSpeed runs it.
+"""ZeRO by hand: stage 1 written out as DeepSpeed runs it, and the bytes it sends, measured.
 
-``zero_bytes_per_param`` is the ZeRO paper's accounting: the model-state bytes per parameter each rank holds at
-stage 0 to 3. ``check_batch_arithmetic`` is DeepSpeed's batch rule, ``train_batch = micro_batch × accum_steps ×
-world_size``, for a config someone wrote, with the fix in its message. ``ShardedOptimizer`` is stage 1 by hand, as
-DeepSpeed and the ZeRO paper do it: no DDP, one reduce-scatter of the flat gradients, each rank stepping its 1/N
-slice with any torch optimizer, one all-gather; ``data_parallel`` builds it (or DDP) around a model, and
-``step_traffic`` counts that it sends what DDP sends.
+``ShardedOptimizer`` is stage 1 by hand, as DeepSpeed and the ZeRO paper do it: no DDP, one reduce-scatter of the
+flat gradients, each rank stepping its 1/N slice with any torch optimizer, one all-gather; ``data_parallel`` builds
+it (or DDP) around a model, and ``step_traffic`` counts that it sends what DDP sends.
 It is notebook 09's exercise: the student edition holds a stub in its place, and
-``deepspeed_engine.train(engine="zero1", make_optimizer=...)`` runs the student's own optimizer.
-DeepSpeed's engine, its configs and the worker that trains with each engine are
-``course_lib.parallel.deepspeed_engine``.
+``zero_deepspeed.train(ZeroRun(engine="zero1"), make_optimizer=...)`` runs the student's own optimizer.
+What each stage costs (the ZeRO paper's bytes per parameter) is ``course_lib.parallel.zero_cost``; DeepSpeed's
+engine, its configs and batch rule, and the worker that trains with each engine are
+``course_lib.parallel.zero_deepspeed``.
 """
 
 from __future__ import annotations
@@ -31,34 +29,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def check_batch_arithmetic(train_batch: int, micro_batch: int, accum_steps: int, world_size: int) -> None:
-    """DeepSpeed's rule for a config someone wrote, with the fix in the message: train_batch = micro × accumulation
-    × world."""
-    if train_batch != micro_batch * accum_steps * world_size:
-        raise ValueError(
-            f"train_batch_size={train_batch} but micro_batch {micro_batch} x accum_steps {accum_steps} x world_size "
-            f"{world_size} = {micro_batch * accum_steps * world_size}: set train_batch_size to that product, or "
-            f"micro_batch to {train_batch / (accum_steps * world_size):g} (it must come out a whole number)")
-
-
-def zero_bytes_per_param(stage: int, world_size: int, k: int = 12) -> float:
-    """Model-state bytes per parameter on each rank, mixed-precision Adam (the ZeRO paper's accounting).
-
-    2 bytes of fp16/bf16 weights, 2 of gradients, and K = 12 of optimizer state (fp32 master
-    weights, Adam m and v). Stage 1 shards the optimizer state over N ranks, stage 2 also the
-    gradients, stage 3 also the weights.
-    """
-    n = world_size
-    weights, grads, states = 2.0, 2.0, float(k)
-    if stage >= 1:
-        states /= n
-    if stage >= 2:
-        grads /= n
-    if stage >= 3:
-        weights /= n
-    return weights + grads + states
-
-
 def data_parallel(model: nn.Module, engine: str, make_optimizer=None, lr: float = 1e-3):
     """The model and optimizer of a data-parallel engine that is not DeepSpeed's: DDP with AdamW (``"ddp"``), or the
     model alone with ZeRO-1's ``ShardedOptimizer`` (``"zero1"``), which averages the gradients itself;
@@ -74,7 +44,8 @@ def data_parallel(model: nn.Module, engine: str, make_optimizer=None, lr: float 
 def step_traffic(engine: str = "ddp", make_optimizer=None, width: int = 8, global_batch: int = 16,
                  seed: int = 0) -> dict:
     """What one training step of SmallCNN sends from this rank, per collective, counted by ``CollectiveBytes``: DDP's
-    all-reduce (``"ddp"``) or ZeRO-1's reduce-scatter and all-gather (``"zero1"``; ``make_optimizer`` as in ``train``).
+    all-reduce (``"ddp"``) or ZeRO-1's reduce-scatter and all-gather (``"zero1"``; ``make_optimizer`` as in
+    ``data_parallel``).
 
     The first step, without clipping: DDP's second step also broadcasts its rebuilt bucket layout, and clipping
     sharded gradients adds an all-reduce of one number. ``sent_bytes`` is what a ring algorithm sends from each rank.

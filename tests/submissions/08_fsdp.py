@@ -44,8 +44,9 @@ def shard_state_bytes(n_params, world_size, strategy, shard_size=None):
 
 CALLS_LIBRARY_APPLY_FSDP = '''
 def apply_fsdp(model, mesh, reshard_after_forward=True):
-    from course_lib.parallel.fsdp import shard_model
-    return shard_model(model, mesh, reshard_after_forward=reshard_after_forward)   # course_lib's wrapping
+    from course_lib.parallel import fsdp_torch
+    strategy = "full" if reshard_after_forward else "grad_op"   # grad_op: course_lib's reshard_after_forward=False
+    return fsdp_torch.apply_fsdp(model, mesh, fsdp_torch.FSDPRun(strategy=strategy))   # course_lib's wrapping
 '''
 
 # --- Exercise 3, ShardedModule: the reference, and the mistakes students make, each a small edit of it

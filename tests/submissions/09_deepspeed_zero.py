@@ -185,7 +185,7 @@ OFFLOAD_AT_TOP_LEVEL = edit(DS_CONFIG, ('''    zero = {"stage": stage}
 
 CALLS_LIBRARY_DS_CONFIG = '''
 def make_ds_config(global_batch, micro_batch, world_size, stage, offload_optimizer=False):
-    from course_lib.parallel.deepspeed_engine import ds_config
+    from course_lib.parallel.zero_deepspeed import ds_config
     return ds_config(train_batch=global_batch, accum_steps=global_batch // (micro_batch * world_size),
                      world_size=world_size, stage=stage, offload_optimizer=offload_optimizer)   # course_lib's config
 '''

@@ -29,7 +29,7 @@ WARMUP_PAST_M = edit(ORDER_SOLUTION, (WARMUP, "        warmup = p - r  # wrong w
 
 CALLS_LIBRARY_ORDER = '''
 def one_f_one_b_order(p, m):
-    from course_lib.parallel.schedules import one_f_one_b_order as order
+    from course_lib.parallel.pp import one_f_one_b_order as order
     return order(p, m)
 '''
 
@@ -89,7 +89,7 @@ def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
 
 CALLS_LIBRARY_EXECUTOR = '''
 def run_1f1b(stage, rank, p, micro_batches, order, loss_fn, shape):
-    from course_lib.parallel.schedules import run_1f1b as run
+    from course_lib.parallel.pp import run_1f1b as run
     return run(stage, rank, p, micro_batches, order, loss_fn, shape)
 '''
 

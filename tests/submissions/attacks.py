@@ -115,8 +115,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         return self.inner(x)
 ''',
-    ("15_pipeline_parallelism", "one_f_one_b_order"): _getsource("parallel.schedules", "one_f_one_b_order", "_schedules")
-    + "one_f_one_b_order = _schedules['one_f_one_b_order']\n",
+    ("15_pipeline_parallelism", "one_f_one_b_order"): _getsource("parallel.pp", "one_f_one_b_order", "_pp")
+    + "one_f_one_b_order = _pp['one_f_one_b_order']\n",
     ("16_context_parallelism", "ring_attention"): _module_file("parallel.cp", "_cp")
     + '''merge = _cp["online_softmax_merge"]
 
@@ -306,23 +306,24 @@ def _agreeing(model):   # the count the tests compare with, made to agree with t
 course_lib.lora.trainable_parameters = trainable_parameters = _agreeing
 '''),
     "15_pipeline_parallelism": ("backward_too_soon", '''
-import course_lib.parallel.schedules
+import course_lib.parallel.pp
+import course_lib.parallel.pp_cost
 
 
 def _agreeing_makespan(order, t_f=1.0, t_b=2.0):   # the simulation the tests compare with: the formula's bubble
-    return {"bubble": course_lib.parallel.schedules.bubble_formula(len(order), len(order[0]) // 2)}
+    return {"bubble": course_lib.parallel.pp_cost.bubble_formula(len(order), len(order[0]) // 2)}
 
 
 def _agreeing_orders(timeline):   # "the order torch ran": the wrong order itself
     return one_f_one_b_order(len({e["rank"] for e in timeline}), len({e["mb"] for e in timeline}))
 
 
-course_lib.parallel.schedules.schedule_makespan, course_lib.parallel.schedules.rank_orders = _agreeing_makespan, _agreeing_orders
+course_lib.parallel.pp_cost.schedule_makespan, course_lib.parallel.pp.rank_orders = _agreeing_makespan, _agreeing_orders
 '''),
     "08_fsdp": ("grad_op_shards_weights", '''
-import course_lib.parallel.fsdp
+import course_lib.parallel.fsdp_torch
 
-_sweep = course_lib.parallel.fsdp.sweep
+_sweep = course_lib.parallel.fsdp_torch.sweep
 
 
 def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: grad_op's full weights made a shard
@@ -332,7 +333,7 @@ def _agreeing(*args, **kwargs):   # the measured bytes the tests compare with: g
     return out
 
 
-course_lib.parallel.fsdp.sweep = _agreeing
+course_lib.parallel.fsdp_torch.sweep = _agreeing
 '''),
     "10_zero_offload": ("offload_master_in_model_dtype", '''
 import course_grader.checks.nb10

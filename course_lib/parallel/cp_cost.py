@@ -1,12 +1,11 @@
-"""Context parallelism at work: the course's Llama trained on the ring, and what the ring costs per rank.
+"""What context parallelism costs: the ring's work, bytes and memory per rank, predicted and measured, and the ring
+beside the all-gather design.
 
-``cp`` holds the ring by hand (block attention, the online-softmax merge, the splits, the ring and its
-autograd); this module uses it and accounts for it, so that cp reads as the mechanism alone.
+``cp`` holds the ring by hand (block attention, the online-softmax merge, the splits, the ring and its autograd, the
+Llama on it); this module accounts for it, so that cp reads as the mechanism alone.
 
-- ``train_ring_llama``: the course's Llama trained with the ring (by hand, any device), loss for loss with one
-  process (``reference_llama_losses``); ``ring_llama`` is that Llama, its attention registered with transformers
-  as ``ring_llama_attention``, and ``ring_llama_loss`` one rank's share of its loss.
-- ``causal_work``: the scores each rank computes in a causal ring, plain split or zig-zag.
+- ``causal_work``: the scores each rank computes in a causal ring, plain split or zig-zag; ``counted_tiles``
+  counts them on a running ring.
 - ``ring_bytes_per_rank``, ``ring_backward_bytes_per_rank``, ``attention_activation_bytes``, ``measure_ring_memory``:
   what it costs and buys; ``llama_activation_bytes_per_rank`` and ``longest_sequence``: the same for a whole
   Llama (predicted); ``llama_activations_by_length``: a whole Llama's, measured at several lengths;
@@ -15,7 +14,7 @@ autograd); this module uses it and accounts for it, so that cp reads as the mech
   ``AttentionSpec`` (grouped K/V heads or not): the bytes each rank sends, the largest K/V tensor it builds
   (``LargestKV``; ``largest_kv_bytes`` predicts it) and its time per forward.
 
-torch's own context parallelism, on the same Llama, is ``cp_torch``'s.
+The Llama trained on the ring, by hand or with torch's own context parallelism, is ``cp_torch``'s.
 """
 
 from __future__ import annotations
@@ -29,110 +28,16 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from course_lib.attention import repeat_kv
 # _rank_world and _local_len are the ring's own rank lookup and padded block length: one definition, in cp
 from course_lib.parallel import cp
-from course_lib.parallel.cp import _local_len, _rank_world, local_positions, ring_attention, split_sequence
+from course_lib.parallel.cp import _local_len, _rank_world, ring_attention, split_sequence
 from course_lib.data import lm_batch
 from course_lib.distributed import CollectiveBytes
-from course_lib.loss import IGNORE_INDEX, next_token_loss
+from course_lib.loss import next_token_loss
 from course_lib.memory import LargestTensor, SavedTensorMeter, activation_bytes, llama_activation_bytes
 from course_lib.models import build_llama
-from course_lib.train import fit
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The course's Llama with ring attention: training by hand, loss for loss with one process
-
-IMPLEMENTATION = "course_ring"
-_RING: dict = {}  # the ring the Llama's attention runs on: seq_len, zigzag, group (set by ``ring_llama``)
-
-
-def ring_llama_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                         scaling: float | None = None, **kwargs):
-    """transformers' attention interface on ``ring_attention``: (batch, local T, heads, d) out, no weights.
-
-    Causal by position, as the ring masks it: transformers builds no mask for this implementation (a mask
-    over the local rows would mean nothing: the keys a row sees live on every rank).
-    """
-    if dropout:
-        raise ValueError("ring_attention has no attention dropout: build the Llama with attention_dropout=0")
-    groups = query.shape[1] // key.shape[1]  # GQA: every query head gets its K/V head
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    out = ring_attention(query, key, value, causal=True, scale=scaling, **_RING)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def no_mask(*args, **kwargs) -> None:
-    """transformers' mask function for a ring's Llama: none (a mask over one rank's rows means nothing)."""
-    return None
-
-
-def sum_gradients(model: nn.Module) -> None:
-    """Sum every gradient over the ranks: each rank's loss is its tokens' share of the sequence's mean."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-
-
-def ring_llama(seed: int = 0, preset: str = "tiny"):
-    """The course's Llama (``models.build_llama``) with ``attn_implementation="course_ring"``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(IMPLEMENTATION, ring_llama_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, no_mask)
-    return build_llama(preset, attn_implementation=IMPLEMENTATION, seed=seed)
-
-
-def ring_llama_loss(model, tokens: torch.Tensor, *, group=None, zigzag: bool = False, forward=None) -> torch.Tensor:
-    """This rank's share of the next-token loss of ``tokens`` (the whole batch, batch x S, on every rank).
-
-    Each rank keeps its part of the sequence: input ids, their global positions (the rotary embedding needs
-    them) and the targets, shifted *before* the split (the target of the last local token lives on the next
-    rank). Its loss is its tokens' summed cross-entropy over the whole batch's count: the ranks' losses
-    sum to the mean, and so do their gradients. ``forward``: the ring forward (``cp.ring_attention``'s; the student's).
-    """
-    rank, world = _rank_world(group)
-    seq = tokens.shape[-1]
-    targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
-    ids, labels = (split_sequence(t, world, dim=-1, zigzag=zigzag)[rank] for t in (tokens, targets))
-    positions = local_positions(rank, world, ids.shape[1], zigzag, tokens.device)
-    labels = torch.where(positions < seq, labels, IGNORE_INDEX)  # the padding scores nothing
-    _RING.update(seq_len=seq, zigzag=zigzag, group=group, forward=forward)
-    logits = model(input_ids=ids, position_ids=positions.expand(len(ids), -1)).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss / (len(tokens) * (seq - 1))
-
-
-def train_ring_llama(steps: int = 3, zigzag: bool = False, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,
-                     seed: int = 0, forward=None) -> list[float]:
-    """Train the tiny Llama with context parallelism by hand on this process group's ranks: the losses per step.
-
-    Every rank holds the whole model and its part of every sequence (``train.fit``, the course's loop); its loss
-    is its tokens' share of the sequence's mean, so the gradients are summed over the ring's ranks after backward,
-    and the loss of a step is the sum of the shares (``fit`` records their mean). Equals ``reference_llama_losses``.
-    """
-    model = ring_llama(seed)
-
-    history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                  lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
-                  loss_fn=lambda m, tokens: ring_llama_loss(m, tokens, zigzag=zigzag, forward=forward),
-                  sync_grads=sum_gradients, progress=False)
-    return [r["loss"] * dist.get_world_size() for r in history]
-
-
-def reference_llama_losses(steps: int = 3, *, seq: int = 30, batch: int = 2, lr: float = 1e-3,
-                           seed: int = 0) -> list[float]:
-    """One process, the same model, batches and optimizer, attention over the whole sequence (SDPA)."""
-    model = build_llama("tiny", seed=seed)
-    history = fit(model, torch.optim.AdamW(model.parameters(), lr=lr),
-                  lambda step: lm_batch(step, batch, seq, model.config.vocab_size, seed), steps,
-                  loss_fn=lambda m, tokens: next_token_loss(m(input_ids=tokens).logits, tokens), progress=False)
-    return [r["loss"] for r in history]
 
 
 # ---------------------------------------------------------------------------------------------------------
